@@ -1,0 +1,60 @@
+"""Every Redis key and channel name of a deployment, built in one place.
+
+All names share one Redis Cluster hash tag, ``{ns}``, so every multi-key
+script runs on one shard, and the same code runs on a single Redis, Sentinel
+or Cluster.
+"""
+
+from typing import Final
+
+# Priority order: a batch is filled from the first tier first.
+TIERS: Final = ("enterprise", "paid", "free")
+
+ROLES: Final = ("gateway", "dispatcher", "worker")
+
+
+class Keys:
+    """Key names under one namespace, e.g. ``{infergate}:queue:free``."""
+
+    def __init__(self, namespace: str = "infergate") -> None:
+        if not namespace or any(c in namespace for c in "{}: "):
+            raise ValueError(
+                f"namespace {namespace!r} must be non-empty without '{{', '}}', ':' or spaces"
+            )
+        self.namespace = namespace
+        self.prefix = "{" + namespace + "}:"
+        self.batches = self.prefix + "batches"
+        self.ready = self.prefix + "ready"
+        self.doorbell = self.prefix + "doorbell"
+        self.stats = self.prefix + "stats"
+        self.cancelled = self.prefix + "cancelled"
+        self.dead_letter = self.prefix + "dead-letter"
+        self.reaper_lock = self.prefix + "reaper-lock"
+        self.policy_version = self.prefix + "policy-version"
+        self.queues = tuple(self.queue(t) for t in TIERS)
+
+    def queue(self, tier: str) -> str:
+        return self.prefix + "queue:" + tier
+
+    def inflight(self, dispatcher_id: str) -> str:
+        return self.prefix + "inflight:" + dispatcher_id
+
+    def credits(self, dispatcher_id: str) -> str:
+        """Credits a dispatcher holds while it forms a batch (returned if it dies)."""
+        return self.prefix + "credits:" + dispatcher_id
+
+    def processing(self, worker_id: str) -> str:
+        return self.prefix + "processing:" + worker_id
+
+    def heartbeat(self, role: str, process_id: str) -> str:
+        return self.prefix + "hb:" + role + ":" + process_id
+
+    def members(self, role: str) -> str:
+        """The set of process ids of one role that have ever registered."""
+        return self.prefix + "members:" + role
+
+    def reply_channel(self, gateway_id: str) -> str:
+        return self.prefix + "reply:" + gateway_id
+
+    def ratelimit_prefix(self) -> str:
+        return self.prefix + "ratelimit"

@@ -1,0 +1,63 @@
+-- take: move up to n live envelopes from the tier queues into this
+-- dispatcher's inflight list, in one step, oldest first within a tier.
+-- Each tier first gets its minimum share of the batch (if it has work), then
+-- the rest is filled in strict priority order (KEYS order). Envelopes past
+-- their deadline, cancelled, or unreadable are dropped here and counted: they
+-- never reach a worker. If work is left behind, the doorbell rings again so
+-- another dispatcher holding a credit wakes for it.
+-- KEYS[1] inflight:{dispatcher}  KEYS[2] stats  KEYS[3] doorbell
+-- KEYS[4] cancelled (zset: request id -> expiry epoch ms)
+-- KEYS[5..] queue:{tier}, highest priority first
+-- ARGV[1] n   ARGV[2] now (epoch ms)   ARGV[3..] minimum slots per tier, KEYS order
+-- Returns {envelopes, expired, cancelled, malformed}
+local inflight, stats, doorbell, cancelled_set = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local n = tonumber(ARGV[1])
+local now = tonumber(ARGV[2])
+local taken, expired, cancelled, malformed = {}, 0, 0, 0
+local check_cancelled = redis.call('ZCARD', cancelled_set) > 0
+
+local function pop_from(queue, limit)
+  local got = 0
+  while got < limit and #taken < n do
+    local raw = redis.call('RPOP', queue)
+    if not raw then return end
+    local ok, env = pcall(cjson.decode, raw)
+    if not ok or type(env) ~= 'table' or type(env.deadline_ms) ~= 'number' then
+      malformed = malformed + 1
+    elseif env.deadline_ms <= now then
+      expired = expired + 1
+    elseif check_cancelled and redis.call('ZSCORE', cancelled_set, env.id) then
+      cancelled = cancelled + 1
+      redis.call('ZREM', cancelled_set, env.id)
+    else
+      redis.call('RPUSH', inflight, raw)
+      taken[#taken + 1] = raw
+      got = got + 1
+    end
+  end
+end
+
+local ntiers = #KEYS - 4
+for i = 1, ntiers do
+  local share = tonumber(ARGV[2 + i]) or 0
+  if share > 0 then pop_from(KEYS[4 + i], share) end
+end
+for i = 1, ntiers do
+  pop_from(KEYS[4 + i], n)
+end
+
+if expired > 0 then redis.call('HINCRBY', stats, 'expired_dropped', expired) end
+if cancelled > 0 then redis.call('HINCRBY', stats, 'cancelled_dropped', cancelled) end
+if malformed > 0 then redis.call('HINCRBY', stats, 'malformed_dropped', malformed) end
+if check_cancelled then redis.call('ZREMRANGEBYSCORE', cancelled_set, '-inf', now) end
+
+if #taken >= n then
+  for i = 1, ntiers do
+    if redis.call('LLEN', KEYS[4 + i]) > 0 then
+      redis.call('LPUSH', doorbell, '1')
+      redis.call('LTRIM', doorbell, 0, 0)
+      break
+    end
+  end
+end
+return {taken, expired, cancelled, malformed}

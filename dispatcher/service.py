@@ -1,0 +1,139 @@
+"""The dispatcher: forms a batch only when a worker can take it.
+
+Loop: hold an idle worker's credit, ``take`` up to ``max_batch_size``
+envelopes in priority order (waiting on the doorbell while the queues are
+empty), then ``handoff`` them as one batch. Forming batches at the last
+moment means a free-tier batch is never frozen ahead of an enterprise
+request that arrives a millisecond later.
+"""
+
+import asyncio
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import redis.exceptions
+
+from dispatcher import wire
+from dispatcher.broker import Broker, connect
+from dispatcher.heartbeat import Heartbeater
+from dispatcher.keys import TIERS, Keys
+from infergate import clock, logs
+
+log = logs.get(__name__)
+
+
+@dataclass(frozen=True)
+class BatchRule:
+    """What the policy says about forming batches (re-read for every batch)."""
+
+    max_batch_size: int = 100
+    min_batch_share: tuple[float, ...] = (0.0,) * len(TIERS)
+
+    def min_slots(self) -> list[int]:
+        return [int(share * self.max_batch_size) for share in self.min_batch_share]
+
+
+@dataclass(frozen=True)
+class DispatcherSettings:
+    dispatcher_id: str
+    redis_url: str
+    namespace: str = "infergate"
+    heartbeat_interval_ms: int = 250
+    heartbeat_ttl_ms: int = 1_000
+    block_timeout_s: float = 0.5
+
+
+class Dispatcher:
+    def __init__(self, settings: DispatcherSettings, rule: Callable[[], BatchRule]) -> None:
+        self.settings = settings
+        self.id = settings.dispatcher_id
+        self.rule = rule
+        self.redis = connect(
+            settings.redis_url, block_s=settings.block_timeout_s, name="dispatcher:" + self.id
+        )
+        self.broker = Broker(self.redis, Keys(settings.namespace))
+        self.started_ms = clock.now_ms()
+        self.batches_formed = 0
+        self.heartbeat = Heartbeater(
+            self.broker, self.status, settings.heartbeat_interval_ms, settings.heartbeat_ttl_ms
+        )
+
+    def status(self) -> wire.Heartbeat:
+        return wire.Heartbeat(
+            role="dispatcher",
+            id=self.id,
+            started_ms=self.started_ms,
+            beat_ms=clock.now_ms(),
+            batches_done=self.batches_formed,
+        )
+
+    async def form_one(self, credit: str, stop: asyncio.Event) -> bool:
+        """Holding ``credit``, wait for work and hand off one batch. Returns
+        False if stopped first (the credit is still held; ``requeue`` returns it)."""
+        block_s = self.settings.block_timeout_s
+        while not stop.is_set():
+            rule = self.rule()
+            taken = await self.broker.take(
+                self.id, rule.max_batch_size, clock.now_ms(), rule.min_slots()
+            )
+            if taken.expired or taken.cancelled or taken.malformed:
+                log.info(
+                    "take.dropped",
+                    expired=taken.expired,
+                    cancelled=taken.cancelled,
+                    malformed=taken.malformed,
+                )
+            if taken.envelopes:
+                batch_id = os.urandom(6).hex()
+                batch = wire.encode_batch(batch_id, self.id, clock.now_ms(), taken.envelopes)
+                await self.broker.handoff(self.id, credit, batch, len(taken.envelopes))
+                self.batches_formed += 1
+                log.debug(
+                    "batch.formed", batch_id=batch_id, size=len(taken.envelopes), credit=credit
+                )
+                return True
+            await self.broker.wait_doorbell(block_s)
+        return False
+
+    async def serve(self, stop: asyncio.Event) -> int:
+        backoff_s = 0.1
+        # Anything left by an earlier life under this id goes back first.
+        while True:
+            try:
+                await self.broker.requeue(self.id)
+                await self.heartbeat.beat_once()
+                break
+            except (redis.exceptions.RedisError, OSError) as exc:
+                if stop.is_set():
+                    return 0
+                log.warning(
+                    "dispatcher.redis_unavailable", error=type(exc).__name__, retry_s=backoff_s
+                )
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(backoff_s * 2, 2.0)
+        self.heartbeat.start()
+        log.info("dispatcher.started", dispatcher_id=self.id)
+        try:
+            while not stop.is_set():
+                try:
+                    credit = await self.broker.wait_credit(self.id, self.settings.block_timeout_s)
+                    if credit is not None:
+                        await self.form_one(credit, stop)
+                    backoff_s = 0.1
+                except (redis.exceptions.RedisError, OSError) as exc:
+                    log.warning(
+                        "dispatcher.redis_unavailable", error=type(exc).__name__, retry_s=backoff_s
+                    )
+                    await asyncio.sleep(backoff_s)
+                    backoff_s = min(backoff_s * 2, 2.0)
+        finally:
+            await self.heartbeat.stop()
+            try:
+                envs, credits = await self.broker.requeue(self.id)
+                await self.broker.retire("dispatcher", self.id)
+                log.info("dispatcher.stopped", requeued=envs, credits_returned=credits)
+            except (redis.exceptions.RedisError, OSError) as exc:
+                log.warning("dispatcher.requeue_failed", error=type(exc).__name__)
+            await self.redis.aclose()
+        return 0

@@ -1,0 +1,116 @@
+"""Wire formats: envelope, batch, reply and heartbeat, encoded in one place.
+
+Envelopes are JSON so the Lua scripts can read ``id`` and ``deadline_ms``
+with ``cjson``; a batch embeds its envelopes' bytes unchanged.
+"""
+
+import msgspec
+
+
+class Envelope(msgspec.Struct, frozen=True):
+    """One accepted request, as it waits in Redis."""
+
+    id: str
+    gateway: str
+    tier: str
+    key_id: str
+    input: str
+    enqueued_ms: int
+    deadline_ms: int
+
+
+class Batch(msgspec.Struct, frozen=True):
+    """Envelopes handed to one worker, oldest first within each tier."""
+
+    id: str
+    dispatcher: str
+    formed_ms: int
+    envelopes: list[Envelope]
+    attempt: int = 0
+
+
+class _BatchOut(msgspec.Struct, frozen=True):
+    """Encoding side of ``Batch``: envelopes are embedded as their raw bytes."""
+
+    id: str
+    dispatcher: str
+    formed_ms: int
+    envelopes: list[msgspec.Raw]
+    attempt: int = 0
+
+
+class ErrorInfo(msgspec.Struct, frozen=True):
+    code: str
+    message: str
+
+
+class Result(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The outcome of one request."""
+
+    id: str
+    batch_id: str
+    batch_size: int
+    worker: str
+    queue_ms: int
+    infer_ms: int
+    output: str | None = None
+    error: ErrorInfo | None = None
+
+
+class Reply(msgspec.Struct, frozen=True):
+    """One message per gateway per batch."""
+
+    results: list[Result]
+
+
+class Heartbeat(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What a process says about itself each beat (the value of its heartbeat key)."""
+
+    role: str
+    id: str
+    started_ms: int
+    beat_ms: int
+    busy: bool = False
+    batches_done: int = 0
+    requests_done: int = 0
+    # Measured: requests/s delivered over the last window, and the most it
+    # could deliver at the batch time it measured (max batch / batch time).
+    delivered_rps: float = 0.0
+    capacity_rps: float = 0.0
+    draining: bool = False
+
+
+_json_encoder = msgspec.json.Encoder()
+_envelope_decoder = msgspec.json.Decoder(Envelope)
+_batch_decoder = msgspec.json.Decoder(Batch)
+_reply_decoder = msgspec.json.Decoder(Reply)
+_heartbeat_decoder = msgspec.json.Decoder(Heartbeat)
+
+
+def encode(obj: Envelope | Reply | Heartbeat | Batch) -> bytes:
+    return _json_encoder.encode(obj)
+
+
+def encode_batch(
+    batch_id: str, dispatcher: str, formed_ms: int, envelopes: list[bytes], attempt: int = 0
+) -> bytes:
+    """Encode a batch from envelopes as they came out of Redis, without re-encoding them."""
+    return _json_encoder.encode(
+        _BatchOut(batch_id, dispatcher, formed_ms, [msgspec.Raw(e) for e in envelopes], attempt)
+    )
+
+
+def decode_envelope(data: bytes) -> Envelope:
+    return _envelope_decoder.decode(data)
+
+
+def decode_batch(data: bytes) -> Batch:
+    return _batch_decoder.decode(data)
+
+
+def decode_reply(data: bytes) -> Reply:
+    return _reply_decoder.decode(data)
+
+
+def decode_heartbeat(data: bytes) -> Heartbeat:
+    return _heartbeat_decoder.decode(data)

@@ -1,0 +1,54 @@
+"""The request and response bodies of the public API (they make the OpenAPI document)."""
+
+from typing import Annotated
+
+import msgspec
+
+
+class InferenceRequest(msgspec.Struct, forbid_unknown_fields=True):
+    input: Annotated[str, msgspec.Meta(description="The string to process.")]
+    timeout_ms: (
+        Annotated[
+            int,
+            msgspec.Meta(
+                ge=1, le=600_000, description="Shortens the tier's deadline for this request."
+            ),
+        ]
+        | None
+    ) = None
+
+
+class InferenceResponse(msgspec.Struct):
+    request_id: str
+    output: str
+    latency_ms: float
+    tier: str
+    batch_size: int
+    queue_ms: int
+
+
+class WorkerStatus(msgspec.Struct):
+    id: str
+    busy: bool
+    batches_done: int
+    requests_done: int
+    delivered_rps: float
+    capacity_rps: float
+
+
+class StatusResponse(msgspec.Struct):
+    gateway_id: str
+    policy_version: str
+    redis_ok: bool
+    workers_alive: int
+    workers_busy: int
+    workers: list[WorkerStatus]
+    dispatchers_alive: int
+    gateways_alive: int
+    queue_depth: dict[str, int]
+    batches_formed: int
+    requests_batched: int
+    mean_batch_size: float
+    expired_dropped: int
+    pending_here: int
+    policy_error: str | None = None

@@ -1,0 +1,189 @@
+"""The Litestar application: routes, the error shape for every failure, and
+the OpenAPI document."""
+
+from typing import Any
+
+from litestar import Litestar, Request, Response, get, post
+from litestar.exceptions import HTTPException, ValidationException
+from litestar.openapi import OpenAPIConfig
+from litestar.openapi.datastructures import ResponseSpec
+from litestar.openapi.plugins import JsonRenderPlugin, SwaggerRenderPlugin
+from litestar.openapi.spec import Components, SecurityScheme
+from litestar.status_codes import HTTP_200_OK, HTTP_503_SERVICE_UNAVAILABLE
+
+import infergate
+from gateway.api import InferenceRequest, InferenceResponse, StatusResponse
+from gateway.errors import ERRORS, ApiError, ErrorBody
+from gateway.middleware import REQUEST_ID, RequestIdAndLimits
+from gateway.service import Gateway
+from infergate import logs
+
+log = logs.get(__name__)
+
+_HTTP_CODES = {
+    400: "INVALID_INPUT",
+    401: "UNAUTHENTICATED",
+    403: "FORBIDDEN",
+    404: "NOT_FOUND",
+    405: "METHOD_NOT_ALLOWED",
+    413: "PAYLOAD_TOO_LARGE",
+    415: "UNSUPPORTED_MEDIA_TYPE",
+    429: "RATE_LIMITED",
+    503: "SERVICE_OVERLOADED",
+}
+
+
+def _error(code: str, description: str) -> ResponseSpec:
+    return ResponseSpec(data_container=ErrorBody, description=description, generate_examples=False)
+
+
+INFERENCE_ERRORS = {
+    ERRORS[code][0]: _error(code, text)
+    for code, text in (
+        (
+            "INVALID_INPUT",
+            "INVALID_INPUT: the body is not the schema, or the input is empty or too long",
+        ),
+        ("UNAUTHENTICATED", "UNAUTHENTICATED: no or unknown API key"),
+        ("KEY_DISABLED", "KEY_DISABLED: the key is disabled"),
+        ("PAYLOAD_TOO_LARGE", "PAYLOAD_TOO_LARGE: the body is over the byte limit"),
+        ("INFERENCE_FAILED", "INFERENCE_FAILED: the backend failed on this input"),
+        (
+            "SERVICE_OVERLOADED",
+            "SERVICE_OVERLOADED: no capacity, no healthy worker, or Redis unreachable",
+        ),
+        ("TIMEOUT", "TIMEOUT: the deadline passed before a reply"),
+    )
+}
+
+
+def _request_id(request: Request[Any, Any, Any]) -> str:
+    return str(request.scope.get(REQUEST_ID, ""))
+
+
+def _gateway(request: Request[Any, Any, Any]) -> Gateway:
+    gw: Gateway = request.app.state.gateway
+    return gw
+
+
+@post(
+    "/v1/inference",
+    status_code=HTTP_200_OK,
+    responses=INFERENCE_ERRORS,
+    summary="Run one input through the model",
+    description="Waits on this connection until the result is ready or the deadline passes.",
+    security=[{"bearer": []}],
+)
+async def inference(request: Request[Any, Any, Any], data: InferenceRequest) -> InferenceResponse:
+    return await _gateway(request).infer(
+        _request_id(request), request.headers.get("authorization"), data
+    )
+
+
+@get("/healthz", summary="The process is alive")
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@get(
+    "/readyz",
+    summary="Redis answers and at least one worker is alive",
+    responses={503: _error("", "not ready")},
+)
+async def readyz(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
+    fleet = _gateway(request).fleet
+    ready = fleet.redis_ok and fleet.workers_alive > 0
+    body = {"ready": ready, "redis_ok": fleet.redis_ok, "workers_alive": fleet.workers_alive}
+    return Response(body, status_code=HTTP_200_OK if ready else HTTP_503_SERVICE_UNAVAILABLE)
+
+
+@get("/v1/status", summary="Workers, queues and batching at a glance")
+async def status(request: Request[Any, Any, Any]) -> StatusResponse:
+    return await _gateway(request).status()
+
+
+def _render(request: Request[Any, Any, Any], error: ApiError) -> Response[ErrorBody]:
+    return Response(
+        error.body(_request_id(request)), status_code=error.status, headers=error.all_headers()
+    )
+
+
+def _on_api_error(request: Request[Any, Any, Any], exc: ApiError) -> Response[ErrorBody]:
+    return _render(request, exc)
+
+
+def _on_validation(
+    request: Request[Any, Any, Any], exc: ValidationException
+) -> Response[ErrorBody]:
+    detail = exc.detail
+    extra = exc.extra
+    if isinstance(extra, list) and extra:
+        first = extra[0]
+        if isinstance(first, dict):
+            where = first.get("key") or first.get("source") or ""
+            detail = f"{first.get('message', detail)}" + (f" (at {where})" if where else "")
+    return _render(request, ApiError("INVALID_INPUT", f"invalid request body: {detail}"))
+
+
+def _on_http(request: Request[Any, Any, Any], exc: HTTPException) -> Response[ErrorBody]:
+    code = _HTTP_CODES.get(
+        exc.status_code, "INTERNAL" if exc.status_code >= 500 else "INVALID_INPUT"
+    )
+    error = ApiError(code, str(exc.detail))
+    response = _render(request, error)
+    response.status_code = exc.status_code
+    if exc.headers:
+        response.headers.update(exc.headers)
+    return response
+
+
+def _on_unexpected(request: Request[Any, Any, Any], exc: Exception) -> Response[ErrorBody]:
+    log.exception(
+        "request.unexpected_error", request_id=_request_id(request), error=type(exc).__name__
+    )
+    return _render(request, ApiError("INTERNAL", "internal error"))
+
+
+def create_app(gateway: Gateway) -> Litestar:
+    async def on_startup(app: Litestar) -> None:
+        await gateway.start()
+
+    async def on_shutdown(app: Litestar) -> None:
+        await gateway.stop()
+
+    app = Litestar(
+        route_handlers=[inference, healthz, readyz, status],
+        on_startup=[on_startup],
+        on_shutdown=[on_shutdown],
+        exception_handlers={
+            ApiError: _on_api_error,
+            ValidationException: _on_validation,
+            HTTPException: _on_http,
+            Exception: _on_unexpected,
+        },
+        request_max_body_size=gateway.policy.current.document.limits.max_body_bytes,
+        openapi_config=OpenAPIConfig(
+            title="infergate",
+            version=infergate.__version__,
+            description="A priority-tiered inference gateway: send one string, get one string back.",
+            components=Components(
+                security_schemes={
+                    "bearer": SecurityScheme(
+                        type="http", scheme="bearer", description="Your API key"
+                    )
+                }
+            ),
+            render_plugins=[JsonRenderPlugin(), SwaggerRenderPlugin()],
+            path="/schema",
+        ),
+        logging_config=None,
+    )
+    app.state.gateway = gateway
+    return app
+
+
+def create_asgi(gateway: Gateway) -> Any:
+    """The Litestar app wrapped in the request-id and body-limit middleware."""
+    return RequestIdAndLimits(
+        create_app(gateway), lambda: gateway.policy.current.document.limits.max_body_bytes
+    )

@@ -1,0 +1,73 @@
+"""The one error shape clients see, and the status code of each error code.
+
+HTTP status codes are chosen here and nowhere else:
+``{"error": {"code", "type", "message", "request_id", "retry_after_ms"}}``.
+"""
+
+import math
+
+import msgspec
+
+# code -> (HTTP status, OpenAI-style type)
+ERRORS: dict[str, tuple[int, str]] = {
+    "INVALID_INPUT": (400, "invalid_request_error"),
+    "UNAUTHENTICATED": (401, "authentication_error"),
+    "KEY_DISABLED": (403, "permission_error"),
+    "FORBIDDEN": (403, "permission_error"),
+    "NOT_FOUND": (404, "invalid_request_error"),
+    "METHOD_NOT_ALLOWED": (405, "invalid_request_error"),
+    "PAYLOAD_TOO_LARGE": (413, "invalid_request_error"),
+    "UNSUPPORTED_MEDIA_TYPE": (415, "invalid_request_error"),
+    "RATE_LIMITED": (429, "rate_limit_error"),
+    "INFERENCE_FAILED": (500, "server_error"),
+    "INTERNAL": (500, "server_error"),
+    "SERVICE_OVERLOADED": (503, "overloaded_error"),
+    "TIMEOUT": (504, "timeout_error"),
+}
+
+
+class ErrorDetail(msgspec.Struct, omit_defaults=True):
+    code: str
+    type: str
+    message: str
+    request_id: str
+    retry_after_ms: int | None = None
+
+
+class ErrorBody(msgspec.Struct):
+    error: ErrorDetail
+
+
+class ApiError(Exception):
+    """Raised inside the gateway; rendered as the error shape above."""
+
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        retry_after_ms: int | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.retry_after_ms = retry_after_ms
+        self.headers = headers or {}
+
+    @property
+    def status(self) -> int:
+        return ERRORS[self.code][0]
+
+    def body(self, request_id: str) -> ErrorBody:
+        return ErrorBody(
+            ErrorDetail(
+                self.code, ERRORS[self.code][1], self.message, request_id, self.retry_after_ms
+            )
+        )
+
+    def all_headers(self) -> dict[str, str]:
+        headers = dict(self.headers)
+        if self.retry_after_ms is not None:
+            headers["retry-after"] = str(max(1, math.ceil(self.retry_after_ms / 1000)))
+            headers["retry-after-ms"] = str(self.retry_after_ms)
+        return headers

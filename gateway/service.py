@@ -1,0 +1,212 @@
+"""The gateway's work for one request: who, what, enqueue, wait, answer.
+
+One instance per gateway process holds the Redis client, the reply router,
+the fleet view and the active policy.
+"""
+
+import asyncio
+import hashlib
+from dataclasses import dataclass
+
+import redis.exceptions
+
+from dispatcher import wire
+from dispatcher.broker import Broker, connect
+from dispatcher.heartbeat import Heartbeater
+from dispatcher.keys import Keys
+from gateway.api import InferenceRequest, InferenceResponse, StatusResponse, WorkerStatus
+from gateway.errors import ApiError
+from gateway.fleet import FleetView
+from gateway.replies import ReplyRouter
+from infergate import clock, logs
+from policies import KeyEntry, Policy
+
+log = logs.get(__name__)
+
+RETRY_NO_WORKER_MS = 1_000
+RETRY_REDIS_MS = 1_000
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    gateway_id: str
+    redis_url: str
+    namespace: str = "infergate"
+    heartbeat_interval_ms: int = 250
+    heartbeat_ttl_ms: int = 1_000
+    fleet_refresh_ms: int = 200
+
+
+class PolicyHolder:
+    """The active policy; swapped whole, never mutated."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.current = policy
+        self.error: str | None = None
+
+
+class Gateway:
+    def __init__(self, settings: GatewaySettings, policy: PolicyHolder) -> None:
+        self.settings = settings
+        self.id = settings.gateway_id
+        self.policy = policy
+        self.keys = Keys(settings.namespace)
+        self.redis = connect(settings.redis_url, name="gateway:" + self.id)
+        self.broker = Broker(self.redis, self.keys)
+        self.replies = ReplyRouter(self.redis, self.keys.reply_channel(self.id))
+        self.fleet = FleetView(self.broker, settings.fleet_refresh_ms)
+        self.started_ms = clock.now_ms()
+        self.heartbeat = Heartbeater(
+            self.broker,
+            lambda: wire.Heartbeat("gateway", self.id, self.started_ms, clock.now_ms()),
+            settings.heartbeat_interval_ms,
+            settings.heartbeat_ttl_ms,
+        )
+
+    async def start(self) -> None:
+        self.fleet.start()
+        await self.replies.start()
+        self.heartbeat.start()
+        log.info("gateway.started", gateway_id=self.id, policy_version=self.policy.current.version)
+
+    async def stop(self) -> None:
+        await self.heartbeat.stop()
+        await self.replies.stop()
+        await self.fleet.stop()
+        try:
+            await self.broker.retire("gateway", self.id)
+        except (redis.exceptions.RedisError, OSError) as exc:
+            log.warning("gateway.retire_failed", error=type(exc).__name__)
+        await self.redis.aclose()
+        log.info("gateway.stopped", gateway_id=self.id)
+
+    # -- one request ---------------------------------------------------------
+
+    def authenticate(self, authorization: str | None, policy: Policy) -> KeyEntry:
+        if not authorization:
+            raise ApiError("UNAUTHENTICATED", "missing API key; send 'Authorization: Bearer <key>'")
+        scheme, _, secret = authorization.strip().partition(" ")
+        secret = secret.strip()
+        if scheme.lower() != "bearer" or not secret:
+            raise ApiError(
+                "UNAUTHENTICATED",
+                "malformed Authorization header; send 'Authorization: Bearer <key>'",
+            )
+        key = policy.key_for_digest(
+            hashlib.sha256(secret.encode("utf-8", "surrogateescape")).hexdigest()
+        )
+        if key is None:
+            raise ApiError("UNAUTHENTICATED", "unknown API key")
+        if key.disabled:
+            raise ApiError("KEY_DISABLED", "this API key is disabled")
+        return key
+
+    async def infer(
+        self, request_id: str, authorization: str | None, body: InferenceRequest
+    ) -> InferenceResponse:
+        started = clock.monotonic_s()
+        policy = self.policy.current
+        key = self.authenticate(authorization, policy)
+        tier = policy.tiers[key.tier]
+        if not body.input:
+            raise ApiError("INVALID_INPUT", "input must be a non-empty string")
+        if len(body.input) > tier.max_input_chars:
+            raise ApiError(
+                "INVALID_INPUT",
+                f"input is {len(body.input)} characters; the {key.tier} tier allows {tier.max_input_chars}",
+            )
+        deadline_ms = (
+            tier.deadline_ms if body.timeout_ms is None else min(tier.deadline_ms, body.timeout_ms)
+        )
+        if not self.fleet.redis_ok:
+            raise ApiError("SERVICE_OVERLOADED", "the queue store is unreachable", RETRY_REDIS_MS)
+        if self.fleet.workers_alive == 0:
+            raise ApiError(
+                "SERVICE_OVERLOADED", "no healthy worker is available", RETRY_NO_WORKER_MS
+            )
+
+        now_ms = clock.now_ms()
+        envelope = wire.Envelope(
+            id=request_id,
+            gateway=self.id,
+            tier=key.tier,
+            key_id=key.id,
+            input=body.input,
+            enqueued_ms=now_ms,
+            deadline_ms=now_ms + deadline_ms,
+        )
+        future = self.replies.park(request_id)
+        try:
+            try:
+                await self.broker.enqueue(key.tier, wire.encode(envelope))
+            except (redis.exceptions.RedisError, OSError) as exc:
+                log.warning(
+                    "request.enqueue_failed", request_id=request_id, error=type(exc).__name__
+                )
+                raise ApiError(
+                    "SERVICE_OVERLOADED", "the queue store is unreachable", RETRY_REDIS_MS
+                ) from exc
+            remaining_s = deadline_ms / 1000.0 - (clock.monotonic_s() - started)
+            try:
+                async with asyncio.timeout(max(0.0, remaining_s)):
+                    result = await future
+            except TimeoutError:
+                raise ApiError(
+                    "TIMEOUT", f"no result within the {deadline_ms} ms deadline"
+                ) from None
+        finally:
+            self.replies.forget(request_id)
+        if result.error is not None:
+            log.warning(
+                "request.failed",
+                request_id=request_id,
+                batch_id=result.batch_id,
+                code=result.error.code,
+            )
+            raise ApiError("INFERENCE_FAILED", result.error.message)
+        return InferenceResponse(
+            request_id=request_id,
+            output=result.output or "",
+            latency_ms=round(clock.elapsed_ms(started), 2),
+            tier=key.tier,
+            batch_size=result.batch_size,
+            queue_ms=result.queue_ms,
+        )
+
+    # -- operators ---------------------------------------------------------------
+
+    async def status(self) -> StatusResponse:
+        try:
+            workers = await self.broker.alive("worker")
+            dispatchers = await self.broker.alive("dispatcher")
+            gateways = await self.broker.alive("gateway")
+            snapshot = await self.broker.fleet_snapshot(clock.now_ms())
+            stats = await self.broker.stats()
+        except (redis.exceptions.RedisError, OSError) as exc:
+            raise ApiError(
+                "SERVICE_OVERLOADED", "the queue store is unreachable", RETRY_REDIS_MS
+            ) from exc
+        batches = stats.get("batches_formed", 0)
+        batched = stats.get("requests_batched", 0)
+        return StatusResponse(
+            gateway_id=self.id,
+            policy_version=self.policy.current.version,
+            policy_error=self.policy.error,
+            redis_ok=True,
+            workers_alive=len(workers),
+            workers_busy=sum(w.busy for w in workers),
+            workers=[
+                WorkerStatus(
+                    w.id, w.busy, w.batches_done, w.requests_done, w.delivered_rps, w.capacity_rps
+                )
+                for w in workers
+            ],
+            dispatchers_alive=len(dispatchers),
+            gateways_alive=len(gateways),
+            queue_depth=snapshot.queue_depth,
+            batches_formed=batches,
+            requests_batched=batched,
+            mean_batch_size=round(batched / batches, 2) if batches else 0.0,
+            expired_dropped=stats.get("expired_dropped", 0),
+            pending_here=len(self.replies.pending),
+        )

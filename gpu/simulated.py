@@ -1,0 +1,48 @@
+"""The simulated backend, exact to the contract: 1-100 inputs or it raises,
+one output per input, ``latency_ms`` per call whatever the batch size, and
+one call at a time (a second concurrent call raises).
+
+Its output for ``s`` is ``sim_output(s)``, which contains ``s``, so anyone
+can see that each reply belongs to its request. To test failure handling,
+any input containing ``fail_marker`` (default ``"__fail__"``) makes the
+whole call raise, as a poisoned input does on a real model.
+"""
+
+import threading
+import time
+import zlib
+
+from gpu.backend import BackendError, ContractError, check_batch
+
+DEFAULT_FAIL_MARKER = "__fail__"
+
+
+def sim_output(s: str) -> str:
+    return f"sim[{zlib.crc32(s.encode('utf-8')):08x}]: {s}"
+
+
+class SimulatedBackend:
+    name = "simulated"
+
+    def __init__(
+        self, latency_ms: float = 100.0, fail_marker: str | None = DEFAULT_FAIL_MARKER
+    ) -> None:
+        if latency_ms < 0:
+            raise ValueError("latency_ms must be >= 0")
+        self.latency_s = latency_ms / 1000.0
+        self.fail_marker = fail_marker or None
+        self._one_at_a_time = threading.Lock()
+
+    def infer(self, inputs: list[str]) -> list[str]:
+        check_batch(inputs)
+        if not self._one_at_a_time.acquire(blocking=False):
+            raise ContractError("the backend runs one batch at a time")
+        try:
+            time.sleep(self.latency_s)
+            if self.fail_marker is not None:
+                for s in inputs:
+                    if self.fail_marker in s:
+                        raise BackendError("simulated failure: input contains the fail marker")
+            return [sim_output(s) for s in inputs]
+        finally:
+            self._one_at_a_time.release()

@@ -1,0 +1,5 @@
+import sys
+
+from infergate.cli import main
+
+sys.exit(main())

@@ -1,0 +1,278 @@
+"""The one ``infergate`` command.
+
+    infergate up            a whole local stack (Redis, gateway, dispatcher, workers)
+    infergate gateway       one gateway process
+    infergate dispatcher    one dispatcher process
+    infergate worker        one GPU worker process
+    infergate policy check  validate a policy file
+    infergate keys new      make an API key and its policy entry
+
+Every flag can also be set by an ``INFERGATE_<FLAG>`` environment variable
+(``--sim-latency-ms`` is ``INFERGATE_SIM_LATENCY_MS``); ``REDIS_URL`` sets
+the Redis of every component.
+"""
+
+import argparse
+import os
+import sys
+from typing import Any
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def _env(name: str, default: Any) -> Any:
+    return os.environ.get("INFERGATE_" + name.upper().replace("-", "_"), default)
+
+
+def _add(p: argparse.ArgumentParser, flag: str, default: Any, help: str, type: Any = str) -> None:
+    name = flag.lstrip("-")
+    env_default = _env(name, default)
+    p.add_argument(
+        flag,
+        default=None if env_default is None else type(env_default),
+        type=type,
+        help=help + f" (env INFERGATE_{name.upper().replace('-', '_')})",
+    )
+
+
+def _common(p: argparse.ArgumentParser, role: str) -> None:
+    p.add_argument(
+        "--redis-url",
+        default=os.environ.get("REDIS_URL", DEFAULT_REDIS_URL),
+        help="Redis to use (env REDIS_URL)",
+    )
+    _add(p, "--namespace", "infergate", "key namespace (Redis Cluster hash tag) of this deployment")
+    _add(p, "--id", None, f"this {role}'s id (default: {role}-<random>)")
+    _add(p, "--heartbeat-interval-ms", 250, "how often to beat", int)
+    _add(
+        p,
+        "--heartbeat-ttl-ms",
+        1000,
+        "how long a beat lasts; an owner silent this long is dead",
+        int,
+    )
+
+
+def _process_id(args: argparse.Namespace, role: str) -> str:
+    return args.id or f"{role}-{os.urandom(4).hex()}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="infergate", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="run a whole local stack")
+    _add(up, "--host", "127.0.0.1", "address the gateway listens on")
+    _add(up, "--port", 8000, "port the gateway listens on", int)
+    _add(up, "--workers", 4, "simulated GPU workers", int)
+    _add(up, "--dispatchers", 1, "dispatcher processes", int)
+    _add(up, "--gateways", 1, "gateway processes (sharing the port)", int)
+    _add(up, "--sim-latency-ms", 100, "simulated batch time", float)
+    _add(up, "--policy", None, "policy file (default: the built-in demo policy with fresh keys)")
+    _add(up, "--keys-out", None, "write the demo keys as JSON to this file")
+    _add(up, "--namespace", "infergate", "key namespace of this deployment")
+    _add(up, "--backend", "simulated", "worker backend: simulated or transformers")
+    _add(up, "--model", None, "model path for the transformers backend")
+
+    gw = sub.add_parser("gateway", help="run one gateway process")
+    _common(gw, "gateway")
+    _add(gw, "--host", "127.0.0.1", "address to listen on")
+    _add(gw, "--port", 8000, "port to listen on (shared with other gateways via SO_REUSEPORT)", int)
+    _add(gw, "--policy", None, "policy file (required)")
+    _add(gw, "--drain-timeout-s", 10, "on SIGTERM, how long to wait for open requests", float)
+
+    dp = sub.add_parser("dispatcher", help="run one dispatcher process")
+    _common(dp, "dispatcher")
+    _add(dp, "--policy", None, "policy file for the batching settings (default: built-in)")
+
+    wk = sub.add_parser("worker", help="run one GPU worker process")
+    _common(wk, "worker")
+    _add(wk, "--backend", "simulated", "simulated or transformers")
+    _add(wk, "--sim-latency-ms", 100, "simulated backend: time per batch", float)
+    _add(
+        wk,
+        "--sim-fail-marker",
+        "__fail__",
+        "simulated backend: inputs containing this fail ('' for never)",
+    )
+    _add(wk, "--model", None, "transformers backend: model directory")
+    _add(wk, "--gguf-file", None, "transformers backend: GGUF file inside the model directory")
+    _add(wk, "--max-new-tokens", 16, "transformers backend: tokens to generate per input", int)
+    _add(wk, "--policy", None, "policy file for the worker settings (default: built-in)")
+    _add(
+        wk,
+        "--hang-timeout-ms",
+        None,
+        "a backend call longer than this ends the worker (default: the policy's)",
+        int,
+    )
+
+    pol = sub.add_parser("policy", help="policy tools")
+    polsub = pol.add_subparsers(dest="policy_command", required=True)
+    chk = polsub.add_parser("check", help="validate a policy file")
+    chk.add_argument("file")
+
+    keys = sub.add_parser("keys", help="API key tools")
+    keysub = keys.add_subparsers(dest="keys_command", required=True)
+    new = keysub.add_parser("new", help="make a new API key and print its policy entry")
+    new.add_argument("--tier", required=True)
+    new.add_argument("--id", required=True)
+    new.add_argument("--admin", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "up":
+        from infergate.stack import run_stack
+
+        return run_stack(args)
+    if args.command == "gateway":
+        return _gateway(args)
+    if args.command == "dispatcher":
+        return _dispatcher(args)
+    if args.command == "worker":
+        return _worker(args)
+    if args.command == "policy":
+        return _policy_check(args.file)
+    if args.command == "keys":
+        return _keys_new(args)
+    return 2
+
+
+def _load_policy_or_exit(path: str | None, required: bool) -> Any:
+    from policies import PolicyError, load_policy, parse_policy
+    from policies.demo import example_text
+
+    try:
+        if path:
+            return load_policy(path)
+        if required:
+            print("infergate: --policy FILE (or INFERGATE_POLICY) is required", file=sys.stderr)
+            sys.exit(2)
+        return parse_policy(example_text(), "policies/example.yaml")
+    except PolicyError as exc:
+        print(f"infergate: the policy is not valid:\n{exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _gateway(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from gateway.server import serve
+    from gateway.service import Gateway, GatewaySettings, PolicyHolder
+    from infergate import logs
+
+    gateway_id = _process_id(args, "gateway")
+    logs.configure("gateway", gateway_id)
+    policy = _load_policy_or_exit(args.policy, required=True)
+    settings = GatewaySettings(
+        gateway_id=gateway_id,
+        redis_url=args.redis_url,
+        namespace=args.namespace,
+        heartbeat_interval_ms=args.heartbeat_interval_ms,
+        heartbeat_ttl_ms=args.heartbeat_ttl_ms,
+    )
+    gateway = Gateway(settings, PolicyHolder(policy))
+    return uvloop.run(serve(gateway, args.host, args.port, args.drain_timeout_s))
+
+
+def _dispatcher(args: argparse.Namespace) -> int:
+    from dispatcher.keys import TIERS
+    from dispatcher.service import BatchRule, Dispatcher, DispatcherSettings
+    from infergate import logs, runtime
+
+    dispatcher_id = _process_id(args, "dispatcher")
+    logs.configure("dispatcher", dispatcher_id)
+    policy = _load_policy_or_exit(args.policy, required=False)
+    rule = BatchRule(
+        max_batch_size=policy.document.batching.max_batch_size,
+        min_batch_share=tuple(policy.tiers[t].min_batch_share for t in TIERS),
+    )
+    settings = DispatcherSettings(
+        dispatcher_id=dispatcher_id,
+        redis_url=args.redis_url,
+        namespace=args.namespace,
+        heartbeat_interval_ms=args.heartbeat_interval_ms,
+        heartbeat_ttl_ms=args.heartbeat_ttl_ms,
+    )
+    return runtime.run(Dispatcher(settings, lambda: rule).serve)
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from gpu.backend import Backend
+    from gpu.worker import Worker, WorkerSettings
+    from infergate import logs, runtime
+
+    worker_id = _process_id(args, "worker")
+    logs.configure("worker", worker_id)
+    backend: Backend
+    if args.backend == "simulated":
+        from gpu.simulated import SimulatedBackend
+
+        backend = SimulatedBackend(args.sim_latency_ms, args.sim_fail_marker)
+    elif args.backend == "transformers":
+        if not args.model:
+            print(
+                "infergate worker: --model is required with --backend transformers", file=sys.stderr
+            )
+            return 2
+        from gpu.transformers_backend import TransformersBackend
+
+        backend = TransformersBackend(
+            args.model, gguf_file=args.gguf_file, max_new_tokens=args.max_new_tokens
+        )
+    else:
+        print(
+            f"infergate worker: unknown backend {args.backend!r}; use simulated or transformers",
+            file=sys.stderr,
+        )
+        return 2
+    policy = _load_policy_or_exit(args.policy, required=False)
+    settings = WorkerSettings(
+        worker_id=worker_id,
+        max_batch_size=policy.document.batching.max_batch_size,
+        redis_url=args.redis_url,
+        namespace=args.namespace,
+        heartbeat_interval_ms=args.heartbeat_interval_ms,
+        heartbeat_ttl_ms=args.heartbeat_ttl_ms,
+        hang_timeout_ms=args.hang_timeout_ms or policy.document.workers.hang_timeout_ms,
+    )
+    return runtime.run(Worker(settings, backend).serve)
+
+
+def _policy_check(path: str) -> int:
+    from policies import PolicyError, load_policy
+
+    try:
+        policy = load_policy(path)
+    except PolicyError as exc:
+        for problem in exc.problems:
+            print(problem, file=sys.stderr)
+        return 1
+    keys = policy.document.keys
+    print(
+        f"{path}: ok: version {policy.version}, {len(policy.tiers)} tiers, "
+        f"{len(keys)} keys ({sum(k.disabled for k in keys)} disabled, {sum(k.admin for k in keys)} admin)"
+    )
+    return 0
+
+
+def _keys_new(args: argparse.Namespace) -> int:
+    from dispatcher.keys import TIERS
+    from policies.demo import new_secret
+    from policies.loader import digest
+
+    if args.tier not in TIERS:
+        print(f"infergate keys new: --tier must be one of {', '.join(TIERS)}", file=sys.stderr)
+        return 2
+    secret = new_secret(args.tier)
+    print(
+        f"API key (shown once; give it to the client, it is not stored anywhere):\n\n  {secret}\n"
+    )
+    print("Add this entry under `keys:` in the policy file:\n")
+    print(
+        f"  - id: {args.id}\n    tier: {args.tier}\n    sha256: {digest(secret)}"
+        + ("\n    admin: true" if args.admin else "")
+    )
+    return 0

@@ -1,0 +1,21 @@
+"""The YAML policy: tiers, keys, limits, batching and capacity settings.
+
+``load_policy(path)`` parses and validates a file and returns an immutable
+``Policy``; every problem is reported as ``FILE:LINE: path: what is wrong``.
+"""
+
+from policies.errors import PolicyError, Problem
+from policies.loader import load_policy, parse_policy
+from policies.schema import Batching, Capacity, KeyEntry, Policy, Tier
+
+__all__ = [
+    "Batching",
+    "Capacity",
+    "KeyEntry",
+    "Policy",
+    "PolicyError",
+    "Problem",
+    "Tier",
+    "load_policy",
+    "parse_policy",
+]

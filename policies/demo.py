@@ -1,0 +1,35 @@
+"""The built-in demo policy of ``infergate up``: ``example.yaml`` with one
+fresh key per tier in place of its example keys."""
+
+import secrets
+from importlib import resources
+
+from dispatcher.keys import TIERS
+from policies.loader import digest
+
+
+def example_text() -> str:
+    return resources.files("policies").joinpath("example.yaml").read_text("utf-8")
+
+
+def new_secret(tier: str) -> str:
+    return f"ig-{tier[:3]}-{secrets.token_urlsafe(24)}"
+
+
+def demo_policy() -> tuple[str, dict[str, str]]:
+    """Returns (YAML text, {tier: secret key})."""
+    text = example_text()
+    start = text.index("\nkeys:\n") + 1
+    end = text.index("\nbatching:", start) + 1
+    keys = {tier: new_secret(tier) for tier in TIERS}
+    entries = "".join(
+        f"  - id: demo-{tier}\n    tier: {tier}\n    sha256: {digest(secret)}\n"
+        + ("    admin: true\n" if tier == "enterprise" else "")
+        for tier, secret in keys.items()
+    )
+    block = (
+        "# Demo keys, made fresh by `infergate up` (printed once at start).\nkeys:\n"
+        + entries
+        + "\n"
+    )
+    return text[:start] + block + text[end:], keys

@@ -1,0 +1,265 @@
+"""Read, validate and derive a ``Policy`` from YAML text.
+
+Structure is checked by msgspec against ``schema.Document``; meaning (tier
+names, digests, rate-limit notation, shares) is checked here. Every problem
+carries the line of the YAML node it is about.
+"""
+
+import hashlib
+import re
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import yaml
+from limits import parse_many
+
+from dispatcher.keys import TIERS
+from policies.errors import PolicyError, Problem
+from policies.schema import Document, KeyEntry, Policy, Tier
+
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_KEY_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_MSGSPEC_PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
+_RATE_HINT = "write e.g. '100/second' or '5000/minute' (several: a list)"
+
+
+def load_policy(path: str | Path) -> Policy:
+    p = Path(path)
+    try:
+        text = p.read_text("utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PolicyError([Problem(str(p), None, "", f"cannot read the policy: {exc}")]) from exc
+    return parse_policy(text, str(p))
+
+
+def parse_policy(text: str, filename: str = "<policy>") -> Policy:
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = mark.line + 1 if mark is not None else None
+        raise PolicyError([Problem(filename, line, "", f"not valid YAML: {exc}")]) from exc
+    if not isinstance(data, dict):
+        raise PolicyError(
+            [Problem(filename, 1, "", "the policy must be a mapping with 'tiers:' and 'keys:'")]
+        )
+    locate = _Locator(root, filename)
+    tiers = data.get("tiers")
+    if isinstance(tiers, dict):
+        # msgspec does not name dict keys in its error paths: check each tier alone.
+        for name, tier in tiers.items():
+            try:
+                msgspec.convert(tier, Tier, strict=True)
+            except msgspec.ValidationError as exc:
+                raise PolicyError(
+                    [locate.problem_from_msgspec(str(exc), ["tiers", str(name)])]
+                ) from exc
+    try:
+        document = msgspec.convert(data, Document, strict=True)
+    except msgspec.ValidationError as exc:
+        raise PolicyError([locate.problem_from_msgspec(str(exc))]) from exc
+    problems = _check(document, locate)
+    if problems:
+        raise PolicyError(problems)
+    return Policy(
+        document=document,
+        version=hashlib.sha256(text.encode("utf-8")).hexdigest()[:12],
+        source=filename,
+        keys_by_digest={k.sha256: k for k in document.keys},
+    )
+
+
+def _check(doc: Document, at: "_Locator") -> list[Problem]:
+    out: list[Problem] = []
+    missing = [t for t in TIERS if t not in doc.tiers]
+    extra = [t for t in doc.tiers if t not in TIERS]
+    if missing:
+        out.append(
+            at.problem(
+                ["tiers"], f"missing tier(s) {', '.join(missing)}; define all of {', '.join(TIERS)}"
+            )
+        )
+    for name in extra:
+        out.append(
+            at.problem(["tiers", name], f"unknown tier {name!r}; tiers are {', '.join(TIERS)}")
+        )
+    share_total = 0.0
+    for name, tier in doc.tiers.items():
+        here: list[str | int] = ["tiers", name]
+        for field, value in (
+            ("deadline_ms", tier.deadline_ms),
+            ("max_input_chars", tier.max_input_chars),
+            ("latency_budget_ms", tier.latency_budget_ms),
+        ):
+            if value <= 0:
+                out.append(at.problem([*here, field], f"{value} must be a positive whole number"))
+        if tier.latency_budget_ms > tier.deadline_ms:
+            out.append(
+                at.problem(
+                    [*here, "latency_budget_ms"],
+                    "must not exceed deadline_ms; lower it or raise deadline_ms",
+                )
+            )
+        out.extend(_check_rates(tier.rate_limits, [*here, "rate_limits"], at))
+        if tier.cost_limit is not None:
+            out.extend(_check_rates([tier.cost_limit], [*here, "cost_limit"], at, single=True))
+        if not 0.0 <= tier.min_batch_share <= 1.0:
+            out.append(at.problem([*here, "min_batch_share"], "must be between 0 and 1, e.g. 0.1"))
+        share_total += tier.min_batch_share
+    if share_total > 1.0:
+        out.append(
+            at.problem(
+                ["tiers"],
+                f"min_batch_share values add up to {share_total:g}; keep the sum at most 1",
+            )
+        )
+
+    seen_ids: dict[str, int] = {}
+    seen_digests: dict[str, int] = {}
+    for i, key in enumerate(doc.keys):
+        here = ["keys", i]
+        if not _KEY_ID.match(key.id):
+            out.append(
+                at.problem(
+                    [*here, "id"],
+                    f"{key.id!r} is not a key id; use letters, digits, '.', '_' or '-'",
+                )
+            )
+        elif key.id in seen_ids:
+            out.append(
+                at.problem(
+                    [*here, "id"],
+                    f"duplicate key id {key.id!r} (first at keys[{seen_ids[key.id]}])",
+                )
+            )
+        seen_ids.setdefault(key.id, i)
+        if key.tier not in doc.tiers:
+            out.append(
+                at.problem(
+                    [*here, "tier"],
+                    f"unknown tier {key.tier!r}; write one of {', '.join(doc.tiers)}",
+                )
+            )
+        if not _HEX64.match(key.sha256):
+            out.append(
+                at.problem(
+                    [*here, "sha256"],
+                    "must be the 64-character lowercase hex SHA-256 of the secret key "
+                    "(the secret itself is never stored); make one with `infergate keys new`",
+                )
+            )
+        elif key.sha256 in seen_digests:
+            out.append(
+                at.problem([*here, "sha256"], f"same digest as keys[{seen_digests[key.sha256]}]")
+            )
+        seen_digests.setdefault(key.sha256, i)
+        if key.rate_limits is not None:
+            out.extend(_check_rates(key.rate_limits, [*here, "rate_limits"], at))
+
+    if not 1 <= doc.batching.max_batch_size <= 100:
+        out.append(
+            at.problem(
+                ["batching", "max_batch_size"], "must be 1-100 (the backend contract's limit)"
+            )
+        )
+    if not 0.05 <= doc.capacity.target_utilization <= 1.0:
+        out.append(
+            at.problem(["capacity", "target_utilization"], "must be between 0.05 and 1, e.g. 0.85")
+        )
+    if doc.limits.max_body_bytes < 256:
+        out.append(at.problem(["limits", "max_body_bytes"], "must be at least 256, e.g. 65536"))
+    if doc.workers.hang_timeout_ms < 100:
+        out.append(at.problem(["workers", "hang_timeout_ms"], "must be at least 100, e.g. 5000"))
+    if doc.workers.max_attempts < 1:
+        out.append(at.problem(["workers", "max_attempts"], "must be at least 1, e.g. 3"))
+    return out
+
+
+def _check_rates(
+    rates: list[str], here: list[str | int], at: "_Locator", single: bool = False
+) -> list[Problem]:
+    out = []
+    for j, rate in enumerate(rates):
+        path = here if single else [*here, j]
+        try:
+            parsed = parse_many(rate)
+        except ValueError:
+            out.append(at.problem(path, f"{rate!r} is not a rate; {_RATE_HINT}"))
+            continue
+        if single and len(parsed) != 1:
+            out.append(at.problem(path, f"{rate!r} must be one rate, e.g. '200000/minute'"))
+    return out
+
+
+class _Locator:
+    """Maps a path in the document to the line of its YAML node."""
+
+    def __init__(self, root: yaml.Node | None, filename: str) -> None:
+        self.root = root
+        self.filename = filename
+
+    def line(self, path: list[str | int]) -> int | None:
+        node: Any = self.root
+        best = node.start_mark.line + 1 if node is not None else None
+        for part in path:
+            child = None
+            if isinstance(node, yaml.MappingNode):
+                for k, v in node.value:
+                    if k.value == str(part):
+                        child = v
+                        best = k.start_mark.line + 1
+                        break
+            elif (
+                isinstance(node, yaml.SequenceNode)
+                and isinstance(part, int)
+                and part < len(node.value)
+            ):
+                child = node.value[part]
+                best = child.start_mark.line + 1
+            if child is None:
+                break
+            node = child
+        return best
+
+    def problem(self, path: list[str | int], message: str) -> Problem:
+        return Problem(self.filename, self.line(path), _render(path), message)
+
+    def problem_from_msgspec(self, message: str, base: list[str | int] | None = None) -> Problem:
+        m = _MSGSPEC_PATH.search(message)
+        path: list[str | int] = list(base or [])
+        if m:
+            message = message[: m.start()]
+            for name, index in re.findall(r"\.([^.\[]+)|\[(\d+)\]", m.group("path")):
+                path.append(int(index) if index else name)
+        hint = {
+            "Expected `int`": "write a whole number, e.g. 5000",
+            "Expected `float`": "write a number, e.g. 0.1",
+            "Expected `bool`": "write true or false",
+            "Expected `array`": "write a list, e.g. ['100/second']",
+            "Expected `str`": "write a string in quotes",
+        }
+        extra = next((h for prefix, h in hint.items() if message.startswith(prefix)), None)
+        if message.startswith("Object contains unknown field"):
+            path.append(message.split("`")[1])
+            extra = "remove it or check its spelling against policies/example.yaml"
+        if message.startswith("Object missing required field"):
+            extra = "add it (see policies/example.yaml)"
+        return self.problem(path, f"{message}; {extra}" if extra else message)
+
+
+def _render(path: list[str | int]) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
+    return out
+
+
+def digest(secret: str) -> str:
+    """The digest a policy stores for a secret key."""
+    return hashlib.sha256(secret.encode("utf-8")).hexdigest()
+
+
+def key_entry_yaml(entry: KeyEntry) -> str:
+    return f"  - id: {entry.id}\n    tier: {entry.tier}\n    sha256: {entry.sha256}\n"

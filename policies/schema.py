@@ -1,0 +1,81 @@
+"""The policy's typed sections. Field names and defaults here are the
+document's; ``policies/example.yaml`` shows and explains every one."""
+
+import msgspec
+
+DEFAULT_RATE_LIMITS: list[str] = []
+
+
+class Tier(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    # How long a request may wait in total before it is answered 504.
+    deadline_ms: int = 10_000
+    # Longest input, in characters; longer is 400 INVALID_INPUT.
+    max_input_chars: int = 4_096
+    # Admission: the queueing delay this tier tolerates before 503.
+    latency_budget_ms: int = 1_000
+    # Rate limits in the `limits` notation, e.g. ["100/second", "5000/minute"].
+    rate_limits: list[str] = msgspec.field(default_factory=list)
+    # Optional cost limit on input characters, e.g. "200000/minute".
+    cost_limit: str | None = None
+    # The share of every batch reserved for this tier when it has work (0-1).
+    min_batch_share: float = 0.0
+
+
+class KeyEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    id: str
+    tier: str
+    # Hex SHA-256 of the secret key; the plaintext is never stored.
+    sha256: str
+    disabled: bool = False
+    admin: bool = False
+    # Overrides the tier's rate limits for this key when given.
+    rate_limits: list[str] | None = None
+
+
+class Batching(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    max_batch_size: int = 100
+
+
+class Capacity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    # Admission plans for the fleet running at this fraction of its measured capacity.
+    target_utilization: float = 0.85
+
+
+class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    # Request bodies larger than this are refused with 413.
+    max_body_bytes: int = 65_536
+
+
+class Workers(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    # A backend call running past this is a hung worker (it exits, the batch is retried).
+    hang_timeout_ms: int = 5_000
+    # Runs of a batch before it is dead-lettered and its requests get INFERENCE_FAILED.
+    max_attempts: int = 3
+
+
+class Document(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The YAML document as written."""
+
+    tiers: dict[str, Tier]
+    keys: list[KeyEntry] = msgspec.field(default_factory=list)
+    batching: Batching = msgspec.field(default_factory=Batching)
+    capacity: Capacity = msgspec.field(default_factory=Capacity)
+    limits: Limits = msgspec.field(default_factory=Limits)
+    workers: Workers = msgspec.field(default_factory=Workers)
+
+
+class Policy(msgspec.Struct, frozen=True):
+    """A validated document plus what is derived from it once."""
+
+    document: Document
+    # Short content hash, shown in /v1/status so operators know which policy runs.
+    version: str
+    source: str
+    keys_by_digest: dict[str, KeyEntry]
+
+    @property
+    def tiers(self) -> dict[str, Tier]:
+        return self.document.tiers
+
+    def key_for_digest(self, digest: str) -> KeyEntry | None:
+        return self.keys_by_digest.get(digest)
