@@ -36,6 +36,8 @@ class TakeResult(msgspec.Struct, frozen=True):
     expired: int
     cancelled: int
     malformed: int
+    # > 0: pacing says come back after this many ms (nothing was taken).
+    wait_ms: int = 0
 
 
 class FleetSnapshot(msgspec.Struct, frozen=True):
@@ -115,11 +117,13 @@ class Broker:
         )
         return None if credit is None else credit.decode()
 
-    async def release_credit(self, dispatcher_id: str, credit: str) -> None:
-        await self.redis.lmove(self.keys.credits(dispatcher_id), self.keys.ready, "LEFT", "RIGHT")
-
     async def take(
-        self, dispatcher_id: str, n: int, now_ms: int, min_slots: Sequence[int]
+        self,
+        dispatcher_id: str,
+        n: int,
+        now_ms: int,
+        min_slots: Sequence[int],
+        min_interval_ms: int = 0,
     ) -> TakeResult:
         raw: Any = await self.scripts.take(
             keys=[
@@ -127,25 +131,31 @@ class Broker:
                 self.keys.stats,
                 self.keys.doorbell,
                 self.keys.cancelled,
+                self.keys.last_dispatch,
                 *self.keys.queues,
             ],
-            args=[n, now_ms, *min_slots],
+            args=[n, now_ms, min_interval_ms, *min_slots],
         )
-        envelopes, expired, cancelled, malformed = raw
-        return TakeResult(list(envelopes), int(expired), int(cancelled), int(malformed))
+        envelopes, expired, cancelled, malformed, wait_ms = raw
+        return TakeResult(
+            list(envelopes), int(expired), int(cancelled), int(malformed), int(wait_ms)
+        )
 
     async def wait_doorbell(self, timeout_s: float) -> bool:
         return await self.redis.blpop([self.keys.doorbell], timeout_s) is not None
 
-    async def handoff(self, dispatcher_id: str, credit: str, batch: bytes, size: int) -> None:
+    async def handoff(
+        self, dispatcher_id: str, credit: str, batch: bytes, size: int, now_ms: int
+    ) -> None:
         await self.scripts.handoff(
             keys=[
                 self.keys.inflight(dispatcher_id),
                 self.keys.batches,
                 self.keys.credits(dispatcher_id),
                 self.keys.stats,
+                self.keys.last_dispatch,
             ],
-            args=[batch, credit, size],
+            args=[batch, credit, size, now_ms],
         )
 
     async def requeue(self, dispatcher_id: str) -> tuple[int, int]:

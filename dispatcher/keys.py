@@ -26,6 +26,7 @@ class Keys:
         self.batches = self.prefix + "batches"
         self.ready = self.prefix + "ready"
         self.doorbell = self.prefix + "doorbell"
+        self.last_dispatch = self.prefix + "last-dispatch"
         self.stats = self.prefix + "stats"
         self.cancelled = self.prefix + "cancelled"
         self.dead_letter = self.prefix + "dead-letter"

@@ -5,6 +5,14 @@ envelopes in priority order (waiting on the doorbell while the queues are
 empty), then ``handoff`` them as one batch. Forming batches at the last
 moment means a free-tier batch is never frozen ahead of an enterprise
 request that arrives a millisecond later.
+
+Pacing (on by default): while less than a full batch waits, hand-offs are
+spaced at least ``batch time / workers`` apart across the fleet. Without
+it, workers that all take a batch of one within a few ms of each other are
+then all busy together, and the next arrivals wait most of a batch time
+(measured: p50 127 ms at 100 req/s with 4 workers at 100 ms). Paced, the
+workers start evenly staggered and a request waits at most about one
+interval. A full batch is never held back.
 """
 
 import asyncio
@@ -16,6 +24,7 @@ import redis.exceptions
 
 from dispatcher import wire
 from dispatcher.broker import Broker, connect
+from dispatcher.fleet import FleetView
 from dispatcher.heartbeat import Heartbeater
 from dispatcher.keys import TIERS, Keys
 from infergate import clock, logs
@@ -29,6 +38,7 @@ class BatchRule:
 
     max_batch_size: int = 100
     min_batch_share: tuple[float, ...] = (0.0,) * len(TIERS)
+    pacing: bool = True
 
     def min_slots(self) -> list[int]:
         return [int(share * self.max_batch_size) for share in self.min_batch_share]
@@ -55,6 +65,7 @@ class Dispatcher:
         self.broker = Broker(self.redis, Keys(settings.namespace))
         self.started_ms = clock.now_ms()
         self.batches_formed = 0
+        self.fleet = FleetView(self.broker, refresh_ms=200)
         self.heartbeat = Heartbeater(
             self.broker, self.status, settings.heartbeat_interval_ms, settings.heartbeat_ttl_ms
         )
@@ -68,6 +79,13 @@ class Dispatcher:
             batches_done=self.batches_formed,
         )
 
+    def pacing_interval_ms(self, rule: BatchRule) -> int:
+        workers = self.fleet.workers_alive
+        batch_ms = self.fleet.batch_ms()
+        if not rule.pacing or workers < 2 or batch_ms <= 0:
+            return 0
+        return int(batch_ms / workers)
+
     async def form_one(self, credit: str, stop: asyncio.Event) -> bool:
         """Holding ``credit``, wait for work and hand off one batch. Returns
         False if stopped first (the credit is still held; ``requeue`` returns it)."""
@@ -75,8 +93,15 @@ class Dispatcher:
         while not stop.is_set():
             rule = self.rule()
             taken = await self.broker.take(
-                self.id, rule.max_batch_size, clock.now_ms(), rule.min_slots()
+                self.id,
+                rule.max_batch_size,
+                clock.now_ms(),
+                rule.min_slots(),
+                self.pacing_interval_ms(rule),
             )
+            if taken.wait_ms > 0:
+                await asyncio.sleep(taken.wait_ms / 1000.0)
+                continue
             if taken.expired or taken.cancelled or taken.malformed:
                 log.info(
                     "take.dropped",
@@ -86,8 +111,9 @@ class Dispatcher:
                 )
             if taken.envelopes:
                 batch_id = os.urandom(6).hex()
-                batch = wire.encode_batch(batch_id, self.id, clock.now_ms(), taken.envelopes)
-                await self.broker.handoff(self.id, credit, batch, len(taken.envelopes))
+                now_ms = clock.now_ms()
+                batch = wire.encode_batch(batch_id, self.id, now_ms, taken.envelopes)
+                await self.broker.handoff(self.id, credit, batch, len(taken.envelopes), now_ms)
                 self.batches_formed += 1
                 log.debug(
                     "batch.formed", batch_id=batch_id, size=len(taken.envelopes), credit=credit
@@ -113,6 +139,7 @@ class Dispatcher:
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(backoff_s * 2, 2.0)
         self.heartbeat.start()
+        self.fleet.start()
         log.info("dispatcher.started", dispatcher_id=self.id)
         try:
             while not stop.is_set():
@@ -129,6 +156,7 @@ class Dispatcher:
                     backoff_s = min(backoff_s * 2, 2.0)
         finally:
             await self.heartbeat.stop()
+            await self.fleet.stop()
             try:
                 envs, credits = await self.broker.requeue(self.id)
                 await self.broker.retire("dispatcher", self.id)

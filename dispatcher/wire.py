@@ -77,6 +77,7 @@ class Heartbeat(msgspec.Struct, frozen=True, omit_defaults=True):
     # could deliver at the batch time it measured (max batch / batch time).
     delivered_rps: float = 0.0
     capacity_rps: float = 0.0
+    batch_ms: float = 0.0
     draining: bool = False
 
 

@@ -12,11 +12,11 @@ import redis.exceptions
 
 from dispatcher import wire
 from dispatcher.broker import Broker, connect
+from dispatcher.fleet import FleetView
 from dispatcher.heartbeat import Heartbeater
 from dispatcher.keys import Keys
 from gateway.api import InferenceRequest, InferenceResponse, StatusResponse, WorkerStatus
 from gateway.errors import ApiError
-from gateway.fleet import FleetView
 from gateway.replies import ReplyRouter
 from infergate import clock, logs
 from policies import KeyEntry, Policy

@@ -84,6 +84,7 @@ class Worker:
             requests_done=self.requests_done,
             delivered_rps=round(delivered, 1),
             capacity_rps=round(capacity, 1),
+            batch_ms=round(self.batch_ms_ewma or 0.0, 2),
             draining=self.draining,
         )
 

@@ -188,6 +188,7 @@ def _dispatcher(args: argparse.Namespace) -> int:
     rule = BatchRule(
         max_batch_size=policy.document.batching.max_batch_size,
         min_batch_share=tuple(policy.tiers[t].min_batch_share for t in TIERS),
+        pacing=policy.document.batching.pacing,
     )
     settings = DispatcherSettings(
         dispatcher_id=dispatcher_id,

@@ -34,6 +34,9 @@ class KeyEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class Batching(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_batch_size: int = 100
+    # Space hand-offs batch_time/workers apart while less than a full batch waits,
+    # so workers run staggered instead of in lockstep (see dispatcher/service.py).
+    pacing: bool = True
 
 
 class Capacity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -1,10 +1,13 @@
 -- handoff: this dispatcher's inflight envelopes become one batch on the
 -- batches list, and the credit that paid for it is spent, in one step.
+-- Records the hand-off time for pacing (see take.lua).
 -- KEYS[1] inflight:{dispatcher}  KEYS[2] batches  KEYS[3] credits:{dispatcher}  KEYS[4] stats
--- ARGV[1] the batch (JSON)  ARGV[2] the credit (worker id)  ARGV[3] batch size
+-- KEYS[5] last-dispatch
+-- ARGV[1] the batch (JSON)  ARGV[2] the credit (worker id)  ARGV[3] batch size  ARGV[4] now (epoch ms)
 redis.call('LPUSH', KEYS[2], ARGV[1])
 redis.call('DEL', KEYS[1])
 redis.call('LREM', KEYS[3], 1, ARGV[2])
 redis.call('HINCRBY', KEYS[4], 'batches_formed', 1)
 redis.call('HINCRBY', KEYS[4], 'requests_batched', tonumber(ARGV[3]))
+redis.call('SET', KEYS[5], ARGV[4], 'PX', 60000)
 return 1

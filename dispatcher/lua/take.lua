@@ -5,15 +5,34 @@
 -- their deadline, cancelled, or unreadable are dropped here and counted: they
 -- never reach a worker. If work is left behind, the doorbell rings again so
 -- another dispatcher holding a credit wakes for it.
+-- Pacing: while less than a full batch is queued, batches are handed off no
+-- closer together than min_interval_ms (the batch time divided by the number
+-- of workers), fleet-wide. Workers then start evenly staggered instead of
+-- all at once, so a request waits at most about one interval for a worker.
 -- KEYS[1] inflight:{dispatcher}  KEYS[2] stats  KEYS[3] doorbell
--- KEYS[4] cancelled (zset: request id -> expiry epoch ms)
--- KEYS[5..] queue:{tier}, highest priority first
--- ARGV[1] n   ARGV[2] now (epoch ms)   ARGV[3..] minimum slots per tier, KEYS order
--- Returns {envelopes, expired, cancelled, malformed}
+-- KEYS[4] cancelled (zset: request id -> expiry epoch ms)  KEYS[5] last-dispatch
+-- KEYS[6..] queue:{tier}, highest priority first
+-- ARGV[1] n   ARGV[2] now (epoch ms)   ARGV[3] min_interval_ms
+-- ARGV[4..] minimum slots per tier, KEYS order
+-- Returns {envelopes, expired, cancelled, malformed, wait_ms}: wait_ms > 0
+-- means nothing was taken: come back after that long.
 local inflight, stats, doorbell, cancelled_set = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local n = tonumber(ARGV[1])
 local now = tonumber(ARGV[2])
+local min_interval = tonumber(ARGV[3])
+local first_queue = 6
+local ntiers = #KEYS - first_queue + 1
 local taken, expired, cancelled, malformed = {}, 0, 0, 0
+
+if min_interval > 0 then
+  local last = tonumber(redis.call('GET', KEYS[5]) or '0')
+  local wait = last + min_interval - now
+  if wait > 0 then
+    local queued = 0
+    for i = 1, ntiers do queued = queued + redis.call('LLEN', KEYS[first_queue + i - 1]) end
+    if queued > 0 and queued < n then return {taken, 0, 0, 0, wait} end
+  end
+end
 local check_cancelled = redis.call('ZCARD', cancelled_set) > 0
 
 local function pop_from(queue, limit)
@@ -37,13 +56,12 @@ local function pop_from(queue, limit)
   end
 end
 
-local ntiers = #KEYS - 4
 for i = 1, ntiers do
-  local share = tonumber(ARGV[2 + i]) or 0
-  if share > 0 then pop_from(KEYS[4 + i], share) end
+  local share = tonumber(ARGV[3 + i]) or 0
+  if share > 0 then pop_from(KEYS[first_queue + i - 1], share) end
 end
 for i = 1, ntiers do
-  pop_from(KEYS[4 + i], n)
+  pop_from(KEYS[first_queue + i - 1], n)
 end
 
 if expired > 0 then redis.call('HINCRBY', stats, 'expired_dropped', expired) end
@@ -53,11 +71,11 @@ if check_cancelled then redis.call('ZREMRANGEBYSCORE', cancelled_set, '-inf', no
 
 if #taken >= n then
   for i = 1, ntiers do
-    if redis.call('LLEN', KEYS[4 + i]) > 0 then
+    if redis.call('LLEN', KEYS[first_queue + i - 1]) > 0 then
       redis.call('LPUSH', doorbell, '1')
       redis.call('LTRIM', doorbell, 0, 0)
       break
     end
   end
 end
-return {taken, expired, cancelled, malformed}
+return {taken, expired, cancelled, malformed, 0}

@@ -1,6 +1,7 @@
-"""The gateway's view of the fleet: healthy workers, their measured
-throughput and the queue depth of each tier, refreshed in the background
-several times a second (never a Redis round trip per request)."""
+"""A process's view of the fleet: healthy workers, their measured batch time
+and throughput, and the queue depth of each tier, refreshed in the background
+several times a second (never a Redis round trip per request). Gateways use
+it for readiness and admission, dispatchers for pacing."""
 
 import asyncio
 from typing import Any
@@ -25,6 +26,13 @@ class FleetView:
     @property
     def workers_alive(self) -> int:
         return 0 if self.snapshot is None else len(self.snapshot.workers)
+
+    def batch_ms(self) -> float:
+        """Mean measured batch time of the healthy workers (0 if unknown)."""
+        times = (
+            [w.batch_ms for w in self.snapshot.workers if w.batch_ms > 0] if self.snapshot else []
+        )
+        return sum(times) / len(times) if times else 0.0
 
     async def refresh(self) -> None:
         try:

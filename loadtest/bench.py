@@ -1,0 +1,217 @@
+"""Open-loop benchmark: a constant arrival rate, whatever the server does.
+
+Request i is due at ``start + i / rate`` and is sent then, however many
+earlier requests are still open; its latency is measured from that scheduled
+time, so a slow server (or a slow client) cannot hide its queueing
+(no coordinated omission). Tiers are drawn with a fixed seed from the mix.
+
+    python -m loadtest.bench --url http://127.0.0.1:8000 --keys keys.json \
+        --rate 1000 --duration 20 --json-out bench.json
+"""
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import uvloop
+
+DEFAULT_MIX = "free=0.70,paid=0.25,enterprise=0.05"
+TIER_ORDER = ("enterprise", "paid", "free")
+
+
+@dataclass
+class Sample:
+    tier: str
+    status: int  # 0: connection error
+    latency_ms: float
+    batch_size: int = 0
+    code: str = ""
+    correct: bool = True
+
+
+def parse_mix(text: str) -> dict[str, float]:
+    mix: dict[str, float] = {}
+    for part in text.split(","):
+        tier, _, weight = part.partition("=")
+        mix[tier.strip()] = float(weight)
+    total = sum(mix.values())
+    return {t: w / total for t, w in mix.items()}
+
+
+def percentile(sorted_values: list[float], p: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    k = min(len(sorted_values) - 1, max(0, round(p / 100.0 * len(sorted_values) + 0.5) - 1))
+    return sorted_values[k]
+
+
+async def one(
+    session: aiohttp.ClientSession,
+    url: str,
+    key: str,
+    tier: str,
+    text: str,
+    due: float,
+    timeout_ms: int | None,
+) -> Sample:
+    body: dict[str, Any] = {"input": text}
+    if timeout_ms:
+        body["timeout_ms"] = timeout_ms
+    try:
+        async with session.post(url, json=body, headers={"Authorization": "Bearer " + key}) as resp:
+            data = await resp.json(content_type=None)
+            latency = (time.perf_counter() - due) * 1000.0
+            if resp.status == 200:
+                return Sample(
+                    tier,
+                    200,
+                    latency,
+                    int(data.get("batch_size", 0)),
+                    correct=text in data.get("output", ""),
+                )
+            return Sample(
+                tier, resp.status, latency, code=str(data.get("error", {}).get("code", ""))
+            )
+    except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as exc:
+        return Sample(tier, 0, (time.perf_counter() - due) * 1000.0, code=type(exc).__name__)
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    keys = json.loads(open(args.keys).read())
+    mix = parse_mix(args.mix)
+    missing = [t for t in mix if t not in keys]
+    if missing:
+        raise SystemExit(f"bench: no key for tier(s) {missing} in {args.keys}")
+    rng = random.Random(args.seed)
+    tiers, weights = list(mix), list(mix.values())
+    total = int(args.rate * args.duration)
+    url = args.url.rstrip("/") + "/v1/inference"
+    connector = aiohttp.TCPConnector(limit=args.connections, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=args.client_timeout_s)
+    tasks: list[asyncio.Task[Sample]] = []
+    lag_max_ms = 0.0
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        # Warm the connection pool so the first second does not measure TCP set-up.
+        await asyncio.gather(
+            *(
+                session.get(args.url.rstrip("/") + "/healthz")
+                for _ in range(min(50, args.connections))
+            ),
+            return_exceptions=True,
+        )
+        start = time.perf_counter() + 0.05
+        for i in range(total):
+            due = start + i / args.rate
+            delay = due - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            else:
+                lag_max_ms = max(lag_max_ms, -delay * 1000.0)
+            tier = rng.choices(tiers, weights)[0]
+            text = f"bench-{i}-{tier}-" + "x" * max(0, args.input_chars - 20)
+            tasks.append(
+                asyncio.create_task(one(session, url, keys[tier], tier, text, due, args.timeout_ms))
+            )
+        sending_s = time.perf_counter() - start
+        samples = await asyncio.gather(*tasks)
+        elapsed_s = time.perf_counter() - start
+    return summarize(samples, args, sending_s, elapsed_s, lag_max_ms)
+
+
+def summarize(
+    samples: list[Sample],
+    args: argparse.Namespace,
+    sending_s: float,
+    elapsed_s: float,
+    lag_max_ms: float,
+) -> dict[str, Any]:
+    by_tier: dict[str, list[Sample]] = defaultdict(list)
+    for s in samples:
+        by_tier[s.tier].append(s)
+    by_tier["all"] = list(samples)
+    report: dict[str, Any] = {
+        "rate": args.rate,
+        "duration_s": args.duration,
+        "sent": len(samples),
+        "sending_s": round(sending_s, 2),
+        "elapsed_s": round(elapsed_s, 2),
+        "client_lag_max_ms": round(lag_max_ms, 1),
+        "tiers": {},
+    }
+    for tier in [*TIER_ORDER, "all"]:
+        group = by_tier.get(tier)
+        if not group:
+            continue
+        ok = sorted(s.latency_ms for s in group if s.status == 200)
+        statuses = Counter(str(s.status) for s in group)
+        batch_sizes = [s.batch_size for s in group if s.status == 200]
+        report["tiers"][tier] = {
+            "sent": len(group),
+            "ok": len(ok),
+            "success_rate": round(len(ok) / len(group), 4),
+            "ok_per_s": round(len(ok) / args.duration, 1),
+            "p50_ms": round(percentile(ok, 50), 1),
+            "p95_ms": round(percentile(ok, 95), 1),
+            "p99_ms": round(percentile(ok, 99), 1),
+            "max_ms": round(ok[-1], 1) if ok else None,
+            "mean_batch": round(sum(batch_sizes) / len(batch_sizes), 1) if batch_sizes else 0.0,
+            "statuses": dict(sorted(statuses.items())),
+            "wrong_outputs": sum(1 for s in group if s.status == 200 and not s.correct),
+        }
+    return report
+
+
+def render(report: dict[str, Any]) -> str:
+    lines = [
+        f"open-loop: {report['rate']} req/s for {report['duration_s']} s, {report['sent']} sent "
+        f"(sending took {report['sending_s']} s, client lag max {report['client_lag_max_ms']} ms)",
+        f"{'tier':<11}{'sent':>7}{'ok':>7}{'ok/s':>8}{'success':>9}{'p50':>8}{'p95':>8}{'p99':>8}{'max':>8}{'batch':>7}  statuses",
+    ]
+    for tier, r in report["tiers"].items():
+        lines.append(
+            f"{tier:<11}{r['sent']:>7}{r['ok']:>7}{r['ok_per_s']:>8}{r['success_rate'] * 100:>8.2f}%"
+            f"{r['p50_ms']:>8}{r['p95_ms']:>8}{r['p99_ms']:>8}{r['max_ms'] or '-':>8}{r['mean_batch']:>7}  "
+            + " ".join(f"{k}:{v}" for k, v in r["statuses"].items())
+        )
+    lines.append(
+        "latencies in ms from each request's scheduled send time, over successful requests"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m loadtest.bench", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument(
+        "--keys", required=True, help="JSON {tier: key}, as `infergate up --keys-out` writes"
+    )
+    p.add_argument("--rate", type=float, default=100.0, help="requests per second")
+    p.add_argument("--duration", type=float, default=10.0, help="seconds of sending")
+    p.add_argument("--mix", default=DEFAULT_MIX, help=f"tier weights (default {DEFAULT_MIX})")
+    p.add_argument("--input-chars", type=int, default=32)
+    p.add_argument("--timeout-ms", type=int, default=None, help="timeout_ms sent with each request")
+    p.add_argument("--connections", type=int, default=1000, help="client connection pool size")
+    p.add_argument("--client-timeout-s", type=float, default=30.0)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--json-out", default=None)
+    args = p.parse_args(argv)
+    report = uvloop.run(run(args))
+    print(render(report))
+    print(json.dumps(report))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
