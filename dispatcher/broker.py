@@ -10,25 +10,33 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialWithJitterBackoff
 
 from dispatcher import wire
 from dispatcher.keys import ROLES, TIERS, Keys
 from dispatcher.scripts import Scripts
 
 
-def connect(url: str, *, block_s: float = 0.0, name: str | None = None) -> Redis:
+def connect(
+    url: str, *, block_s: float = 0.0, name: str | None = None, max_connections: int = 32
+) -> Redis:
     """A client for one process. ``block_s`` is the longest blocking pop it
     will issue; the socket timeout leaves room for it, so a dead Redis is
-    noticed instead of hanging."""
-    return Redis.from_url(
+    noticed instead of hanging. Under a burst, commands wait (up to 2 s) for
+    one of ``max_connections`` connections instead of failing."""
+    pool = BlockingConnectionPool.from_url(
         url,
+        max_connections=max_connections,
+        timeout=2.0,
         socket_connect_timeout=1.0,
         socket_timeout=block_s + 2.0,
-        health_check_interval=0,
         client_name=name,
-        decode_responses=False,
+        # Fail fast when Redis is away: callers answer 503 or back off themselves.
+        retry=Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.1), retries=2),
     )
+    return Redis.from_pool(pool)  # the client owns (and closes) its pool
 
 
 class TakeResult(msgspec.Struct, frozen=True):

@@ -27,6 +27,10 @@ class FleetView:
     def workers_alive(self) -> int:
         return 0 if self.snapshot is None else len(self.snapshot.workers)
 
+    def mark_unreachable(self) -> None:
+        """A request just failed to reach Redis: say not ready until a refresh succeeds."""
+        self.redis_ok = False
+
     def batch_ms(self) -> float:
         """Mean measured batch time of the healthy workers (0 if unknown)."""
         times = (
@@ -47,7 +51,9 @@ class FleetView:
             self.snapshot = None
         self.refreshed.set()
 
-    def start(self) -> None:
+    async def start(self) -> None:
+        """Refresh once (so the first request sees the fleet), then keep refreshing."""
+        await self.refresh()
         self._task = asyncio.create_task(self._run(), name="fleet-view")
 
     async def stop(self) -> None:
@@ -57,5 +63,5 @@ class FleetView:
 
     async def _run(self) -> None:
         while True:
-            await self.refresh()
             await asyncio.sleep(self.refresh_s)
+            await self.refresh()

@@ -139,7 +139,7 @@ class Dispatcher:
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(backoff_s * 2, 2.0)
         self.heartbeat.start()
-        self.fleet.start()
+        await self.fleet.start()
         log.info("dispatcher.started", dispatcher_id=self.id)
         try:
             while not stop.is_set():

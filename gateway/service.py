@@ -56,15 +56,18 @@ class Gateway:
         self.replies = ReplyRouter(self.redis, self.keys.reply_channel(self.id))
         self.fleet = FleetView(self.broker, settings.fleet_refresh_ms)
         self.started_ms = clock.now_ms()
+        self.served = 0
         self.heartbeat = Heartbeater(
             self.broker,
-            lambda: wire.Heartbeat("gateway", self.id, self.started_ms, clock.now_ms()),
+            lambda: wire.Heartbeat(
+                "gateway", self.id, self.started_ms, clock.now_ms(), requests_done=self.served
+            ),
             settings.heartbeat_interval_ms,
             settings.heartbeat_ttl_ms,
         )
 
     async def start(self) -> None:
-        self.fleet.start()
+        await self.fleet.start()
         await self.replies.start()
         self.heartbeat.start()
         log.info("gateway.started", gateway_id=self.id, policy_version=self.policy.current.version)
@@ -143,6 +146,7 @@ class Gateway:
                 log.warning(
                     "request.enqueue_failed", request_id=request_id, error=type(exc).__name__
                 )
+                self.fleet.mark_unreachable()
                 raise ApiError(
                     "SERVICE_OVERLOADED", "the queue store is unreachable", RETRY_REDIS_MS
                 ) from exc
@@ -164,6 +168,7 @@ class Gateway:
                 code=result.error.code,
             )
             raise ApiError("INFERENCE_FAILED", result.error.message)
+        self.served += 1
         return InferenceResponse(
             request_id=request_id,
             output=result.output or "",

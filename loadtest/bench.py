@@ -83,8 +83,7 @@ async def one(
         return Sample(tier, 0, (time.perf_counter() - due) * 1000.0, code=type(exc).__name__)
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
-    keys = json.loads(open(args.keys).read())
+async def run(args: argparse.Namespace, keys: dict[str, str]) -> dict[str, Any]:
     mix = parse_mix(args.mix)
     missing = [t for t in mix if t not in keys]
     if missing:
@@ -204,7 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
-    report = uvloop.run(run(args))
+    with open(args.keys) as f:
+        keys = json.load(f)
+    report = uvloop.run(run(args, keys))
     print(render(report))
     print(json.dumps(report))
     if args.json_out:

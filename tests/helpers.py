@@ -1,0 +1,228 @@
+"""Test helpers: a policy with known keys, and real infergate processes."""
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from infergate.redis_server import free_port
+
+SECRETS = {
+    "enterprise": "test-enterprise-secret",
+    "paid": "test-paid-secret",
+    "free": "test-free-secret",
+    "disabled": "test-disabled-secret",
+    "admin": "test-admin-secret",
+}
+
+
+def sha(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def policy_yaml(
+    *,
+    deadline_ms: int = 10_000,
+    max_batch_size: int = 100,
+    pacing: bool = True,
+    free_share: float = 0.0,
+    extra_keys: str = "",
+    tiers_extra: str = "",
+) -> str:
+    tiers = ""
+    for tier, chars in (("enterprise", 4000), ("paid", 2000), ("free", 1000)):
+        share = free_share if tier == "free" else 0.0
+        tiers += (
+            f"  {tier}:\n    deadline_ms: {deadline_ms}\n    max_input_chars: {chars}\n"
+            f"    latency_budget_ms: {min(deadline_ms, 5000)}\n    min_batch_share: {share}\n{tiers_extra}"
+        )
+    return (
+        "tiers:\n"
+        + tiers
+        + "keys:\n"
+        + f"  - id: ent\n    tier: enterprise\n    sha256: {sha(SECRETS['enterprise'])}\n"
+        + f"  - id: pai\n    tier: paid\n    sha256: {sha(SECRETS['paid'])}\n"
+        + f"  - id: fre\n    tier: free\n    sha256: {sha(SECRETS['free'])}\n"
+        + f"  - id: retired\n    tier: free\n    sha256: {sha(SECRETS['disabled'])}\n    disabled: true\n"
+        + f"  - id: adm\n    tier: enterprise\n    sha256: {sha(SECRETS['admin'])}\n    admin: true\n"
+        + extra_keys
+        + f"batching:\n  max_batch_size: {max_batch_size}\n  pacing: {'true' if pacing else 'false'}\n"
+        + "limits:\n  max_body_bytes: 8192\n"
+    )
+
+
+def wait_for(predicate: Any, timeout_s: float, what: str, interval_s: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def http(
+    method: str,
+    url: str,
+    body: Any = None,
+    headers: dict[str, str] | None = None,
+    raw: bytes | None = None,
+    timeout: float = 30.0,
+) -> tuple[int, dict[str, str], Any]:
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(url, data=data, method=method, headers=headers or {})
+    if data is not None and "Content-Type" not in (headers or {}):
+        req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status, hdrs, payload = resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as exc:
+        status, hdrs, payload = exc.code, dict(exc.headers), exc.read()
+    hdrs = {k.lower(): v for k, v in hdrs.items()}
+    try:
+        parsed = json.loads(payload) if payload else None
+    except json.JSONDecodeError:
+        parsed = payload
+    return status, hdrs, parsed
+
+
+def auth(tier: str) -> dict[str, str]:
+    return {"Authorization": "Bearer " + SECRETS[tier]}
+
+
+def _env(extra: dict[str, str]) -> dict[str, str]:
+    """The test's environment without any REDIS_URL of its own, plus ``extra``."""
+    base = {
+        k: v for k, v in os.environ.items() if k != "REDIS_URL" and not k.startswith("INFERGATE_")
+    }
+    return {**base, "INFERGATE_LOG_FORMAT": "json", **extra}
+
+
+class Proc:
+    """A real infergate process (``python -m infergate ...``) with its log in a file."""
+
+    def __init__(self, args: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.log_path = log_path
+        self.log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "infergate", *args],
+            env=_env(env),
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def signal(self, signum: int) -> None:
+        if self.alive():
+            self.proc.send_signal(signum)
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.log.close()
+
+    def output(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text(errors="replace")
+
+
+class Stack:
+    """``infergate up`` against the test's Redis, on a free port."""
+
+    def __init__(
+        self,
+        tmp: Path,
+        redis_url: str,
+        *,
+        workers: int = 4,
+        gateways: int = 1,
+        latency_ms: int = 100,
+        policy: str | None = None,
+        namespace: str = "infergate",
+    ) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.redis_url = redis_url
+        args = [
+            "up",
+            "--port",
+            str(self.port),
+            "--workers",
+            str(workers),
+            "--gateways",
+            str(gateways),
+            "--sim-latency-ms",
+            str(latency_ms),
+            "--namespace",
+            namespace,
+        ]
+        if policy is not None:
+            policy_path = tmp / f"policy-{self.port}.yaml"
+            policy_path.write_text(policy)
+            args += ["--policy", str(policy_path)]
+        else:
+            args += ["--keys-out", str(tmp / f"keys-{self.port}.json")]
+        self.keys_path = tmp / f"keys-{self.port}.json"
+        self.proc = Proc(args, {"REDIS_URL": redis_url}, tmp / f"up-{self.port}.log")
+        try:
+            wait_for(self.ready, 60, "the stack to be ready")
+        except AssertionError:
+            self.stop()
+            raise AssertionError("stack did not start:\n" + self.proc.output()[-3000:]) from None
+
+    def ready(self) -> bool:
+        if not self.proc.alive():
+            raise AssertionError("infergate up exited:\n" + self.proc.output()[-3000:])
+        try:
+            return http("GET", self.url + "/readyz", timeout=1)[0] == 200
+        except OSError:
+            return False
+
+    def infer(self, tier: str, text: str, **extra: Any) -> tuple[int, dict[str, str], Any]:
+        return http("POST", self.url + "/v1/inference", {"input": text, **extra}, auth(tier))
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
+def children_of(pid: int) -> list[int]:
+    out = subprocess.run(
+        ["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True
+    ).stdout
+    return [int(x) for x in out.split()]
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped) counts as gone.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
