@@ -7,7 +7,7 @@ from pathlib import Path
 
 def build_tiny_gpt2(path: Path, n_layer: int = 2, n_embd: int = 32, n_head: int = 2) -> Path:
     from tokenizers import ByteLevelBPETokenizer
-    from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
     corpus = [
         "the quick brown fox jumps over the lazy dog",
@@ -18,15 +18,22 @@ def build_tiny_gpt2(path: Path, n_layer: int = 2, n_embd: int = 32, n_head: int 
     bpe.train_from_iterator(
         corpus, vocab_size=300, min_frequency=1, special_tokens=["<|endoftext|>"]
     )
-    tokenizer = GPT2TokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=bpe,
         eos_token="<|endoftext|>",
         bos_token="<|endoftext|>",
         unk_token="<|endoftext|>",
     )
     tokenizer.save_pretrained(path)
+    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     config = GPT2Config(
-        vocab_size=len(tokenizer), n_positions=256, n_layer=n_layer, n_embd=n_embd, n_head=n_head
+        bos_token_id=eos,
+        eos_token_id=eos,
+        vocab_size=len(tokenizer),
+        n_positions=256,
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
     )
     GPT2LMHeadModel(config).save_pretrained(path)
     return path
