@@ -25,7 +25,7 @@ def build_tiny_gpt2(path: Path, n_layer: int = 2, n_embd: int = 32, n_head: int 
         unk_token="<|endoftext|>",
     )
     tokenizer.save_pretrained(path)
-    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    eos = int(tokenizer.eos_token_id)
     config = GPT2Config(
         bos_token_id=eos,
         eos_token_id=eos,
