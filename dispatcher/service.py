@@ -17,7 +17,6 @@ interval. A full batch is never held back.
 
 import asyncio
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis.exceptions
@@ -28,6 +27,8 @@ from dispatcher.fleet import FleetView
 from dispatcher.heartbeat import Heartbeater
 from dispatcher.keys import TIERS, Keys
 from infergate import clock, logs
+from policies import Policy
+from policies.live import LivePolicy
 
 log = logs.get(__name__)
 
@@ -41,7 +42,19 @@ class BatchRule:
     pacing: bool = True
 
     def min_slots(self) -> list[int]:
-        return [int(share * self.max_batch_size) for share in self.min_batch_share]
+        """Slots reserved per tier: at least one for any tier with a share."""
+        return [
+            max(1, round(share * self.max_batch_size)) if share > 0 else 0
+            for share in self.min_batch_share
+        ]
+
+    @classmethod
+    def from_policy(cls, policy: Policy) -> "BatchRule":
+        return cls(
+            max_batch_size=policy.document.batching.max_batch_size,
+            min_batch_share=tuple(policy.tiers[t].min_batch_share for t in TIERS),
+            pacing=policy.document.batching.pacing,
+        )
 
 
 @dataclass(frozen=True)
@@ -55,10 +68,12 @@ class DispatcherSettings:
 
 
 class Dispatcher:
-    def __init__(self, settings: DispatcherSettings, rule: Callable[[], BatchRule]) -> None:
+    def __init__(self, settings: DispatcherSettings, policy: LivePolicy) -> None:
         self.settings = settings
         self.id = settings.dispatcher_id
-        self.rule = rule
+        self.policy = policy
+        self._rule = BatchRule.from_policy(policy.current)
+        policy.on_change(self._policy_changed)
         self.redis = connect(
             settings.redis_url, block_s=settings.block_timeout_s, name="dispatcher:" + self.id
         )
@@ -78,6 +93,12 @@ class Dispatcher:
             beat_ms=clock.now_ms(),
             batches_done=self.batches_formed,
         )
+
+    def _policy_changed(self, policy: Policy) -> None:
+        self._rule = BatchRule.from_policy(policy)
+
+    def rule(self) -> BatchRule:
+        return self._rule
 
     def pacing_interval_ms(self, rule: BatchRule) -> int:
         workers = self.fleet.workers_alive
@@ -139,6 +160,7 @@ class Dispatcher:
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(backoff_s * 2, 2.0)
         self.heartbeat.start()
+        self.policy.start()
         await self.fleet.start()
         log.info("dispatcher.started", dispatcher_id=self.id)
         try:
@@ -156,6 +178,7 @@ class Dispatcher:
                     backoff_s = min(backoff_s * 2, 2.0)
         finally:
             await self.heartbeat.stop()
+            await self.policy.stop()
             await self.fleet.stop()
             try:
                 envs, credits = await self.broker.requeue(self.id)

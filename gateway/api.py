@@ -51,4 +51,22 @@ class StatusResponse(msgspec.Struct):
     mean_batch_size: float
     expired_dropped: int
     pending_here: int
+    # Admission: planned capacity (measured x target utilization) and the
+    # estimated queueing delay a new request of each tier would see.
+    capacity_rps: float
+    estimated_wait_ms: dict[str, float | None]
     policy_error: str | None = None
+
+
+class AdminPolicy(msgspec.Struct):
+    version: str
+    source: str
+    error: str | None
+    # The active document; key digests are left out.
+    policy: dict[str, object]
+
+
+class ReloadResult(msgspec.Struct):
+    changed: bool
+    version: str
+    error: str | None

@@ -12,7 +12,13 @@ from litestar.openapi.spec import Components, SecurityScheme
 from litestar.status_codes import HTTP_200_OK, HTTP_503_SERVICE_UNAVAILABLE
 
 import infergate
-from gateway.api import InferenceRequest, InferenceResponse, StatusResponse
+from gateway.api import (
+    AdminPolicy,
+    InferenceRequest,
+    InferenceResponse,
+    ReloadResult,
+    StatusResponse,
+)
 from gateway.errors import ERRORS, ApiError, ErrorBody
 from gateway.middleware import REQUEST_ID, RequestIdAndLimits
 from gateway.service import Gateway
@@ -47,6 +53,7 @@ INFERENCE_ERRORS = {
         ("UNAUTHENTICATED", "UNAUTHENTICATED: no or unknown API key"),
         ("KEY_DISABLED", "KEY_DISABLED: the key is disabled"),
         ("PAYLOAD_TOO_LARGE", "PAYLOAD_TOO_LARGE: the body is over the byte limit"),
+        ("RATE_LIMITED", "RATE_LIMITED: the key's quota is spent (Retry-After)"),
         ("INFERENCE_FAILED", "INFERENCE_FAILED: the backend failed on this input"),
         (
             "SERVICE_OVERLOADED",
@@ -74,10 +81,45 @@ def _gateway(request: Request[Any, Any, Any]) -> Gateway:
     description="Waits on this connection until the result is ready or the deadline passes.",
     security=[{"bearer": []}],
 )
-async def inference(request: Request[Any, Any, Any], data: InferenceRequest) -> InferenceResponse:
-    return await _gateway(request).infer(
+async def inference(
+    request: Request[Any, Any, Any], data: InferenceRequest
+) -> Response[InferenceResponse]:
+    result, headers = await _gateway(request).infer(
         _request_id(request), request.headers.get("authorization"), data
     )
+    return Response(result, headers=headers)
+
+
+ADMIN_ERRORS = {
+    401: _error("UNAUTHENTICATED", "UNAUTHENTICATED: no or unknown API key"),
+    403: _error("FORBIDDEN", "FORBIDDEN: not an admin key"),
+}
+
+
+@get(
+    "/v1/admin/policy",
+    summary="The active policy (without key digests)",
+    responses=ADMIN_ERRORS,
+    security=[{"bearer": []}],
+)
+async def admin_policy(request: Request[Any, Any, Any]) -> AdminPolicy:
+    gw = _gateway(request)
+    gw.admin(request.headers.get("authorization"))
+    return gw.admin_policy()
+
+
+@post(
+    "/v1/admin/policy/reload",
+    status_code=HTTP_200_OK,
+    summary="Re-read the policy file now",
+    description="An invalid file changes nothing; the response says why.",
+    responses=ADMIN_ERRORS,
+    security=[{"bearer": []}],
+)
+async def reload_policy(request: Request[Any, Any, Any]) -> ReloadResult:
+    gw = _gateway(request)
+    gw.admin(request.headers.get("authorization"))
+    return gw.reload_policy()
 
 
 @get("/healthz", summary="The process is alive")
@@ -152,7 +194,7 @@ def create_app(gateway: Gateway) -> Litestar:
         await gateway.stop()
 
     app = Litestar(
-        route_handlers=[inference, healthz, readyz, status],
+        route_handlers=[inference, healthz, readyz, status, admin_policy, reload_policy],
         on_startup=[on_startup],
         on_shutdown=[on_shutdown],
         exception_handlers={

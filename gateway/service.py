@@ -7,19 +7,31 @@ the fleet view and the active policy.
 import asyncio
 import hashlib
 from dataclasses import dataclass
+from typing import Any
 
+import msgspec
 import redis.exceptions
 
 from dispatcher import wire
 from dispatcher.broker import Broker, connect
 from dispatcher.fleet import FleetView
 from dispatcher.heartbeat import Heartbeater
-from dispatcher.keys import Keys
-from gateway.api import InferenceRequest, InferenceResponse, StatusResponse, WorkerStatus
+from dispatcher.keys import TIERS, Keys
+from gateway.admission import Admission
+from gateway.api import (
+    AdminPolicy,
+    InferenceRequest,
+    InferenceResponse,
+    ReloadResult,
+    StatusResponse,
+    WorkerStatus,
+)
 from gateway.errors import ApiError
+from gateway.quota import Quota
 from gateway.replies import ReplyRouter
 from infergate import clock, logs
-from policies import KeyEntry, Policy
+from policies import KeyEntry, Policy, Tier
+from policies.live import LivePolicy
 
 log = logs.get(__name__)
 
@@ -37,16 +49,8 @@ class GatewaySettings:
     fleet_refresh_ms: int = 200
 
 
-class PolicyHolder:
-    """The active policy; swapped whole, never mutated."""
-
-    def __init__(self, policy: Policy) -> None:
-        self.current = policy
-        self.error: str | None = None
-
-
 class Gateway:
-    def __init__(self, settings: GatewaySettings, policy: PolicyHolder) -> None:
+    def __init__(self, settings: GatewaySettings, policy: LivePolicy) -> None:
         self.settings = settings
         self.id = settings.gateway_id
         self.policy = policy
@@ -55,6 +59,8 @@ class Gateway:
         self.broker = Broker(self.redis, self.keys)
         self.replies = ReplyRouter(self.redis, self.keys.reply_channel(self.id))
         self.fleet = FleetView(self.broker, settings.fleet_refresh_ms)
+        self.quota = Quota(self.redis, self.keys.ratelimit_prefix())
+        self.admission = Admission(self.fleet)
         self.started_ms = clock.now_ms()
         self.served = 0
         self.heartbeat = Heartbeater(
@@ -67,12 +73,14 @@ class Gateway:
         )
 
     async def start(self) -> None:
+        self.policy.start()
         await self.fleet.start()
         await self.replies.start()
         self.heartbeat.start()
         log.info("gateway.started", gateway_id=self.id, policy_version=self.policy.current.version)
 
     async def stop(self) -> None:
+        await self.policy.stop()
         await self.heartbeat.stop()
         await self.replies.stop()
         await self.fleet.stop()
@@ -106,7 +114,9 @@ class Gateway:
 
     async def infer(
         self, request_id: str, authorization: str | None, body: InferenceRequest
-    ) -> InferenceResponse:
+    ) -> tuple[InferenceResponse, dict[str, str]]:
+        """Who, quota, capacity (DESIGN: Admission), then enqueue and wait.
+        Returns the response and the headers it carries."""
         started = clock.monotonic_s()
         policy = self.policy.current
         key = self.authenticate(authorization, policy)
@@ -127,14 +137,63 @@ class Gateway:
             raise ApiError(
                 "SERVICE_OVERLOADED", "no healthy worker is available", RETRY_NO_WORKER_MS
             )
+        try:
+            quota = await self.quota.charge(key, tier, len(body.input))
+        except (redis.exceptions.RedisError, OSError) as exc:
+            self.fleet.mark_unreachable()
+            raise ApiError(
+                "SERVICE_OVERLOADED", "the queue store is unreachable", RETRY_REDIS_MS
+            ) from exc
+        headers = quota.headers()
+        if not quota.allowed:
+            raise ApiError(
+                "RATE_LIMITED",
+                f"rate limit {quota.refused_by} exceeded for this key",
+                quota.retry_after_ms,
+                headers,
+            )
+        try:
+            decision = self.admission.decide(policy, key.tier)
+            if not decision.admitted:
+                await self._refund(key, tier, len(body.input))
+                raise ApiError(
+                    "SERVICE_OVERLOADED",
+                    f"the {key.tier} tier is at capacity: about {decision.wait_ms:.0f} ms of work is "
+                    f"queued ahead, over its {tier.latency_budget_ms} ms budget",
+                    decision.retry_after_ms,
+                )
+            result = await self._run(request_id, key, body.input, deadline_ms, started)
+        except ApiError as exc:
+            exc.headers.update(headers)
+            raise
+        self.served += 1
+        response = InferenceResponse(
+            request_id=request_id,
+            output=result.output or "",
+            latency_ms=round(clock.elapsed_ms(started), 2),
+            tier=key.tier,
+            batch_size=result.batch_size,
+            queue_ms=result.queue_ms,
+        )
+        return response, headers
 
+    async def _refund(self, key: KeyEntry, tier: Tier, input_chars: int) -> None:
+        """A request that admission refused gives its quota back."""
+        try:
+            await self.quota.refund(key, tier, input_chars)
+        except (redis.exceptions.RedisError, OSError) as exc:
+            log.warning("quota.refund_failed", error=type(exc).__name__)
+
+    async def _run(
+        self, request_id: str, key: KeyEntry, text: str, deadline_ms: int, started: float
+    ) -> wire.Result:
         now_ms = clock.now_ms()
         envelope = wire.Envelope(
             id=request_id,
             gateway=self.id,
             tier=key.tier,
             key_id=key.id,
-            input=body.input,
+            input=text,
             enqueued_ms=now_ms,
             deadline_ms=now_ms + deadline_ms,
         )
@@ -168,17 +227,28 @@ class Gateway:
                 code=result.error.code,
             )
             raise ApiError("INFERENCE_FAILED", result.error.message)
-        self.served += 1
-        return InferenceResponse(
-            request_id=request_id,
-            output=result.output or "",
-            latency_ms=round(clock.elapsed_ms(started), 2),
-            tier=key.tier,
-            batch_size=result.batch_size,
-            queue_ms=result.queue_ms,
-        )
+        return result
 
     # -- operators ---------------------------------------------------------------
+
+    def admin(self, authorization: str | None) -> KeyEntry:
+        key = self.authenticate(authorization, self.policy.current)
+        if not key.admin:
+            raise ApiError(
+                "FORBIDDEN", "this endpoint needs an admin key (admin: true in the policy)"
+            )
+        return key
+
+    def admin_policy(self) -> AdminPolicy:
+        policy = self.policy.current
+        document: dict[str, Any] = msgspec.to_builtins(policy.document)
+        for key in document.get("keys", []):
+            key.pop("sha256", None)
+        return AdminPolicy(policy.version, policy.source, self.policy.error, document)
+
+    def reload_policy(self) -> ReloadResult:
+        changed = self.policy.reload()
+        return ReloadResult(changed, self.policy.current.version, self.policy.error)
 
     async def status(self) -> StatusResponse:
         try:
@@ -191,6 +261,7 @@ class Gateway:
             raise ApiError(
                 "SERVICE_OVERLOADED", "the queue store is unreachable", RETRY_REDIS_MS
             ) from exc
+        policy = self.policy.current
         batches = stats.get("batches_formed", 0)
         batched = stats.get("requests_batched", 0)
         return StatusResponse(
@@ -214,4 +285,10 @@ class Gateway:
             mean_batch_size=round(batched / batches, 2) if batches else 0.0,
             expired_dropped=stats.get("expired_dropped", 0),
             pending_here=len(self.replies.pending),
+            capacity_rps=round(self.admission.capacity_rps(policy), 1),
+            estimated_wait_ms={
+                t: (None if w == float("inf") else round(w, 1))
+                for t in TIERS
+                for w in [self.admission.estimate_wait_ms(policy, t)]
+            },
         )

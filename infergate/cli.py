@@ -160,8 +160,9 @@ def _gateway(args: argparse.Namespace) -> int:
     import uvloop
 
     from gateway.server import serve
-    from gateway.service import Gateway, GatewaySettings, PolicyHolder
+    from gateway.service import Gateway, GatewaySettings
     from infergate import logs
+    from policies.live import LivePolicy
 
     gateway_id = _process_id(args, "gateway")
     logs.configure("gateway", gateway_id)
@@ -173,23 +174,18 @@ def _gateway(args: argparse.Namespace) -> int:
         heartbeat_interval_ms=args.heartbeat_interval_ms,
         heartbeat_ttl_ms=args.heartbeat_ttl_ms,
     )
-    gateway = Gateway(settings, PolicyHolder(policy))
+    gateway = Gateway(settings, LivePolicy(policy, args.policy))
     return uvloop.run(serve(gateway, args.host, args.port, args.drain_timeout_s))
 
 
 def _dispatcher(args: argparse.Namespace) -> int:
-    from dispatcher.keys import TIERS
-    from dispatcher.service import BatchRule, Dispatcher, DispatcherSettings
+    from dispatcher.service import Dispatcher, DispatcherSettings
     from infergate import logs, runtime
+    from policies.live import LivePolicy
 
     dispatcher_id = _process_id(args, "dispatcher")
     logs.configure("dispatcher", dispatcher_id)
     policy = _load_policy_or_exit(args.policy, required=False)
-    rule = BatchRule(
-        max_batch_size=policy.document.batching.max_batch_size,
-        min_batch_share=tuple(policy.tiers[t].min_batch_share for t in TIERS),
-        pacing=policy.document.batching.pacing,
-    )
     settings = DispatcherSettings(
         dispatcher_id=dispatcher_id,
         redis_url=args.redis_url,
@@ -197,7 +193,7 @@ def _dispatcher(args: argparse.Namespace) -> int:
         heartbeat_interval_ms=args.heartbeat_interval_ms,
         heartbeat_ttl_ms=args.heartbeat_ttl_ms,
     )
-    return runtime.run(Dispatcher(settings, lambda: rule).serve)
+    return runtime.run(Dispatcher(settings, LivePolicy(policy, args.policy)).serve)
 
 
 def _worker(args: argparse.Namespace) -> int:
