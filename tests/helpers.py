@@ -226,3 +226,97 @@ def pid_alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
     except OSError:
         return False
+
+
+class Cluster:
+    """Components started one by one (as an operator would), sharing one
+    policy file: gateways on their own ports, one dispatcher, workers that a
+    test can kill and add."""
+
+    def __init__(
+        self,
+        tmp: Path,
+        redis_url: str,
+        policy: str,
+        *,
+        gateways: int = 1,
+        workers: int = 1,
+        latency_ms: int = 100,
+    ) -> None:
+        self.tmp = tmp
+        self.redis_url = redis_url
+        self.latency_ms = latency_ms
+        self.policy_path = tmp / "policy.yaml"
+        self.policy_path.write_text(policy)
+        self.env = {"REDIS_URL": redis_url}
+        self.procs: list[Proc] = []
+        self.workers: list[Proc] = []
+        self.urls: list[str] = []
+        self._n = 0
+        try:
+            self.procs.append(
+                self._start(["dispatcher", "--policy", str(self.policy_path)], "dispatcher")
+            )
+            for _ in range(workers):
+                self.add_worker()
+            for i in range(gateways):
+                port = free_port()
+                self.procs.append(
+                    self._start(
+                        ["gateway", "--port", str(port), "--policy", str(self.policy_path)],
+                        f"gateway{i}",
+                    )
+                )
+                self.urls.append(f"http://127.0.0.1:{port}")
+            for url in self.urls:
+                wait_for(lambda u=url: self._ready(u), 60, f"{url} to be ready")
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, args: list[str], name: str) -> Proc:
+        self._n += 1
+        return Proc(args, self.env, self.tmp / f"{name}-{self._n}.log")
+
+    def _ready(self, url: str) -> bool:
+        for p in self.procs + self.workers:
+            if not p.alive() and p not in self.killed:
+                raise AssertionError(f"{p.log_path.name} exited:\n" + p.output()[-2000:])
+        try:
+            return http("GET", url + "/readyz", timeout=1)[0] == 200
+        except OSError:
+            return False
+
+    killed: list["Proc"] = []
+
+    def add_worker(self) -> Proc:
+        worker = self._start(
+            ["worker", "--sim-latency-ms", str(self.latency_ms), "--policy", str(self.policy_path)],
+            "worker",
+        )
+        self.workers.append(worker)
+        return worker
+
+    def kill_worker(self) -> None:
+        worker = next(w for w in self.workers if w.alive())
+        worker.proc.kill()
+        worker.proc.wait(5)
+        self.killed = [*self.killed, worker]
+
+    def status(self, i: int = 0) -> Any:
+        return http("GET", self.urls[i] + "/v1/status")[2]
+
+    def infer(
+        self, tier_or_secret: str, text: str, i: int = 0, **extra: Any
+    ) -> tuple[int, dict[str, str], Any]:
+        secret = SECRETS.get(tier_or_secret, tier_or_secret)
+        return http(
+            "POST",
+            self.urls[i] + "/v1/inference",
+            {"input": text, **extra},
+            {"Authorization": "Bearer " + secret},
+        )
+
+    def stop(self) -> None:
+        for p in self.procs + self.workers:
+            p.stop()

@@ -1,0 +1,262 @@
+"""Issue: tiers that mean something. Quotas shared by gateways, capacity
+admission, minimum batch shares, live policy edits, the policy CLI. Real
+processes on a real Redis."""
+
+import asyncio
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from infergate.redis_server import RedisServer
+from policies import parse_policy
+from policies.loader import digest
+from tests.helpers import SECRETS, Cluster, auth, http, policy_yaml, sha, wait_for
+
+
+@pytest.fixture(scope="module")
+def redis_mod() -> Iterator[RedisServer]:
+    server = RedisServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def cluster_factory(tmp_path: Path, redis_mod: RedisServer) -> Iterator:
+    made: list[Cluster] = []
+
+    def make(policy: str, **kw) -> Cluster:
+        import redis
+
+        client = redis.Redis.from_url(redis_mod.url)
+        client.flushall()
+        client.close()
+        c = Cluster(tmp_path, redis_mod.url, policy, **kw)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.stop()
+
+
+def test_two_gateways_admit_exactly_the_quota(cluster_factory) -> None:
+    extra = f"  - id: quota\n    tier: paid\n    sha256: {sha('quota-secret')}\n    rate_limits: ['5/minute']\n"
+    c = cluster_factory(policy_yaml(extra_keys=extra), gateways=2)
+    results = [c.infer("quota-secret", f"q{i}", i % 2) for i in range(6)]
+    statuses = [s for s, _, _ in results]
+    assert statuses == [200] * 5 + [429]
+    remaining = [int(h["x-ratelimit-remaining-requests"]) for _, h, _ in results[:5]]
+    assert remaining == [4, 3, 2, 1, 0]
+    status, headers, body = results[5]
+    assert body["error"]["code"] == "RATE_LIMITED"
+    assert headers["x-ratelimit-limit-requests"] == "5"
+    assert headers["x-ratelimit-remaining-requests"] == "0"
+    assert float(headers["x-ratelimit-reset-requests"].rstrip("s")) > 0
+    assert 1 <= int(headers["retry-after"]) <= 60
+    assert 0 < int(headers["retry-after-ms"]) <= 60_000
+    assert body["error"]["retry_after_ms"] == int(headers["retry-after-ms"])
+
+
+def test_a_refused_request_is_not_charged_to_other_limits(cluster_factory) -> None:
+    extra = f"  - id: two\n    tier: paid\n    sha256: {sha('two-secret')}\n    rate_limits: ['3/minute', '1/second']\n"
+    c = cluster_factory(policy_yaml(extra_keys=extra))
+    admitted = 0
+    refused_by_second = 0
+    for i in range(4):
+        # A burst of three: the first passes, the next two are refused by 1/second.
+        for j in range(3):
+            status, _, body = c.infer("two-secret", f"r{i}-{j}")
+            if status == 200:
+                admitted += 1
+            elif "1 per 1 second" in body["error"]["message"]:
+                refused_by_second += 1
+        time.sleep(1.05)
+    # Rounds 0 and 1 each had two requests refused by 1/second; had those been
+    # charged to 3/minute, it would have been spent after round 0 (admitted == 1).
+    assert refused_by_second >= 4
+    assert admitted == 3
+
+
+def test_a_key_override_beats_its_tier(cluster_factory) -> None:
+    tier_limit = "    rate_limits: ['2/minute']\n"
+    extra = f"  - id: vip\n    tier: free\n    sha256: {sha('vip-secret')}\n    rate_limits: ['4/minute']\n"
+    c = cluster_factory(policy_yaml(extra_keys=extra, tiers_extra=tier_limit))
+    assert [c.infer("vip-secret", f"v{i}")[0] for i in range(5)] == [200] * 4 + [429]
+    assert [c.infer("free", f"f{i}")[0] for i in range(3)] == [200, 200, 429]
+
+
+async def _burst(
+    url: str, secret: str, n: int, prefix: str, timeout_ms: int | None = None
+) -> list[tuple[int, float]]:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=500)) as session:
+
+        async def one(i: int) -> tuple[int, float]:
+            started = time.monotonic()
+            body: dict = {"input": f"{prefix}-{i}"}
+            async with session.post(
+                url + "/v1/inference", json=body, headers={"Authorization": "Bearer " + secret}
+            ) as r:
+                await r.read()
+                return r.status, time.monotonic() - started
+
+        return await asyncio.gather(*(one(i) for i in range(n)))
+
+
+async def test_overload_sheds_free_fast_while_enterprise_succeeds(cluster_factory) -> None:
+    policy = policy_yaml(max_batch_size=10).replace(
+        "latency_budget_ms: 5000", "latency_budget_ms: 500"
+    )
+    c = cluster_factory(policy, workers=1, latency_ms=500)
+    free = asyncio.create_task(_burst(c.urls[0], SECRETS["free"], 150, "free"))
+    await asyncio.sleep(0.05)
+    enterprise = await _burst(c.urls[0], SECRETS["enterprise"], 5, "ent")
+    free_results = await free
+    assert [s for s, _ in enterprise] == [200] * 5
+    shed = [t for s, t in free_results if s == 503]
+    assert len(shed) >= 100, sorted(s for s, _ in free_results)
+    # Refused at the door, not after waiting for the deadline (10 s).
+    assert max(shed) < 2.0
+
+
+async def test_admission_follows_workers_dying_and_coming_back(cluster_factory) -> None:
+    policy = policy_yaml(max_batch_size=10).replace(
+        "latency_budget_ms: 5000", "latency_budget_ms: 1000"
+    )
+    c = cluster_factory(policy, workers=4, latency_ms=500)
+
+    def capacity() -> float:
+        return c.status()["capacity_rps"]
+
+    def drained() -> bool:
+        return sum(c.status()["queue_depth"].values()) == 0
+
+    assert capacity() == pytest.approx(4 * 20 * 0.85, rel=0.1)
+    ok_before = sum(s == 200 for s, _ in await _burst(c.urls[0], SECRETS["free"], 60, "a"))
+    wait_for(drained, 10, "the queue to drain")
+    for _ in range(3):
+        c.kill_worker()
+    killed_at = time.monotonic()
+    wait_for(lambda: capacity() < 30, 5, "capacity to drop")
+    assert time.monotonic() - killed_at < 2.5
+    ok_after_kill = sum(s == 200 for s, _ in await _burst(c.urls[0], SECRETS["free"], 60, "b"))
+    wait_for(drained, 15, "the queue to drain")
+    for _ in range(3):
+        c.add_worker()
+    wait_for(lambda: capacity() > 60, 15, "capacity to come back")
+    ok_restored = sum(s == 200 for s, _ in await _burst(c.urls[0], SECRETS["free"], 60, "c"))
+    assert ok_before >= 55
+    assert ok_after_kill <= 30
+    assert ok_restored >= 55
+
+
+async def test_min_share_keeps_free_moving_under_enterprise_load(cluster_factory) -> None:
+    policy = policy_yaml(max_batch_size=10, free_share=0.2, deadline_ms=30_000)
+    c = cluster_factory(policy, workers=1, latency_ms=100)
+
+    async def tagged(secret: str, n: int, tag: str) -> None:
+        results = await _burst(c.urls[0], secret, n, tag)
+        assert all(s == 200 for s, _ in results)
+
+    ent = asyncio.create_task(tagged(SECRETS["enterprise"], 200, "ent"))
+    await asyncio.sleep(0.3)  # a sustained enterprise backlog is queued
+    free_started = time.monotonic()
+    await tagged(SECRETS["free"], 10, "free")
+    free_took = time.monotonic() - free_started
+    assert not ent.done(), "free finished only after the enterprise backlog"
+    await ent
+    # 2 slots of every 10-slot batch: 10 free requests need ~5 batches (0.5 s),
+    # not the 20 batches (2 s) that strict priority would make them wait.
+    assert free_took < 1.5
+
+
+def _rewrite(path: Path, text: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def test_live_policy_edits_add_disable_and_limit_without_restart(cluster_factory) -> None:
+    c = cluster_factory(policy_yaml())
+    assert c.infer("paid", "before")[0] == 200
+    assert c.infer("new-secret", "nope")[0] == 401
+    new_key = f"  - id: newcomer\n    tier: paid\n    sha256: {sha('new-secret')}\n"
+    edited = (
+        policy_yaml(extra_keys=new_key)
+        .replace(
+            f"sha256: {sha(SECRETS['paid'])}\n",
+            f"sha256: {sha(SECRETS['paid'])}\n    disabled: true\n",
+        )
+        .replace(
+            "    min_batch_share: 0.0\n",
+            "    min_batch_share: 0.0\n    rate_limits: ['1/minute']\n",
+        )
+    )
+    version_before = c.status()["policy_version"]
+    _rewrite(c.policy_path, edited)
+    wait_for(lambda: c.infer("new-secret", "hello")[0] == 200, 3, "the new key to work")
+    assert c.status()["policy_version"] != version_before
+    assert c.infer("paid", "after")[0] == 403
+    statuses = [c.infer("enterprise", f"e{i}")[0] for i in range(2)]
+    assert statuses == [200, 429]
+
+
+def test_an_invalid_edit_keeps_the_old_policy_and_shows_the_error(cluster_factory) -> None:
+    c = cluster_factory(policy_yaml())
+    version = c.status()["policy_version"]
+    _rewrite(c.policy_path, policy_yaml().replace("tier: paid", "tier: gold"))
+    wait_for(lambda: c.status()["policy_error"], 3, "the error to show")
+    status = c.status()
+    assert status["policy_version"] == version
+    assert re.search(
+        r"policy\.yaml:\d+: keys\[1\]\.tier: unknown tier 'gold'", status["policy_error"]
+    )
+    assert c.infer("paid", "still served")[0] == 200
+    _rewrite(c.policy_path, policy_yaml(max_batch_size=50))
+    wait_for(lambda: c.status()["policy_error"] is None, 3, "the error to clear")
+    assert c.status()["policy_version"] != version
+
+
+def test_admin_endpoints(cluster_factory) -> None:
+    c = cluster_factory(policy_yaml())
+    url = c.urls[0]
+    status, _, body = http("GET", url + "/v1/admin/policy", headers=auth("admin"))
+    assert status == 200
+    assert body["version"] == c.status()["policy_version"]
+    assert "sha256" not in str(body["policy"])
+    assert {k["id"] for k in body["policy"]["keys"]} >= {"ent", "pai", "fre", "adm"}
+    status, _, body = http("GET", url + "/v1/admin/policy", headers=auth("enterprise"))
+    assert status == 403
+    assert body["error"]["code"] == "FORBIDDEN"
+    assert http("POST", url + "/v1/admin/policy/reload", headers=auth("paid"))[0] == 403
+    c.policy_path.write_text(policy_yaml(max_batch_size=42))
+    status, _, body = http("POST", url + "/v1/admin/policy/reload", headers=auth("admin"))
+    assert status == 200
+    assert body["error"] is None
+    assert (
+        http("GET", url + "/v1/admin/policy", headers=auth("admin"))[2]["policy"]["batching"][
+            "max_batch_size"
+        ]
+        == 42
+    )
+
+
+def test_keys_new_prints_a_key_and_an_entry_that_works(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "infergate", "keys", "new", "--tier", "paid", "--id", "acme"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    secret = re.search(r"^\s+(ig-\S+)$", out, re.M).group(1)
+    entry = out[out.index("  - id: acme") :]
+    text = policy_yaml().replace("batching:", entry.rstrip() + "\nbatching:", 1)
+    key = parse_policy(text, "p.yaml").key_for_digest(digest(secret))
+    assert key is not None
+    assert (key.id, key.tier) == ("acme", "paid")
+    assert secret not in text
