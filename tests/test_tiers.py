@@ -53,7 +53,7 @@ def test_two_gateways_admit_exactly_the_quota(cluster_factory) -> None:
     assert statuses == [200] * 5 + [429]
     remaining = [int(h["x-ratelimit-remaining-requests"]) for _, h, _ in results[:5]]
     assert remaining == [4, 3, 2, 1, 0]
-    status, headers, body = results[5]
+    _, headers, body = results[5]
     assert body["error"]["code"] == "RATE_LIMITED"
     assert headers["x-ratelimit-limit-requests"] == "5"
     assert headers["x-ratelimit-remaining-requests"] == "0"
