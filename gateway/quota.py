@@ -66,6 +66,9 @@ class Quota:
             key_prefix=key_prefix,
             connection_pool=redis.connection_pool,  # type: ignore[arg-type]
         )
+        # When each window ends (epoch s), learned when this gateway opens a
+        # window or from one TTL read per window: no extra round trip per request.
+        self._window_end: dict[str, float] = {}
 
     def charges(self, key: KeyEntry, tier: Tier, input_chars: int) -> list[Charge]:
         rates = key.rate_limits if key.rate_limits is not None else tier.rate_limits
@@ -87,6 +90,10 @@ class Quota:
         counts = await asyncio.gather(
             *(self.storage.incr(c.key, c.item.get_expiry(), amount=c.cost) for c in charges)
         )
+        now = time.time()
+        for c, n in zip(charges, counts, strict=True):
+            if n == c.cost:  # this request opened the window
+                self._window_end[c.key] = now + c.item.get_expiry()
         refused = [c for c, n in zip(charges, counts, strict=True) if n > c.item.amount]
         if refused:
             await asyncio.gather(
@@ -122,4 +129,11 @@ class Quota:
         )
 
     async def _reset_s(self, charge: Charge) -> float:
-        return max(0.0, await self.storage.get_expiry(charge.key) - time.time())
+        now = time.time()
+        end = self._window_end.get(charge.key, 0.0)
+        if end <= now:
+            if len(self._window_end) > 100_000:
+                self._window_end = {k: v for k, v in self._window_end.items() if v > now}
+            end = await self.storage.get_expiry(charge.key)
+            self._window_end[charge.key] = end
+        return max(0.0, end - now)
