@@ -195,6 +195,14 @@ class Broker:
             keys=[self.keys.processing(worker_id), self.keys.ready], args=[worker_id, "0"]
         )
 
+    async def ensure_credit(self, worker_id: str) -> bool:
+        """An idle worker re-offers its credit if Redis lost it (see ensure_credit.lua)."""
+        credit_lists = [self.keys.credits(d) for d in await self.members("dispatcher")]
+        offered = await self.scripts.ensure_credit(
+            keys=[self.keys.ready, self.keys.batches, *credit_lists], args=[worker_id]
+        )
+        return bool(offered)
+
     async def pull_batch(self, worker_id: str, timeout_s: float) -> bytes | None:
         data: bytes | None = await self.redis.blmove(  # type: ignore[assignment]
             self.keys.batches,

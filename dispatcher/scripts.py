@@ -7,7 +7,7 @@ from importlib import resources
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
-SCRIPT_NAMES = ("enqueue", "take", "handoff", "finish", "requeue", "retry")
+SCRIPT_NAMES = ("enqueue", "take", "handoff", "finish", "requeue", "retry", "ensure_credit")
 
 
 @cache
@@ -25,3 +25,4 @@ class Scripts:
         self.finish: AsyncScript = redis.register_script(source("finish"))
         self.requeue: AsyncScript = redis.register_script(source("requeue"))
         self.retry: AsyncScript = redis.register_script(source("retry"))
+        self.ensure_credit: AsyncScript = redis.register_script(source("ensure_credit"))

@@ -26,6 +26,7 @@ from dispatcher.broker import Broker, connect
 from dispatcher.fleet import FleetView
 from dispatcher.heartbeat import Heartbeater
 from dispatcher.keys import TIERS, Keys
+from dispatcher.reaper import Reaper
 from infergate import clock, logs
 from policies import Policy
 from policies.live import LivePolicy
@@ -81,6 +82,9 @@ class Dispatcher:
         self.started_ms = clock.now_ms()
         self.batches_formed = 0
         self.fleet = FleetView(self.broker, refresh_ms=200)
+        self.reaper = Reaper(
+            self.broker, self.id, lambda: self.policy.current.document.workers.max_attempts
+        )
         self.heartbeat = Heartbeater(
             self.broker, self.status, settings.heartbeat_interval_ms, settings.heartbeat_ttl_ms
         )
@@ -162,6 +166,7 @@ class Dispatcher:
         self.heartbeat.start()
         self.policy.start()
         await self.fleet.start()
+        self.reaper.start()
         log.info("dispatcher.started", dispatcher_id=self.id)
         try:
             while not stop.is_set():
@@ -177,6 +182,7 @@ class Dispatcher:
                     await asyncio.sleep(backoff_s)
                     backoff_s = min(backoff_s * 2, 2.0)
         finally:
+            await self.reaper.stop()
             await self.heartbeat.stop()
             await self.policy.stop()
             await self.fleet.stop()

@@ -85,7 +85,7 @@ async def inference(
     request: Request[Any, Any, Any], data: InferenceRequest
 ) -> Response[InferenceResponse]:
     result, headers = await _gateway(request).infer(
-        _request_id(request), request.headers.get("authorization"), data
+        _request_id(request), request.headers.get("authorization"), data, request.receive
     )
     return Response(result, headers=headers)
 
@@ -133,9 +133,15 @@ async def healthz() -> dict[str, str]:
     responses={503: _error("", "not ready")},
 )
 async def readyz(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
-    fleet = _gateway(request).fleet
-    ready = fleet.redis_ok and fleet.workers_alive > 0
-    body = {"ready": ready, "redis_ok": fleet.redis_ok, "workers_alive": fleet.workers_alive}
+    gw = _gateway(request)
+    fleet = gw.fleet
+    ready = fleet.redis_ok and fleet.workers_alive > 0 and not gw.draining
+    body = {
+        "ready": ready,
+        "redis_ok": fleet.redis_ok,
+        "workers_alive": fleet.workers_alive,
+        "draining": gw.draining,
+    }
     return Response(body, status_code=HTTP_200_OK if ready else HTTP_503_SERVICE_UNAVAILABLE)
 
 

@@ -23,6 +23,8 @@ ERRORS: dict[str, tuple[int, str]] = {
     "INTERNAL": (500, "server_error"),
     "SERVICE_OVERLOADED": (503, "overloaded_error"),
     "TIMEOUT": (504, "timeout_error"),
+    # Never seen by a client (it has gone); in logs and metrics only.
+    "CLIENT_CLOSED": (499, "client_closed"),
 }
 
 

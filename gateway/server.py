@@ -1,12 +1,23 @@
 """Serving the gateway with uvicorn on a SO_REUSEPORT socket, so several
-gateway processes share one port and the kernel spreads connections."""
+gateway processes share one port and the kernel spreads connections.
 
+Drain: the first SIGTERM/SIGINT makes the gateway refuse new requests (503,
+``/readyz`` not ready) while it waits, up to the drain timeout, for the
+requests it is holding; then uvicorn shuts down. A second signal ends it at
+once.
+"""
+
+import signal
 import socket
+from types import FrameType
 
 import uvicorn
 
 from gateway.app import create_asgi
 from gateway.service import Gateway
+from infergate import clock, logs
+
+log = logs.get(__name__)
 
 
 def reuseport_socket(host: str, port: int) -> socket.socket:
@@ -32,6 +43,32 @@ async def serve(gateway: Gateway, host: str, port: int, drain_timeout_s: float =
         timeout_graceful_shutdown=int(drain_timeout_s),
         backlog=2048,
     )
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, gateway, drain_timeout_s)
     await server.serve(sockets=[sock])
     return 0 if server.started else 1
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, gateway: Gateway, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.gateway = gateway
+        self.drain_timeout_s = drain_timeout_s
+        self.drain_started: float | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.drain_started is None and sig in (signal.SIGTERM, signal.SIGINT):
+            self.drain_started = clock.monotonic_s()
+            self.gateway.draining = True
+            log.info("gateway.draining", pending=len(self.gateway.replies.pending))
+            return
+        self.should_exit = True
+        self.force_exit = self.force_exit or self.drain_started is not None
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain_started is not None and not self.should_exit:
+            pending = len(self.gateway.replies.pending)
+            waited = clock.monotonic_s() - self.drain_started
+            if pending == 0 or waited > self.drain_timeout_s:
+                log.info("gateway.drained", pending=pending, waited_s=round(waited, 2))
+                self.should_exit = True
+        return await super().on_tick(counter)

@@ -6,6 +6,7 @@ the fleet view and the active policy.
 
 import asyncio
 import hashlib
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,25 @@ log = logs.get(__name__)
 
 RETRY_NO_WORKER_MS = 1_000
 RETRY_REDIS_MS = 1_000
+RETRY_DRAINING_MS = 100
+
+
+Receive = Callable[[], Awaitable[Any]]
+
+
+class ClientGone(Exception):
+    """The client closed its connection while its request waited."""
+
+
+async def _watch_disconnect(receive: Receive, future: asyncio.Future[wire.Result]) -> None:
+    """Fails ``future`` with ClientGone when the client disconnects. (The
+    body has been read, so the next ASGI message is the disconnect.)"""
+    while not future.done():
+        message = await receive()
+        if message.get("type") == "http.disconnect":
+            if not future.done():
+                future.set_exception(ClientGone())
+            return
 
 
 @dataclass(frozen=True)
@@ -63,6 +83,7 @@ class Gateway:
         self.admission = Admission(self.fleet)
         self.started_ms = clock.now_ms()
         self.served = 0
+        self.draining = False
         self.heartbeat = Heartbeater(
             self.broker,
             lambda: wire.Heartbeat(
@@ -113,11 +134,19 @@ class Gateway:
         return key
 
     async def infer(
-        self, request_id: str, authorization: str | None, body: InferenceRequest
+        self,
+        request_id: str,
+        authorization: str | None,
+        body: InferenceRequest,
+        receive: Receive | None = None,
     ) -> tuple[InferenceResponse, dict[str, str]]:
         """Who, quota, capacity (DESIGN: Admission), then enqueue and wait.
         Returns the response and the headers it carries."""
         started = clock.monotonic_s()
+        if self.draining:
+            raise ApiError(
+                "SERVICE_OVERLOADED", "this gateway is shutting down; retry", RETRY_DRAINING_MS
+            )
         policy = self.policy.current
         key = self.authenticate(authorization, policy)
         tier = policy.tiers[key.tier]
@@ -162,7 +191,7 @@ class Gateway:
                     f"queued ahead, over its {tier.latency_budget_ms} ms budget",
                     decision.retry_after_ms,
                 )
-            result = await self._run(request_id, key, body.input, deadline_ms, started)
+            result = await self._run(request_id, key, body.input, deadline_ms, started, receive)
         except ApiError as exc:
             exc.headers.update(headers)
             raise
@@ -185,7 +214,13 @@ class Gateway:
             log.warning("quota.refund_failed", error=type(exc).__name__)
 
     async def _run(
-        self, request_id: str, key: KeyEntry, text: str, deadline_ms: int, started: float
+        self,
+        request_id: str,
+        key: KeyEntry,
+        text: str,
+        deadline_ms: int,
+        started: float,
+        receive: Receive | None,
     ) -> wire.Result:
         now_ms = clock.now_ms()
         envelope = wire.Envelope(
@@ -210,6 +245,11 @@ class Gateway:
                     "SERVICE_OVERLOADED", "the queue store is unreachable", RETRY_REDIS_MS
                 ) from exc
             remaining_s = deadline_ms / 1000.0 - (clock.monotonic_s() - started)
+            watcher = (
+                asyncio.ensure_future(_watch_disconnect(receive, future))
+                if receive is not None
+                else None
+            )
             try:
                 async with asyncio.timeout(max(0.0, remaining_s)):
                     result = await future
@@ -217,6 +257,12 @@ class Gateway:
                 raise ApiError(
                     "TIMEOUT", f"no result within the {deadline_ms} ms deadline"
                 ) from None
+            except ClientGone:
+                await self._cancel(request_id, envelope.deadline_ms)
+                raise ApiError("CLIENT_CLOSED", "the client disconnected") from None
+            finally:
+                if watcher is not None:
+                    watcher.cancel()
         finally:
             self.replies.forget(request_id)
         if result.error is not None:
@@ -228,6 +274,14 @@ class Gateway:
             )
             raise ApiError("INFERENCE_FAILED", result.error.message)
         return result
+
+    async def _cancel(self, request_id: str, deadline_ms: int) -> None:
+        """The client left: mark the request so ``take`` drops it before a worker sees it."""
+        try:
+            await self.broker.cancel(request_id, deadline_ms)
+            log.info("request.cancelled", request_id=request_id)
+        except (redis.exceptions.RedisError, OSError) as exc:
+            log.warning("request.cancel_failed", request_id=request_id, error=type(exc).__name__)
 
     # -- operators ---------------------------------------------------------------
 

@@ -5,7 +5,9 @@ one call at a time (a second concurrent call raises).
 Its output for ``s`` is ``sim_output(s)``, which contains ``s``, so anyone
 can see that each reply belongs to its request. To test failure handling,
 any input containing ``fail_marker`` (default ``"__fail__"``) makes the
-whole call raise, as a poisoned input does on a real model.
+whole call raise, as a poisoned input does on a real model, and any input
+containing ``hang_marker`` (default ``"__hang__"``) makes the call hang for
+``hang_s`` (a stuck GPU). Set a marker to '' to turn it off.
 """
 
 import threading
@@ -15,6 +17,7 @@ import zlib
 from gpu.backend import BackendError, ContractError, check_batch
 
 DEFAULT_FAIL_MARKER = "__fail__"
+DEFAULT_HANG_MARKER = "__hang__"
 
 
 def sim_output(s: str) -> str:
@@ -25,12 +28,18 @@ class SimulatedBackend:
     name = "simulated"
 
     def __init__(
-        self, latency_ms: float = 100.0, fail_marker: str | None = DEFAULT_FAIL_MARKER
+        self,
+        latency_ms: float = 100.0,
+        fail_marker: str | None = DEFAULT_FAIL_MARKER,
+        hang_marker: str | None = DEFAULT_HANG_MARKER,
+        hang_s: float = 3600.0,
     ) -> None:
         if latency_ms < 0:
             raise ValueError("latency_ms must be >= 0")
         self.latency_s = latency_ms / 1000.0
         self.fail_marker = fail_marker or None
+        self.hang_marker = hang_marker or None
+        self.hang_s = hang_s
         self._one_at_a_time = threading.Lock()
 
     def infer(self, inputs: list[str]) -> list[str]:
@@ -39,6 +48,8 @@ class SimulatedBackend:
             raise ContractError("the backend runs one batch at a time")
         try:
             time.sleep(self.latency_s)
+            if self.hang_marker is not None and any(self.hang_marker in s for s in inputs):
+                time.sleep(self.hang_s)
             if self.fail_marker is not None:
                 for s in inputs:
                     if self.fail_marker in s:

@@ -233,6 +233,11 @@ class Worker:
                 need_credit = True  # a restarted Redis lost our credit
                 continue
             if data is None:
+                try:
+                    if await self.broker.ensure_credit(self.id):
+                        log.warning("worker.credit_restored", worker_id=self.id)
+                except (redis.exceptions.RedisError, OSError):
+                    need_credit = True
                 continue
             self.busy = True
             try:

@@ -95,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
         "__fail__",
         "simulated backend: inputs containing this fail ('' for never)",
     )
+    _add(
+        wk,
+        "--sim-hang-marker",
+        "__hang__",
+        "simulated backend: inputs containing this hang the backend ('' for never)",
+    )
     _add(wk, "--model", None, "transformers backend: model directory")
     _add(wk, "--gguf-file", None, "transformers backend: GGUF file inside the model directory")
     _add(wk, "--max-new-tokens", 16, "transformers backend: tokens to generate per input", int)
@@ -207,7 +213,7 @@ def _worker(args: argparse.Namespace) -> int:
     if args.backend == "simulated":
         from gpu.simulated import SimulatedBackend
 
-        backend = SimulatedBackend(args.sim_latency_ms, args.sim_fail_marker)
+        backend = SimulatedBackend(args.sim_latency_ms, args.sim_fail_marker, args.sim_hang_marker)
     elif args.backend == "transformers":
         if not args.model:
             print(

@@ -84,6 +84,8 @@ class RedisServer:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(5)
+        if self.proc is not None and self.proc.stderr is not None:
+            self.proc.stderr.close()
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -1,0 +1,342 @@
+"""Issue: nothing lost when things die. Real processes killed for real, on a
+real Redis: the reaper, retries and dead letters, poison inputs, hangs,
+cancellation, expiry, Redis outages and graceful drain."""
+
+import asyncio
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+import redis
+
+from dispatcher import wire
+from dispatcher.keys import TIERS, Keys
+from gpu.simulated import SimulatedBackend, sim_output
+from gpu.worker import Worker, WorkerSettings
+from infergate import clock
+from infergate.redis_server import RedisServer
+from tests.helpers import SECRETS, Cluster, Proc, http, policy_yaml, wait_for
+
+KEYS = Keys()
+
+
+@pytest.fixture
+def own_redis() -> Iterator[RedisServer]:
+    server = RedisServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def client(own_redis: RedisServer) -> Iterator[redis.Redis]:
+    c = redis.Redis.from_url(own_redis.url)
+    yield c
+    c.close()
+
+
+def stats(client: redis.Redis) -> dict[str, int]:
+    return {k.decode(): int(v) for k, v in client.hgetall(KEYS.stats).items()}
+
+
+def assert_redis_clean(client: redis.Redis) -> None:
+    """No request is left in any list, and nothing per-request lives without a TTL."""
+    lists = [*KEYS.queues, KEYS.batches, KEYS.doorbell]
+    lists += [k.decode() for k in client.scan_iter(KEYS.prefix + "inflight:*")]
+    lists += [k.decode() for k in client.scan_iter(KEYS.prefix + "processing:*")]
+    assert {name: client.llen(name) for name in lists if client.llen(name)} == {}
+    structural = (KEYS.stats, KEYS.ready, KEYS.dead_letter, KEYS.cancelled, KEYS.reaper_lock)
+    for key in client.scan_iter("*"):
+        name = key.decode()
+        if client.ttl(name) == -1:
+            assert name in structural or name.startswith(KEYS.prefix + "members:"), name
+
+
+def make_worker(url: str) -> Worker:
+    return Worker(WorkerSettings("unit-worker", url), SimulatedBackend(latency_ms=0))
+
+
+async def test_one_poisoned_input_in_a_batch_of_100_fails_alone(own_redis: RedisServer) -> None:
+    worker = make_worker(own_redis.url)
+    now = clock.now_ms()
+    envs = [
+        wire.Envelope(
+            f"r{i}", "gw", "free", "k", "bad __fail__" if i == 37 else f"in{i}", now, now + 60_000
+        )
+        for i in range(100)
+    ]
+    replies = await worker.run_batch(wire.Batch("b", "d", now, envs))
+    results = replies["gw"].results
+    assert len(results) == 100
+    failed = [r for r in results if r.error is not None]
+    assert [r.id for r in failed] == ["r37"]
+    assert failed[0].error is not None
+    assert failed[0].error.code == "INFERENCE_FAILED"
+    assert "fail marker" in failed[0].error.message
+    for r, env in zip(results, envs, strict=True):
+        if r.id != "r37":
+            assert r.output == sim_output(env.input)
+    await worker.redis.aclose()
+
+
+def test_poisoned_request_gets_500_and_its_neighbours_succeed(
+    tmp_path: Path, own_redis: RedisServer
+) -> None:
+    c = Cluster(tmp_path, own_redis.url, policy_yaml(), workers=1, latency_ms=50)
+    try:
+
+        async def burst() -> list[tuple[int, dict]]:
+            async with aiohttp.ClientSession() as s:
+
+                async def one(text: str) -> tuple[int, dict]:
+                    async with s.post(
+                        c.urls[0] + "/v1/inference",
+                        json={"input": text},
+                        headers={"Authorization": "Bearer " + SECRETS["paid"]},
+                    ) as r:
+                        return r.status, await r.json()
+
+                return await asyncio.gather(
+                    *(one("x __fail__" if i == 5 else f"n{i}") for i in range(30))
+                )
+
+        results = asyncio.run(burst())
+        assert [s for s, _ in results].count(200) == 29
+        status, body = results[5]
+        assert status == 500
+        assert body["error"]["code"] == "INFERENCE_FAILED"
+        assert max(b.get("batch_size", 0) for _, b in results) > 1
+    finally:
+        c.stop()
+
+
+def test_hung_worker_exits_and_the_batch_is_retried_then_dead_lettered(
+    tmp_path: Path, own_redis: RedisServer, client: redis.Redis
+) -> None:
+    policy = policy_yaml().replace(
+        "batching:", "workers:\n  hang_timeout_ms: 300\n  max_attempts: 2\nbatching:"
+    )
+    c = Cluster(tmp_path, own_redis.url, policy, workers=3, latency_ms=20)
+    try:
+        started = time.monotonic()
+        status, _, body = c.infer("paid", "stuck __hang__")
+        assert status == 500, body
+        assert body["error"]["code"] == "INFERENCE_FAILED"
+        assert "failed 2 times" in body["error"]["message"]
+        assert time.monotonic() - started < 8
+        # Two workers hung on it, in turn, and left with the hang exit code.
+        exited = wait_for(
+            lambda: (
+                [w for w in c.workers if not w.alive()]
+                if sum(not w.alive() for w in c.workers) >= 2
+                else None
+            ),
+            5,
+            "two workers to exit",
+        )
+        assert [w.proc.returncode for w in exited] == [3, 3]
+        s = stats(client)
+        assert s["batches_retried"] == 1
+        assert s["batches_dead_lettered"] == 1
+        assert client.llen(KEYS.dead_letter) == 1
+        assert c.infer("paid", "fine")[0] == 200  # the surviving worker still serves
+    finally:
+        c.stop()
+
+
+def test_a_killed_worker_mid_batch_loses_nothing(
+    tmp_path: Path, own_redis: RedisServer, client: redis.Redis
+) -> None:
+    c = Cluster(tmp_path, own_redis.url, policy_yaml(), workers=1, latency_ms=1500)
+    try:
+        spare = None
+
+        async def run() -> tuple[int, dict]:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(
+                    c.urls[0] + "/v1/inference",
+                    json={"input": "survivor"},
+                    headers={"Authorization": "Bearer " + SECRETS["paid"]},
+                ) as r:
+                    return r.status, await r.json()
+
+        async def scenario() -> tuple[int, dict]:
+            nonlocal spare
+            task = asyncio.create_task(run())
+            await asyncio.to_thread(
+                wait_for,
+                lambda: client.llen(KEYS.processing(_busy_worker(client))) == 1,
+                5,
+                "the batch to be processing",
+            )
+            c.kill_worker()  # SIGKILL mid-batch
+            spare = c.add_worker()
+            return await task
+
+        status, body = asyncio.run(scenario())
+        assert status == 200
+        assert body["output"] == sim_output("survivor")
+        assert stats(client)["batches_retried"] == 1
+        wait_for(
+            lambda: (
+                not any(client.scan_iter(KEYS.prefix + "processing:*"))
+                or all(client.llen(k) == 0 for k in client.scan_iter(KEYS.prefix + "processing:*"))
+            ),
+            5,
+            "processing to empty",
+        )
+    finally:
+        c.stop()
+
+
+def _busy_worker(client: redis.Redis) -> str:
+    for key in client.scan_iter(KEYS.prefix + "processing:*"):
+        if client.llen(key):
+            return key.decode().rsplit(":", 1)[1]
+    return "none"
+
+
+def test_a_dead_dispatchers_inflight_goes_back_to_the_front(
+    tmp_path: Path, own_redis: RedisServer, client: redis.Redis
+) -> None:
+    # A dispatcher that died holding envelopes: its inflight list and its
+    # membership remain, its heartbeat is gone.
+    now = clock.now_ms()
+    ghost = "dispatcher-ghost"
+    for i in range(3):
+        env = wire.Envelope(f"ghost-{i}", "gw-gone", "free", "k", f"g{i}", now, now + 60_000)
+        client.rpush(KEYS.inflight(ghost), wire.encode(env))
+    client.sadd(KEYS.members("dispatcher"), ghost)
+    c = Cluster(tmp_path, own_redis.url, policy_yaml(), workers=1, latency_ms=10)
+    try:
+        wait_for(lambda: client.llen(KEYS.inflight(ghost)) == 0, 5, "the reaper to requeue")
+        wait_for(
+            lambda: stats(client).get("requests_batched", 0) >= 3,
+            5,
+            "the requeued envelopes to run",
+        )
+        assert not client.sismember(KEYS.members("dispatcher"), ghost)
+        assert stats(client)["requeued"] == 3
+        assert c.infer("free", "after")[0] == 200
+    finally:
+        c.stop()
+
+
+def test_cancelled_and_expired_requests_never_reach_a_worker(
+    tmp_path: Path, own_redis: RedisServer, client: redis.Redis
+) -> None:
+    c = Cluster(tmp_path, own_redis.url, policy_yaml(), workers=1, latency_ms=1000)
+    try:
+
+        async def scenario() -> None:
+            async with aiohttp.ClientSession() as s:
+                hdrs = {"Authorization": "Bearer " + SECRETS["paid"]}
+                busy = asyncio.create_task(
+                    s.post(
+                        c.urls[0] + "/v1/inference",
+                        json={"input": "occupies the worker"},
+                        headers=hdrs,
+                    )
+                )
+                await asyncio.sleep(0.3)
+                # The client gives up after 200 ms and closes its connection.
+                with pytest.raises(TimeoutError):
+                    async with s.post(
+                        c.urls[0] + "/v1/inference",
+                        json={"input": "abandoned"},
+                        headers=hdrs,
+                        timeout=aiohttp.ClientTimeout(total=0.2),
+                    ):
+                        pass
+                # This one's own deadline passes while it is queued.
+                async with s.post(
+                    c.urls[0] + "/v1/inference",
+                    json={"input": "expires", "timeout_ms": 300},
+                    headers=hdrs,
+                ) as r:
+                    assert r.status == 504
+                resp = await busy
+                assert resp.status == 200
+                resp.release()
+
+        asyncio.run(scenario())
+        wait_for(
+            lambda: (
+                stats(client).get("cancelled_dropped", 0) == 1
+                and stats(client).get("expired_dropped", 0) == 1
+            ),
+            5,
+            "both to be dropped at take",
+        )
+        time.sleep(0.3)
+        assert stats(client)["requests_batched"] == 1  # only the first ever reached a worker
+    finally:
+        c.stop()
+
+
+def test_redis_outage_fails_fast_then_recovers(tmp_path: Path, own_redis: RedisServer) -> None:
+    c = Cluster(tmp_path, own_redis.url, policy_yaml(), workers=1, latency_ms=20)
+    try:
+        assert c.infer("paid", "before")[0] == 200
+        own_redis.kill()
+
+        def refused_fast() -> bool:
+            started = time.monotonic()
+            status, _, body = c.infer("paid", "during")
+            assert time.monotonic() - started < 3.0
+            return status == 503 and body["error"]["code"] == "SERVICE_OVERLOADED"
+
+        wait_for(refused_fast, 5, "503 while Redis is down")
+        assert http("GET", c.urls[0] + "/readyz")[0] == 503
+        own_redis.start()
+        wait_for(
+            lambda: http("GET", c.urls[0] + "/readyz")[0] == 200,
+            15,
+            "readiness after Redis is back",
+        )
+        wait_for(lambda: c.infer("paid", "after")[0] == 200, 10, "service after Redis is back")
+    finally:
+        c.stop()
+
+
+def test_sigterm_drains_gateway_worker_and_dispatcher(
+    tmp_path: Path, own_redis: RedisServer, client: redis.Redis
+) -> None:
+    c = Cluster(tmp_path, own_redis.url, policy_yaml(), workers=1, latency_ms=1000)
+    gateway, dispatcher, worker = c.procs[1], c.procs[0], c.workers[0]
+    try:
+
+        async def scenario() -> None:
+            async with aiohttp.ClientSession() as s:
+                hdrs = {"Authorization": "Bearer " + SECRETS["paid"]}
+                held = asyncio.create_task(
+                    s.post(c.urls[0] + "/v1/inference", json={"input": "held"}, headers=hdrs)
+                )
+                await asyncio.to_thread(
+                    wait_for, lambda: _busy_worker(client) != "none", 5, "the batch to start"
+                )
+                gateway.signal(signal.SIGTERM)
+                worker.signal(signal.SIGTERM)
+                dispatcher.signal(signal.SIGTERM)
+                await asyncio.sleep(0.2)
+                async with aiohttp.ClientSession() as fresh:
+                    async with fresh.post(
+                        c.urls[0] + "/v1/inference", json={"input": "late"}, headers=hdrs
+                    ) as r:
+                        assert r.status == 503
+                        assert (await r.json())["error"]["code"] == "SERVICE_OVERLOADED"
+                    async with fresh.get(c.urls[0] + "/readyz") as r:
+                        assert r.status == 503
+                resp = await held
+                assert resp.status == 200
+                assert (await resp.json())["output"] == sim_output("held")
+
+        asyncio.run(scenario())
+        for p in (gateway, worker, dispatcher):
+            assert p.wait(15) == 0, p.output()[-2000:]
+        assert client.llen(KEYS.ready) == 0  # the worker withdrew its credit
+        assert_redis_clean(client)
+    finally:
+        c.stop()
