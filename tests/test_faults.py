@@ -13,12 +13,12 @@ import pytest
 import redis
 
 from dispatcher import wire
-from dispatcher.keys import TIERS, Keys
+from dispatcher.keys import Keys
 from gpu.simulated import SimulatedBackend, sim_output
 from gpu.worker import Worker, WorkerSettings
 from infergate import clock
 from infergate.redis_server import RedisServer
-from tests.helpers import SECRETS, Cluster, Proc, http, policy_yaml, wait_for
+from tests.helpers import SECRETS, Cluster, http, policy_yaml, wait_for
 
 KEYS = Keys()
 
@@ -154,13 +154,15 @@ def test_a_killed_worker_mid_batch_loses_nothing(
         spare = None
 
         async def run() -> tuple[int, dict]:
-            async with aiohttp.ClientSession() as s:
-                async with s.post(
+            async with (
+                aiohttp.ClientSession() as s,
+                s.post(
                     c.urls[0] + "/v1/inference",
                     json={"input": "survivor"},
                     headers={"Authorization": "Bearer " + SECRETS["paid"]},
-                ) as r:
-                    return r.status, await r.json()
+                ) as r,
+            ):
+                return r.status, await r.json()
 
         async def scenario() -> tuple[int, dict]:
             nonlocal spare
