@@ -51,6 +51,8 @@ class StatusResponse(msgspec.Struct):
     mean_batch_size: float
     expired_dropped: int
     pending_here: int
+    # Replies for requests no longer waiting here (a retried batch's duplicate, or late after a 504).
+    replies_ignored: int
     # Admission: planned capacity (measured x target utilization) and the
     # estimated queueing delay a new request of each tier would see.
     capacity_rps: float

@@ -339,6 +339,7 @@ class Gateway:
             mean_batch_size=round(batched / batches, 2) if batches else 0.0,
             expired_dropped=stats.get("expired_dropped", 0),
             pending_here=len(self.replies.pending),
+            replies_ignored=self.replies.duplicates,
             capacity_rps=round(self.admission.capacity_rps(policy), 1),
             estimated_wait_ms={
                 t: (None if w == float("inf") else round(w, 1))

@@ -242,6 +242,7 @@ class Cluster:
         gateways: int = 1,
         workers: int = 1,
         latency_ms: int = 100,
+        dispatchers: int = 1,
     ) -> None:
         self.tmp = tmp
         self.redis_url = redis_url
@@ -254,19 +255,22 @@ class Cluster:
         self.urls: list[str] = []
         self._n = 0
         try:
-            self.procs.append(
-                self._start(["dispatcher", "--policy", str(self.policy_path)], "dispatcher")
-            )
+            self.dispatchers = [
+                self._start(["dispatcher", "--policy", str(self.policy_path)], f"dispatcher{i}")
+                for i in range(dispatchers)
+            ]
+            self.procs.extend(self.dispatchers)
             for _ in range(workers):
                 self.add_worker()
+            self.gateways: list[Proc] = []
             for i in range(gateways):
                 port = free_port()
-                self.procs.append(
-                    self._start(
-                        ["gateway", "--port", str(port), "--policy", str(self.policy_path)],
-                        f"gateway{i}",
-                    )
+                gateway = self._start(
+                    ["gateway", "--port", str(port), "--policy", str(self.policy_path)],
+                    f"gateway{i}",
                 )
+                self.procs.append(gateway)
+                self.gateways.append(gateway)
                 self.urls.append(f"http://127.0.0.1:{port}")
             for url in self.urls:
                 wait_for(lambda u=url: self._ready(u), 60, f"{url} to be ready")
@@ -298,10 +302,13 @@ class Cluster:
         return worker
 
     def kill_worker(self) -> None:
-        worker = next(w for w in self.workers if w.alive())
-        worker.proc.kill()
-        worker.proc.wait(5)
-        self.killed = [*self.killed, worker]
+        self.kill(next(w for w in self.workers if w.alive()))
+
+    def kill(self, proc: Proc) -> None:
+        """SIGKILL, as a crash would."""
+        proc.proc.kill()
+        proc.proc.wait(5)
+        self.killed = [*self.killed, proc]
 
     def status(self, i: int = 0) -> Any:
         return http("GET", self.urls[i] + "/v1/status")[2]

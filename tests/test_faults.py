@@ -43,15 +43,18 @@ def stats(client: redis.Redis) -> dict[str, int]:
 
 def assert_redis_clean(client: redis.Redis) -> None:
     """No request is left in any list, and nothing per-request lives without a TTL."""
-    lists = [*KEYS.queues, KEYS.batches, KEYS.doorbell]
+    lists = [*KEYS.queues, KEYS.batches]
     lists += [k.decode() for k in client.scan_iter(KEYS.prefix + "inflight:*")]
     lists += [k.decode() for k in client.scan_iter(KEYS.prefix + "processing:*")]
     assert {name: client.llen(name) for name in lists if client.llen(name)} == {}
-    structural = (KEYS.stats, KEYS.ready, KEYS.dead_letter, KEYS.cancelled, KEYS.reaper_lock)
+    # Fleet structure, bounded by the number of processes, not of requests.
+    structural = (KEYS.stats, KEYS.ready, KEYS.dead_letter, KEYS.cancelled, KEYS.doorbell)
+    per_process = (KEYS.prefix + "members:", KEYS.prefix + "credits:")
+    assert client.llen(KEYS.doorbell) <= 1
     for key in client.scan_iter("*"):
         name = key.decode()
         if client.ttl(name) == -1:
-            assert name in structural or name.startswith(KEYS.prefix + "members:"), name
+            assert name in structural or name.startswith(per_process), name
 
 
 def make_worker(url: str) -> Worker:
@@ -307,7 +310,7 @@ def test_sigterm_drains_gateway_worker_and_dispatcher(
     tmp_path: Path, own_redis: RedisServer, client: redis.Redis
 ) -> None:
     c = Cluster(tmp_path, own_redis.url, policy_yaml(), workers=1, latency_ms=1000)
-    gateway, dispatcher, worker = c.procs[1], c.procs[0], c.workers[0]
+    gateway, dispatcher, worker = c.gateways[0], c.dispatchers[0], c.workers[0]
     try:
 
         async def scenario() -> None:
