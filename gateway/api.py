@@ -6,7 +6,13 @@ import msgspec
 
 
 class InferenceRequest(msgspec.Struct, forbid_unknown_fields=True):
-    input: Annotated[str, msgspec.Meta(description="The string to process.")]
+    input: Annotated[
+        str,
+        msgspec.Meta(
+            min_length=1,
+            description="The string to process (its tier sets the longest allowed).",
+        ),
+    ]
     timeout_ms: (
         Annotated[
             int,
