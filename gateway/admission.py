@@ -6,16 +6,19 @@ heartbeat the batch time it measures, so capacity is
 ``sum(max_batch / batch_time)`` over healthy workers, planned at the
 policy's target utilization. The work ahead of a request is the queue depth
 of its own and higher tiers (the fleet view, refreshed in the background)
-plus what this gateway has admitted since that view was taken. A tier with a
-minimum batch share is also served at least at that share of capacity, so
-its wait is the smaller of the two estimates. When workers die, capacity
-drops within a heartbeat TTL and admission tightens by itself.
+plus what this gateway has admitted since that view was taken, divided by
+capacity. That holds while the tiers above leave room; once they queue more
+than a batch, a lower tier moves only through the slots its minimum batch
+share reserves in every batch, so its wait is its own queue divided by that
+share of capacity (with no share, it waits behind them). When workers die,
+capacity drops within a heartbeat TTL and admission tightens by itself.
 """
 
 from dataclasses import dataclass
 
 from dispatcher.fleet import FleetView
 from dispatcher.keys import TIERS
+from dispatcher.service import BatchRule
 from policies import Policy
 
 
@@ -40,6 +43,14 @@ class Admission:
         raw = sum(max_batch * 1000.0 / w.batch_ms for w in snapshot.workers if w.batch_ms > 0)
         return raw * policy.document.capacity.target_utilization
 
+    def _queued_above(self, tier: str) -> int:
+        """What the last view saw queued at the tiers above (arrivals since then
+        are not evidence that those tiers keep the workers full)."""
+        snapshot = self.fleet.snapshot
+        if snapshot is None:
+            return 0
+        return sum(snapshot.queue_depth.get(t, 0) for t in TIERS[: TIERS.index(tier)])
+
     def _ahead(self, tier: str) -> tuple[int, int]:
         """(work queued at this tier and above, work queued at this tier)."""
         snapshot = self.fleet.snapshot
@@ -63,9 +74,11 @@ class Admission:
             return float("inf")
         total, own = self._ahead(tier)
         wait = total / capacity
-        share = policy.tiers[tier].min_batch_share
-        if share > 0:
-            wait = min(wait, own / (capacity * share))
+        max_batch = policy.document.batching.max_batch_size
+        if self._queued_above(tier) >= max_batch:
+            # The tiers above fill whole batches: this tier gets its reserved slots only.
+            slots = BatchRule.from_policy(policy).min_slots()[TIERS.index(tier)]
+            wait = own / (capacity * slots / max_batch) if slots else float("inf")
         return wait * 1000.0
 
     def decide(self, policy: Policy, tier: str) -> Decision:
