@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install install-torch test lint up bench real-model-check clean
+.PHONY: install install-torch test lint up up-loadtest bench real-model-check clean
 
 install: $(BIN)/infergate
 
@@ -38,8 +38,11 @@ lint: install
 up: install            ## a whole local stack on :8000 with demo keys in keys.json
 	$(BIN)/infergate up --keys-out keys.json
 
-bench: install         ## open-loop benchmark against a running `make up`
-	$(BIN)/python -m loadtest.bench --keys keys.json --rate $${RATE:-1000} --duration $${DURATION:-20}
+up-loadtest: install   ## the stack the benchmark numbers in README come from
+	$(BIN)/infergate up --gateways 2 --policy loadtest/policy.yaml
+
+bench: install         ## open-loop benchmark against a running `make up-loadtest`
+	$(BIN)/python -m loadtest.bench --keys loadtest/keys.json --rate $${RATE:-1000} --duration $${DURATION:-20}
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache
