@@ -14,7 +14,7 @@ import redis
 from gpu.simulated import sim_output
 from infergate.redis_server import RedisServer
 from tests.helpers import SECRETS, Cluster, policy_yaml, wait_for
-from tests.test_faults import assert_redis_clean
+from tests.test_faults import _clean, assert_redis_clean
 
 DEADLINE_MS = 3_000
 RATE = 200
@@ -123,11 +123,3 @@ def wait_for_quietly(predicate, timeout_s: float) -> bool:
             return True
         time.sleep(0.1)
     return False
-
-
-def _clean(client: redis.Redis) -> bool:
-    try:
-        assert_redis_clean(client)
-    except AssertionError:
-        return False
-    return True

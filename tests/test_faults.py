@@ -3,6 +3,7 @@ real Redis: the reaper, retries and dead letters, poison inputs, hangs,
 cancellation, expiry, Redis outages and graceful drain."""
 
 import asyncio
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -345,3 +346,86 @@ def test_sigterm_drains_gateway_worker_and_dispatcher(
         assert_redis_clean(client)
     finally:
         c.stop()
+
+
+def test_rolling_restart_of_workers_and_dispatchers_under_load_loses_nothing(
+    tmp_path: Path, own_redis: RedisServer, client: redis.Redis
+) -> None:
+    c = Cluster(tmp_path, own_redis.url, policy_yaml(), workers=2, dispatchers=2, latency_ms=100)
+    try:
+
+        async def load() -> list[int]:
+            async with aiohttp.ClientSession() as s:
+                hdrs = {"Authorization": "Bearer " + SECRETS["paid"]}
+
+                async def one(i: int) -> int:
+                    async with s.post(
+                        c.urls[0] + "/v1/inference", json={"input": f"roll-{i}"}, headers=hdrs
+                    ) as r:
+                        body = await r.json()
+                        if r.status == 200:
+                            assert body["output"] == sim_output(f"roll-{i}")
+                        return r.status
+
+                tasks = []
+                start = time.monotonic()
+                for i in range(800):  # 100 req/s for 8 s
+                    await asyncio.sleep(max(0.0, start + i / 100 - time.monotonic()))
+                    tasks.append(asyncio.create_task(one(i)))
+                return await asyncio.gather(*tasks)
+
+        def roll() -> None:
+            for old in [*c.workers, *c.dispatchers]:
+                time.sleep(1.0)
+                old.signal(signal.SIGTERM)
+                assert old.wait(15) == 0
+                if old in c.workers:
+                    c.add_worker()
+                else:
+                    new = c._start(["dispatcher", "--policy", str(c.policy_path)], "dispatcher-new")
+                    c.procs.append(new)
+
+        async def scenario() -> list[int]:
+            roller = asyncio.create_task(asyncio.to_thread(roll))
+            statuses = await load()
+            await roller
+            return statuses
+
+        statuses = asyncio.run(scenario())
+        assert statuses == [200] * 800
+        wait_for(lambda: _clean(client), 10, "Redis to drain")
+    finally:
+        c.stop()
+
+
+def _clean(client: redis.Redis) -> bool:
+    try:
+        assert_redis_clean(client)
+    except AssertionError:
+        return False
+    return True
+
+
+def test_up_restarts_a_worker_that_dies(tmp_path: Path, own_redis: RedisServer) -> None:
+    from tests.helpers import Stack, children_of, cmdline
+
+    s = Stack(tmp_path, own_redis.url, workers=2, policy=policy_yaml())
+    try:
+        workers = [p for p in children_of(s.proc.proc.pid) if "infergate worker" in cmdline(p)]
+        assert len(workers) == 2
+        os.kill(workers[0], signal.SIGKILL)
+
+        def replaced() -> bool:
+            now = [p for p in children_of(s.proc.proc.pid) if "infergate worker" in cmdline(p)]
+            return len(now) == 2 and workers[0] not in now
+
+        wait_for(replaced, 10, "up to start a new worker")
+        assert "up.child_restarted" in s.proc.output()
+        wait_for(
+            lambda: http("GET", s.url + "/v1/status")[2]["workers_alive"] == 2,
+            10,
+            "two live workers",
+        )
+        assert s.infer("paid", "after restart")[0] == 200
+    finally:
+        s.stop()
