@@ -28,6 +28,7 @@ from dispatcher.heartbeat import Heartbeater
 from dispatcher.keys import TIERS, Keys
 from dispatcher.reaper import Reaper
 from infergate import clock, logs
+from infergate.settings import ProcessSettings
 from policies import Policy
 from policies.live import LivePolicy
 
@@ -59,19 +60,14 @@ class BatchRule:
 
 
 @dataclass(frozen=True)
-class DispatcherSettings:
-    dispatcher_id: str
-    redis_url: str
-    namespace: str = "infergate"
-    heartbeat_interval_ms: int = 250
-    heartbeat_ttl_ms: int = 1_000
+class DispatcherSettings(ProcessSettings):
     block_timeout_s: float = 0.5
 
 
 class Dispatcher:
     def __init__(self, settings: DispatcherSettings, policy: LivePolicy) -> None:
         self.settings = settings
-        self.id = settings.dispatcher_id
+        self.id = settings.process_id
         self.policy = policy
         self._rule = BatchRule.from_policy(policy.current)
         policy.on_change(self._policy_changed)

@@ -31,6 +31,7 @@ from gateway.errors import ApiError
 from gateway.quota import Quota
 from gateway.replies import ReplyRouter
 from infergate import clock, logs
+from infergate.settings import ProcessSettings
 from policies import KeyEntry, Policy, Tier
 from policies.live import LivePolicy
 
@@ -60,19 +61,14 @@ async def _watch_disconnect(receive: Receive, future: asyncio.Future[wire.Result
 
 
 @dataclass(frozen=True)
-class GatewaySettings:
-    gateway_id: str
-    redis_url: str
-    namespace: str = "infergate"
-    heartbeat_interval_ms: int = 250
-    heartbeat_ttl_ms: int = 1_000
+class GatewaySettings(ProcessSettings):
     fleet_refresh_ms: int = 200
 
 
 class Gateway:
     def __init__(self, settings: GatewaySettings, policy: LivePolicy) -> None:
         self.settings = settings
-        self.id = settings.gateway_id
+        self.id = settings.process_id
         self.policy = policy
         self.keys = Keys(settings.namespace)
         self.redis = connect(settings.redis_url, name="gateway:" + self.id)

@@ -10,11 +10,10 @@ containing ``hang_marker`` (default ``"__hang__"``) makes the call hang for
 ``hang_s`` (a stuck GPU). Set a marker to '' to turn it off.
 """
 
-import threading
 import time
 import zlib
 
-from gpu.backend import BackendError, ContractError, check_batch
+from gpu.backend import BackendError, OneAtATime, check_batch
 
 DEFAULT_FAIL_MARKER = "__fail__"
 DEFAULT_HANG_MARKER = "__hang__"
@@ -40,20 +39,14 @@ class SimulatedBackend:
         self.fail_marker = fail_marker or None
         self.hang_marker = hang_marker or None
         self.hang_s = hang_s
-        self._one_at_a_time = threading.Lock()
+        self._one_at_a_time = OneAtATime()
 
     def infer(self, inputs: list[str]) -> list[str]:
         check_batch(inputs)
-        if not self._one_at_a_time.acquire(blocking=False):
-            raise ContractError("the backend runs one batch at a time")
-        try:
+        with self._one_at_a_time:
             time.sleep(self.latency_s)
             if self.hang_marker is not None and any(self.hang_marker in s for s in inputs):
                 time.sleep(self.hang_s)
-            if self.fail_marker is not None:
-                for s in inputs:
-                    if self.fail_marker in s:
-                        raise BackendError("simulated failure: input contains the fail marker")
+            if self.fail_marker is not None and any(self.fail_marker in s for s in inputs):
+                raise BackendError("simulated failure: input contains the fail marker")
             return [sim_output(s) for s in inputs]
-        finally:
-            self._one_at_a_time.release()

@@ -7,10 +7,9 @@ model call is raised as ``BackendError`` so the worker can isolate the input
 that caused it.
 """
 
-import threading
 from typing import Any
 
-from gpu.backend import BackendError, ContractError, check_batch
+from gpu.backend import BackendError, OneAtATime, check_batch
 
 
 class TransformersBackend:
@@ -40,20 +39,17 @@ class TransformersBackend:
         self.model = model.to(self.device).eval()
         self.max_new_tokens = max_new_tokens
         self.max_input_tokens = max_input_tokens
-        self._one_at_a_time = threading.Lock()
+        self._one_at_a_time = OneAtATime()
 
     def infer(self, inputs: list[str]) -> list[str]:
         check_batch(inputs)
-        if not self._one_at_a_time.acquire(blocking=False):
-            raise ContractError("the backend runs one batch at a time")
-        try:
-            return self._generate(inputs)
-        except (RuntimeError, ValueError, IndexError) as exc:
-            raise BackendError(
-                f"model call failed: {type(exc).__name__}: {str(exc)[:200]}"
-            ) from exc
-        finally:
-            self._one_at_a_time.release()
+        with self._one_at_a_time:
+            try:
+                return self._generate(inputs)
+            except (RuntimeError, ValueError, IndexError) as exc:
+                raise BackendError(
+                    f"model call failed: {type(exc).__name__}: {str(exc)[:200]}"
+                ) from exc
 
     def _generate(self, inputs: list[str]) -> list[str]:
         enc = self.tokenizer(

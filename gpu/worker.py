@@ -23,6 +23,7 @@ from dispatcher.heartbeat import Heartbeater
 from dispatcher.keys import Keys
 from gpu.backend import Backend, BackendError
 from infergate import clock, logs
+from infergate.settings import ProcessSettings
 
 log = logs.get(__name__)
 
@@ -30,12 +31,7 @@ EXIT_HUNG = 3
 
 
 @dataclass(frozen=True)
-class WorkerSettings:
-    worker_id: str
-    redis_url: str
-    namespace: str = "infergate"
-    heartbeat_interval_ms: int = 250
-    heartbeat_ttl_ms: int = 1_000
+class WorkerSettings(ProcessSettings):
     hang_timeout_ms: int = 5_000
     pull_timeout_s: float = 1.0
     max_batch_size: int = 100
@@ -45,7 +41,7 @@ class Worker:
     def __init__(self, settings: WorkerSettings, backend: Backend) -> None:
         self.settings = settings
         self.backend = backend
-        self.id = settings.worker_id
+        self.id = settings.process_id
         self.redis = connect(
             settings.redis_url, block_s=settings.pull_timeout_s, name="worker:" + self.id
         )

@@ -53,8 +53,19 @@ def _common(p: argparse.ArgumentParser, role: str) -> None:
     )
 
 
-def _process_id(args: argparse.Namespace, role: str) -> str:
-    return args.id or f"{role}-{os.urandom(4).hex()}"
+def _process(args: argparse.Namespace, role: str) -> dict[str, Any]:
+    """Set up logging for this process and return its common settings."""
+    from infergate import logs
+
+    process_id = args.id or f"{role}-{os.urandom(4).hex()}"
+    logs.configure(role, process_id)
+    return {
+        "process_id": process_id,
+        "redis_url": args.redis_url,
+        "namespace": args.namespace,
+        "heartbeat_interval_ms": args.heartbeat_interval_ms,
+        "heartbeat_ttl_ms": args.heartbeat_ttl_ms,
+    }
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,48 +178,30 @@ def _gateway(args: argparse.Namespace) -> int:
 
     from gateway.server import serve
     from gateway.service import Gateway, GatewaySettings
-    from infergate import logs
     from policies.live import LivePolicy
 
-    gateway_id = _process_id(args, "gateway")
-    logs.configure("gateway", gateway_id)
+    settings = GatewaySettings(**_process(args, "gateway"))
     policy = _load_policy_or_exit(args.policy, required=True)
-    settings = GatewaySettings(
-        gateway_id=gateway_id,
-        redis_url=args.redis_url,
-        namespace=args.namespace,
-        heartbeat_interval_ms=args.heartbeat_interval_ms,
-        heartbeat_ttl_ms=args.heartbeat_ttl_ms,
-    )
     gateway = Gateway(settings, LivePolicy(policy, args.policy))
     return uvloop.run(serve(gateway, args.host, args.port, args.drain_timeout_s))
 
 
 def _dispatcher(args: argparse.Namespace) -> int:
     from dispatcher.service import Dispatcher, DispatcherSettings
-    from infergate import logs, runtime
+    from infergate import runtime
     from policies.live import LivePolicy
 
-    dispatcher_id = _process_id(args, "dispatcher")
-    logs.configure("dispatcher", dispatcher_id)
+    settings = DispatcherSettings(**_process(args, "dispatcher"))
     policy = _load_policy_or_exit(args.policy, required=False)
-    settings = DispatcherSettings(
-        dispatcher_id=dispatcher_id,
-        redis_url=args.redis_url,
-        namespace=args.namespace,
-        heartbeat_interval_ms=args.heartbeat_interval_ms,
-        heartbeat_ttl_ms=args.heartbeat_ttl_ms,
-    )
     return runtime.run(Dispatcher(settings, LivePolicy(policy, args.policy)).serve)
 
 
 def _worker(args: argparse.Namespace) -> int:
     from gpu.backend import Backend
     from gpu.worker import Worker, WorkerSettings
-    from infergate import logs, runtime
+    from infergate import runtime
 
-    worker_id = _process_id(args, "worker")
-    logs.configure("worker", worker_id)
+    common = _process(args, "worker")
     backend: Backend
     if args.backend == "simulated":
         from gpu.simulated import SimulatedBackend
@@ -233,12 +226,8 @@ def _worker(args: argparse.Namespace) -> int:
         return 2
     policy = _load_policy_or_exit(args.policy, required=False)
     settings = WorkerSettings(
-        worker_id=worker_id,
+        **common,
         max_batch_size=policy.document.batching.max_batch_size,
-        redis_url=args.redis_url,
-        namespace=args.namespace,
-        heartbeat_interval_ms=args.heartbeat_interval_ms,
-        heartbeat_ttl_ms=args.heartbeat_ttl_ms,
         hang_timeout_ms=args.hang_timeout_ms or policy.document.workers.hang_timeout_ms,
     )
     return runtime.run(Worker(settings, backend).serve)
