@@ -7,7 +7,7 @@ with ``cjson``; a batch embeds its envelopes' bytes unchanged.
 import msgspec
 
 
-class Envelope(msgspec.Struct, frozen=True):
+class Envelope(msgspec.Struct, frozen=True, omit_defaults=True):
     """One accepted request, as it waits in Redis."""
 
     id: str
@@ -17,6 +17,8 @@ class Envelope(msgspec.Struct, frozen=True):
     input: str
     enqueued_ms: int
     deadline_ms: int
+    # W3C traceparent of the request's span, when tracing is on.
+    trace: str | None = None
 
 
 class Batch(msgspec.Struct, frozen=True):

@@ -30,12 +30,13 @@ from gateway.api import (
 from gateway.errors import ApiError
 from gateway.quota import Quota
 from gateway.replies import ReplyRouter
-from infergate import clock, logs
+from infergate import clock, logs, tracing
 from infergate.settings import ProcessSettings
 from policies import KeyEntry, Policy, Tier
 from policies.live import LivePolicy
 
 log = logs.get(__name__)
+_tracer = tracing.tracer(__name__)
 
 RETRY_NO_WORKER_MS = 1_000
 RETRY_REDIS_MS = 1_000
@@ -138,6 +139,29 @@ class Gateway:
     ) -> tuple[InferenceResponse, dict[str, str]]:
         """Who, quota, capacity (DESIGN: Admission), then enqueue and wait.
         Returns the response and the headers it carries."""
+        if not tracing.enabled:
+            return await self._infer(request_id, authorization, body, receive)
+        with _tracer.start_as_current_span("gateway.inference") as span:
+            span.set_attribute("infergate.request_id", request_id)
+            try:
+                response, headers = await self._infer(request_id, authorization, body, receive)
+            except ApiError as exc:
+                span.set_attribute("http.response.status_code", exc.status)
+                span.set_attribute("infergate.error_code", exc.code)
+                raise
+            span.set_attribute("http.response.status_code", 200)
+            span.set_attribute("infergate.tier", response.tier)
+            span.set_attribute("infergate.batch_size", response.batch_size)
+            span.set_attribute("infergate.queue_ms", response.queue_ms)
+            return response, headers
+
+    async def _infer(
+        self,
+        request_id: str,
+        authorization: str | None,
+        body: InferenceRequest,
+        receive: Receive | None,
+    ) -> tuple[InferenceResponse, dict[str, str]]:
         started = clock.monotonic_s()
         if self.draining:
             raise ApiError(
@@ -227,6 +251,7 @@ class Gateway:
             input=text,
             enqueued_ms=now_ms,
             deadline_ms=now_ms + deadline_ms,
+            trace=tracing.current_traceparent(),
         )
         future = self.replies.park(request_id)
         try:

@@ -22,10 +22,11 @@ from dispatcher.broker import Broker, connect
 from dispatcher.heartbeat import Heartbeater
 from dispatcher.keys import Keys
 from gpu.backend import Backend, BackendError
-from infergate import clock, logs
+from infergate import clock, logs, tracing
 from infergate.settings import ProcessSettings
 
 log = logs.get(__name__)
+_tracer = tracing.tracer(__name__)
 
 EXIT_HUNG = 3
 
@@ -125,6 +126,18 @@ class Worker:
             ]
 
     async def run_batch(self, batch: wire.Batch) -> dict[str, wire.Reply]:
+        if not tracing.enabled:
+            return await self._run_batch(batch)
+        with _tracer.start_as_current_span(
+            "worker.batch", links=tracing.links([e.trace for e in batch.envelopes])
+        ) as span:
+            span.set_attribute("infergate.batch_id", batch.id)
+            span.set_attribute("infergate.batch_size", len(batch.envelopes))
+            span.set_attribute("infergate.attempt", batch.attempt)
+            span.set_attribute("infergate.backend", self.backend.name)
+            return await self._run_batch(batch)
+
+    async def _run_batch(self, batch: wire.Batch) -> dict[str, wire.Reply]:
         started_ms = clock.now_ms()
         live = [e for e in batch.envelopes if e.deadline_ms > started_ms]
         if len(live) < len(batch.envelopes):

@@ -55,10 +55,11 @@ def _common(p: argparse.ArgumentParser, role: str) -> None:
 
 def _process(args: argparse.Namespace, role: str) -> dict[str, Any]:
     """Set up logging for this process and return its common settings."""
-    from infergate import logs
+    from infergate import logs, tracing
 
     process_id = args.id or f"{role}-{os.urandom(4).hex()}"
     logs.configure(role, process_id)
+    tracing.setup(role, process_id)
     return {
         "process_id": process_id,
         "redis_url": args.redis_url,

@@ -243,13 +243,14 @@ class Cluster:
         workers: int = 1,
         latency_ms: int = 100,
         dispatchers: int = 1,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.tmp = tmp
         self.redis_url = redis_url
         self.latency_ms = latency_ms
         self.policy_path = tmp / "policy.yaml"
         self.policy_path.write_text(policy)
-        self.env = {"REDIS_URL": redis_url}
+        self.env = {"REDIS_URL": redis_url, **(env or {})}
         self.procs: list[Proc] = []
         self.workers: list[Proc] = []
         self.urls: list[str] = []

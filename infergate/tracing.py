@@ -1,0 +1,76 @@
+"""OpenTelemetry traces, off unless ``INFERGATE_TRACING`` is set:
+
+- ``console``: every span as one JSON line on stderr, next to the logs;
+- ``otlp``: to an OTLP/HTTP collector (``OTEL_EXPORTER_OTLP_ENDPOINT``);
+  needs ``opentelemetry-exporter-otlp-proto-http`` installed.
+
+A request's span (``gateway.inference``) carries its W3C ``traceparent`` in
+the envelope; the worker's ``worker.batch`` span links to the span of every
+request in the batch, so a trace viewer shows which batch served a request
+and with whom. Off, spans are the API's no-ops and nothing is propagated.
+"""
+
+import os
+import sys
+from collections.abc import Sequence
+
+from opentelemetry import trace
+from opentelemetry.trace import Link, Tracer
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+_propagator = TraceContextTextMapPropagator()
+enabled = False
+
+
+def setup(role: str, process_id: str) -> None:
+    global enabled
+    mode = os.environ.get("INFERGATE_TRACING", "").strip().lower()
+    if not mode or mode == "off":
+        return
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+
+    exporter: SpanExporter
+    if mode == "console":
+        exporter = ConsoleSpanExporter(
+            out=sys.stderr, formatter=lambda span: span.to_json(indent=None) + "\n"
+        )
+    elif mode == "otlp":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        exporter = OTLPSpanExporter()
+    else:
+        raise SystemExit(f"INFERGATE_TRACING={mode!r}: use console, otlp or off")
+    provider = TracerProvider(
+        resource=Resource.create(
+            {"service.name": "infergate-" + role, "service.instance.id": process_id}
+        )
+    )
+    provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=200))
+    trace.set_tracer_provider(provider)
+    enabled = True
+
+
+def tracer(name: str) -> Tracer:
+    return trace.get_tracer(name)
+
+
+def current_traceparent() -> str | None:
+    """The current span's W3C traceparent, to carry in an envelope (None when off)."""
+    if not enabled:
+        return None
+    carrier: dict[str, str] = {}
+    _propagator.inject(carrier)
+    return carrier.get("traceparent")
+
+
+def links(traceparents: Sequence[str | None]) -> list[Link]:
+    out = []
+    for tp in traceparents:
+        if not tp:
+            continue
+        ctx = trace.get_current_span(_propagator.extract({"traceparent": tp})).get_span_context()
+        if ctx.is_valid:
+            out.append(Link(ctx))
+    return out
