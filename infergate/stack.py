@@ -132,6 +132,11 @@ def run_stack(args: argparse.Namespace) -> int:
             print(f"infergate up: the policy is not valid:\n{exc}", file=sys.stderr)
             return 2
         policy_path = str(Path(args.policy).resolve())
+        if args.keys_out:
+            print(
+                "infergate up: --keys-out writes demo keys, and only without --policy; ignored",
+                file=sys.stderr,
+            )
     else:
         text, keys = demo_policy()
         policy_path = str(tmp / "demo-policy.yaml")
