@@ -15,7 +15,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 
 from dispatcher import wire
-from dispatcher.keys import ROLES, TIERS, Keys
+from dispatcher.keys import TIERS, Keys
 from dispatcher.scripts import Scripts
 
 
@@ -234,21 +234,5 @@ class Broker:
         raw: dict[bytes, bytes] = await self.redis.hgetall(self.keys.stats)  # type: ignore[assignment]
         return {k.decode(): int(v) for k, v in raw.items()}
 
-    async def list_lengths(self) -> dict[str, int]:
-        """Lengths of every list of the data model (queues, inflight, batches, processing)."""
-        names: list[str] = [
-            *self.keys.queues,
-            self.keys.batches,
-            self.keys.ready,
-            self.keys.dead_letter,
-        ]
-        for role, key_of in (("dispatcher", self.keys.inflight), ("worker", self.keys.processing)):
-            names.extend(key_of(m) for m in await self.members(role))
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for name in names:
-                pipe.llen(name)
-            lengths = await pipe.execute()
-        return dict(zip(names, map(int, lengths), strict=True))
 
-
-__all__ = ["ROLES", "Broker", "FleetSnapshot", "TakeResult", "connect"]
+__all__ = ["Broker", "FleetSnapshot", "TakeResult", "connect"]

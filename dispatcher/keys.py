@@ -31,7 +31,6 @@ class Keys:
         self.cancelled = self.prefix + "cancelled"
         self.dead_letter = self.prefix + "dead-letter"
         self.reaper_lock = self.prefix + "reaper-lock"
-        self.policy_version = self.prefix + "policy-version"
         self.queues = tuple(self.queue(t) for t in TIERS)
 
     def queue(self, tier: str) -> str:

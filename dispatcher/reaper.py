@@ -25,6 +25,7 @@ import redis.exceptions
 
 from dispatcher import wire
 from dispatcher.broker import Broker
+from dispatcher.keys import ROLES
 from infergate import clock, logs
 
 log = logs.get(__name__)
@@ -63,7 +64,7 @@ class Reaper:
     async def sweep(self) -> dict[str, int]:
         """One pass over every role; returns what it recovered."""
         done: dict[str, int] = defaultdict(int)
-        for role in ("dispatcher", "worker", "gateway"):
+        for role in ROLES:
             members = await self.broker.members(role)
             if not members:
                 continue

@@ -7,8 +7,6 @@ from importlib import resources
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
-SCRIPT_NAMES = ("enqueue", "take", "handoff", "finish", "requeue", "retry", "ensure_credit")
-
 
 @cache
 def source(name: str) -> str:

@@ -56,6 +56,9 @@ class StatusResponse(msgspec.Struct):
     requests_batched: int
     mean_batch_size: float
     expired_dropped: int
+    # Every fleet counter: batches_formed, requests_batched, expired_dropped,
+    # cancelled_dropped, requeued, batches_retried, batches_dead_lettered, ...
+    counters: dict[str, int]
     pending_here: int
     # Replies for requests no longer waiting here (a retried batch's duplicate, or late after a 504).
     replies_ignored: int

@@ -359,6 +359,7 @@ class Gateway:
             requests_batched=batched,
             mean_batch_size=round(batched / batches, 2) if batches else 0.0,
             expired_dropped=stats.get("expired_dropped", 0),
+            counters=stats,
             pending_here=len(self.replies.pending),
             replies_ignored=self.replies.duplicates,
             capacity_rps=round(self.admission.capacity_rps(policy), 1),

@@ -16,7 +16,7 @@ from limits import parse_many
 
 from dispatcher.keys import TIERS
 from policies.errors import PolicyError, Problem
-from policies.schema import Document, KeyEntry, Policy, Tier
+from policies.schema import Document, Policy, Tier
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _KEY_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -259,7 +259,3 @@ def _render(path: list[str | int]) -> str:
 def digest(secret: str) -> str:
     """The digest a policy stores for a secret key."""
     return hashlib.sha256(secret.encode("utf-8")).hexdigest()
-
-
-def key_entry_yaml(entry: KeyEntry) -> str:
-    return f"  - id: {entry.id}\n    tier: {entry.tier}\n    sha256: {entry.sha256}\n"

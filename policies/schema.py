@@ -3,8 +3,6 @@ document's; ``policies/example.yaml`` shows and explains every one."""
 
 import msgspec
 
-DEFAULT_RATE_LIMITS: list[str] = []
-
 
 class Tier(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # How long a request may wait in total before it is answered 504.
