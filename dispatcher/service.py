@@ -35,6 +35,11 @@ from policies.live import LivePolicy
 log = logs.get(__name__)
 
 
+def reserved_slots(share: float, max_batch_size: int) -> int:
+    """Slots of every batch reserved for a tier: at least one for any share."""
+    return max(1, round(share * max_batch_size)) if share > 0 else 0
+
+
 @dataclass(frozen=True)
 class BatchRule:
     """What the policy says about forming batches (re-read for every batch)."""
@@ -44,11 +49,7 @@ class BatchRule:
     pacing: bool = True
 
     def min_slots(self) -> list[int]:
-        """Slots reserved per tier: at least one for any tier with a share."""
-        return [
-            max(1, round(share * self.max_batch_size)) if share > 0 else 0
-            for share in self.min_batch_share
-        ]
+        return [reserved_slots(share, self.max_batch_size) for share in self.min_batch_share]
 
     @classmethod
     def from_policy(cls, policy: Policy) -> "BatchRule":

@@ -7,10 +7,11 @@ heartbeat the batch time it measures, so capacity is
 policy's target utilization. The work ahead of a request is the queue depth
 of its own and higher tiers (the fleet view, refreshed in the background)
 plus what this gateway has admitted since that view was taken, divided by
-capacity. That holds while the tiers above leave room; once they queue more
-than a batch, a lower tier moves only through the slots its minimum batch
-share reserves in every batch, so its wait is its own queue divided by that
-share of capacity (with no share, it waits behind them). When workers die,
+capacity. That holds while the tiers above leave room. Once they queue a
+full batch, a tier with a minimum batch share is counted only on the slots
+it reserves in every batch (a guaranteed rate, so the estimate errs on the
+safe side); a tier without one is refused once more is queued above it than
+the fleet can start in one batch time. When workers die,
 capacity drops within a heartbeat TTL and admission tightens by itself.
 """
 
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 
 from dispatcher.fleet import FleetView
 from dispatcher.keys import TIERS
-from dispatcher.service import BatchRule
+from dispatcher.service import reserved_slots
 from policies import Policy
 
 
@@ -42,14 +43,6 @@ class Admission:
         max_batch = policy.document.batching.max_batch_size
         raw = sum(max_batch * 1000.0 / w.batch_ms for w in snapshot.workers if w.batch_ms > 0)
         return raw * policy.document.capacity.target_utilization
-
-    def _queued_above(self, tier: str) -> int:
-        """What the last view saw queued at the tiers above (arrivals since then
-        are not evidence that those tiers keep the workers full)."""
-        snapshot = self.fleet.snapshot
-        if snapshot is None:
-            return 0
-        return sum(snapshot.queue_depth.get(t, 0) for t in TIERS[: TIERS.index(tier)])
 
     def _ahead(self, tier: str) -> tuple[int, int]:
         """(work queued at this tier and above, work queued at this tier)."""
@@ -75,17 +68,28 @@ class Admission:
         total, own = self._ahead(tier)
         wait = total / capacity
         max_batch = policy.document.batching.max_batch_size
-        if self._queued_above(tier) >= max_batch:
-            # The tiers above fill whole batches: this tier gets its reserved slots only.
-            slots = BatchRule.from_policy(policy).min_slots()[TIERS.index(tier)]
-            wait = own / (capacity * slots / max_batch) if slots else float("inf")
+        slots = reserved_slots(policy.tiers[tier].min_batch_share, max_batch)
+        above = total - own
+        if slots and above >= max_batch:
+            # The tiers above fill a batch: count on this tier's reserved slots
+            # only. That rate is guaranteed, so the estimate errs on the safe side.
+            wait = own / (capacity * slots / max_batch)
+        elif not slots and above >= max(max_batch, capacity * self.fleet.batch_ms() / 1000.0):
+            # No reserved slots and more queued above than the fleet can start
+            # in one batch time: this tier waits until they drain.
+            wait = float("inf")
         return wait * 1000.0
 
+    def admitted(self, tier: str) -> None:
+        """Count a request this gateway let in since the last view."""
+        self._ahead(tier)  # a new view resets the counts first
+        self._admitted_since[tier] += 1
+
     def decide(self, policy: Policy, tier: str) -> Decision:
+        """Would a request of ``tier`` fit its budget now? (Counts nothing.)"""
         wait_ms = self.estimate_wait_ms(policy, tier)
         budget_ms = policy.tiers[tier].latency_budget_ms
         if wait_ms <= budget_ms:
-            self._admitted_since[tier] += 1
             return Decision(True, wait_ms)
         batch_ms = self.fleet.batch_ms() or 100.0
         retry_ms = batch_ms if wait_ms == float("inf") else max(batch_ms, wait_ms - budget_ms)
