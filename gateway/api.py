@@ -33,6 +33,13 @@ class InferenceResponse(msgspec.Struct):
     queue_ms: int
 
 
+class Readiness(msgspec.Struct):
+    ready: bool
+    redis_ok: bool
+    workers_alive: int
+    draining: bool
+
+
 class WorkerStatus(msgspec.Struct):
     id: str
     busy: bool

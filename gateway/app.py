@@ -16,6 +16,7 @@ from gateway.api import (
     AdminPolicy,
     InferenceRequest,
     InferenceResponse,
+    Readiness,
     ReloadResult,
     StatusResponse,
 )
@@ -39,12 +40,12 @@ _HTTP_CODES = {
 }
 
 
-def _error(code: str, description: str) -> ResponseSpec:
+def _error(description: str) -> ResponseSpec:
     return ResponseSpec(data_container=ErrorBody, description=description, generate_examples=False)
 
 
 INFERENCE_ERRORS = {
-    ERRORS[code][0]: _error(code, text)
+    ERRORS[code][0]: _error(text)
     for code, text in (
         (
             "INVALID_INPUT",
@@ -91,8 +92,8 @@ async def inference(
 
 
 ADMIN_ERRORS = {
-    401: _error("UNAUTHENTICATED", "UNAUTHENTICATED: no or unknown API key"),
-    403: _error("FORBIDDEN", "FORBIDDEN: not an admin key"),
+    401: _error("UNAUTHENTICATED: no or unknown API key"),
+    403: _error("FORBIDDEN: not an admin key"),
 }
 
 
@@ -130,18 +131,17 @@ async def healthz() -> dict[str, str]:
 @get(
     "/readyz",
     summary="Redis answers and at least one worker is alive",
-    responses={503: _error("", "not ready")},
+    responses={
+        503: ResponseSpec(
+            data_container=Readiness, description="not ready", generate_examples=False
+        )
+    },
 )
-async def readyz(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
+async def readyz(request: Request[Any, Any, Any]) -> Response[Readiness]:
     gw = _gateway(request)
     fleet = gw.fleet
     ready = fleet.redis_ok and fleet.workers_alive > 0 and not gw.draining
-    body = {
-        "ready": ready,
-        "redis_ok": fleet.redis_ok,
-        "workers_alive": fleet.workers_alive,
-        "draining": gw.draining,
-    }
+    body = Readiness(ready, fleet.redis_ok, fleet.workers_alive, gw.draining)
     return Response(body, status_code=HTTP_200_OK if ready else HTTP_503_SERVICE_UNAVAILABLE)
 
 
