@@ -43,6 +43,10 @@ RETRY_REDIS_MS = 1_000
 RETRY_DRAINING_MS = 100
 
 
+def redis_unreachable() -> ApiError:
+    return ApiError("SERVICE_OVERLOADED", "the queue store is unreachable", RETRY_REDIS_MS)
+
+
 Receive = Callable[[], Awaitable[Any]]
 
 
@@ -183,7 +187,7 @@ class Gateway:
             tier.deadline_ms if body.timeout_ms is None else min(tier.deadline_ms, body.timeout_ms)
         )
         if not self.fleet.redis_ok:
-            raise ApiError("SERVICE_OVERLOADED", "the queue store is unreachable", RETRY_REDIS_MS)
+            raise redis_unreachable()
         if self.fleet.workers_alive == 0:
             raise ApiError(
                 "SERVICE_OVERLOADED", "no healthy worker is available", RETRY_NO_WORKER_MS
@@ -202,9 +206,7 @@ class Gateway:
             quota = await self.quota.charge(key, tier, len(body.input))
         except (redis.exceptions.RedisError, OSError) as exc:
             self.fleet.mark_unreachable()
-            raise ApiError(
-                "SERVICE_OVERLOADED", "the queue store is unreachable", RETRY_REDIS_MS
-            ) from exc
+            raise redis_unreachable() from exc
         headers = quota.headers()
         if not quota.allowed:
             raise ApiError(
@@ -259,9 +261,7 @@ class Gateway:
                     "request.enqueue_failed", request_id=request_id, error=type(exc).__name__
                 )
                 self.fleet.mark_unreachable()
-                raise ApiError(
-                    "SERVICE_OVERLOADED", "the queue store is unreachable", RETRY_REDIS_MS
-                ) from exc
+                raise redis_unreachable() from exc
             remaining_s = deadline_ms / 1000.0 - (clock.monotonic_s() - started)
             watcher = (
                 asyncio.ensure_future(_watch_disconnect(receive, future))
@@ -330,9 +330,7 @@ class Gateway:
             snapshot = await self.broker.fleet_snapshot(clock.now_ms())
             stats = await self.broker.stats()
         except (redis.exceptions.RedisError, OSError) as exc:
-            raise ApiError(
-                "SERVICE_OVERLOADED", "the queue store is unreachable", RETRY_REDIS_MS
-            ) from exc
+            raise redis_unreachable() from exc
         policy = self.policy.current
         batches = stats.get("batches_formed", 0)
         batched = stats.get("requests_batched", 0)
