@@ -143,7 +143,7 @@ class Gateway:
         body: InferenceRequest,
         receive: Receive | None = None,
     ) -> tuple[InferenceResponse, dict[str, str]]:
-        """Who, quota, capacity (DESIGN: Admission), then enqueue and wait.
+        """Who, capacity, quota (see README: how admission decides), then enqueue and wait.
         Returns the response and the headers it carries."""
         if not tracing.enabled:
             return await self._infer(request_id, authorization, body, receive)
