@@ -96,6 +96,12 @@ class Gateway:
             settings.heartbeat_ttl_ms,
         )
 
+    def ready_for_replies(self) -> bool:
+        """Redis answers AND this gateway is subscribed to its reply channel: a
+        request admitted while the subscription is down (after a Redis restart)
+        would have its reply published to no one."""
+        return self.fleet.redis_ok and self.replies.subscribed.is_set()
+
     async def start(self) -> None:
         self.policy.start()
         await self.fleet.start()
@@ -186,7 +192,7 @@ class Gateway:
         deadline_ms = (
             tier.deadline_ms if body.timeout_ms is None else min(tier.deadline_ms, body.timeout_ms)
         )
-        if not self.fleet.redis_ok:
+        if not self.ready_for_replies():
             raise redis_unreachable()
         if self.fleet.workers_alive == 0:
             raise ApiError(
