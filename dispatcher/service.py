@@ -13,31 +13,30 @@ then all busy together, and the next arrivals wait most of a batch time
 (measured: p50 127 ms at 100 req/s with 4 workers at 100 ms). Paced, the
 workers start evenly staggered and a request waits at most about one
 interval. A full batch is never held back.
+
+Every step is safe to interrupt: what a dispatcher holds (credits, taken
+envelopes) is in Redis under its id, and ``requeue`` returns it on stop, or
+the reaper does if the dispatcher dies.
 """
 
 import asyncio
 import os
 from dataclasses import dataclass
 
-import redis.exceptions
-
-from dispatcher import wire
-from dispatcher.broker import Broker, connect
-from dispatcher.fleet import FleetView
-from dispatcher.heartbeat import Heartbeater
-from dispatcher.keys import TIERS, Keys
-from dispatcher.reaper import Reaper
-from infergate import clock, logs
-from infergate.settings import ProcessSettings
-from policies import Policy
-from policies.live import LivePolicy
+from infergate.base import clock, logs, wire
+from infergate.base.fleet import FleetView
+from infergate.base.heartbeat import Heartbeater
+from infergate.base.loops import Supervised, retry_until_done
+from infergate.base.queue.dispatcher import DispatcherQueue
+from infergate.base.queue.recovery import RecoveryQueue
+from infergate.base.queue.store import Store
+from infergate.base.settings import ProcessSettings
+from infergate.base.tiers import TIERS
+from infergate.dispatcher.reaper import Reaper
+from infergate.policies import Policy
+from infergate.policies.live import LivePolicy
 
 log = logs.get(__name__)
-
-
-def reserved_slots(share: float, max_batch_size: int) -> int:
-    """Slots of every batch reserved for a tier: at least one for any share."""
-    return max(1, round(share * max_batch_size)) if share > 0 else 0
 
 
 @dataclass(frozen=True)
@@ -45,17 +44,14 @@ class BatchRule:
     """What the policy says about forming batches (re-read for every batch)."""
 
     max_batch_size: int = 100
-    min_batch_share: tuple[float, ...] = (0.0,) * len(TIERS)
+    min_slots: tuple[int, ...] = (0,) * len(TIERS)
     pacing: bool = True
-
-    def min_slots(self) -> list[int]:
-        return [reserved_slots(share, self.max_batch_size) for share in self.min_batch_share]
 
     @classmethod
     def from_policy(cls, policy: Policy) -> "BatchRule":
         return cls(
             max_batch_size=policy.document.batching.max_batch_size,
-            min_batch_share=tuple(policy.tiers[t].min_batch_share for t in TIERS),
+            min_slots=tuple(policy.reserved_slots(t) for t in TIERS),
             pacing=policy.document.batching.pacing,
         )
 
@@ -70,21 +66,26 @@ class Dispatcher:
         self.settings = settings
         self.id = settings.process_id
         self.policy = policy
-        self._rule = BatchRule.from_policy(policy.current)
+        self.rule = BatchRule.from_policy(policy.current)
         policy.on_change(self._policy_changed)
-        self.redis = connect(
-            settings.redis_url, block_s=settings.block_timeout_s, name="dispatcher:" + self.id
+        self.store = Store.connect(
+            settings.redis_url,
+            settings.namespace,
+            block_s=settings.block_timeout_s,
+            name="dispatcher:" + self.id,
         )
-        self.broker = Broker(self.redis, Keys(settings.namespace))
+        self.queue = DispatcherQueue(self.store, self.id)
         self.started_ms = clock.now_ms()
         self.batches_formed = 0
-        self.fleet = FleetView(self.broker, refresh_ms=200)
+        self.fleet = FleetView(self.store, refresh_ms=200)
         self.reaper = Reaper(
-            self.broker, self.id, lambda: self.policy.current.document.workers.max_attempts
+            RecoveryQueue(self.store, self.id),
+            lambda: self.policy.current.document.workers.max_attempts,
         )
         self.heartbeat = Heartbeater(
-            self.broker, self.status, settings.heartbeat_interval_ms, settings.heartbeat_ttl_ms
+            self.store, self.status, settings.heartbeat_interval_ms, settings.heartbeat_ttl_ms
         )
+        self.dispatching = Supervised("dispatch", self.dispatch_once, 0)
 
     def status(self) -> wire.Heartbeat:
         return wire.Heartbeat(
@@ -96,10 +97,7 @@ class Dispatcher:
         )
 
     def _policy_changed(self, policy: Policy) -> None:
-        self._rule = BatchRule.from_policy(policy)
-
-    def rule(self) -> BatchRule:
-        return self._rule
+        self.rule = BatchRule.from_policy(policy)
 
     def pacing_interval_ms(self, rule: BatchRule) -> int:
         workers = self.fleet.workers_alive
@@ -108,18 +106,18 @@ class Dispatcher:
             return 0
         return int(batch_ms / workers)
 
-    async def form_one(self, credit: str, stop: asyncio.Event) -> bool:
-        """Holding ``credit``, wait for work and hand off one batch. Returns
-        False if stopped first (the credit is still held; ``requeue`` returns it)."""
-        block_s = self.settings.block_timeout_s
-        while not stop.is_set():
-            rule = self.rule()
-            taken = await self.broker.take(
-                self.id,
-                rule.max_batch_size,
-                clock.now_ms(),
-                rule.min_slots(),
-                self.pacing_interval_ms(rule),
+    async def dispatch_once(self) -> None:
+        """Wait (bounded) for an idle worker's credit; holding one, form a batch."""
+        credit = await self.queue.wait_credit(self.settings.block_timeout_s)
+        if credit is not None:
+            await self.form_one(credit)
+
+    async def form_one(self, credit: str) -> None:
+        """Holding ``credit``, wait for work and hand off one batch."""
+        while True:
+            rule = self.rule
+            taken = await self.queue.take(
+                rule.max_batch_size, clock.now_ms(), rule.min_slots, self.pacing_interval_ms(rule)
             )
             if taken.wait_ms > 0:
                 await asyncio.sleep(taken.wait_ms / 1000.0)
@@ -132,62 +130,46 @@ class Dispatcher:
                     malformed=taken.malformed,
                 )
             if taken.envelopes:
-                batch_id = os.urandom(6).hex()
-                now_ms = clock.now_ms()
-                batch = wire.encode_batch(batch_id, self.id, now_ms, taken.envelopes)
-                await self.broker.handoff(self.id, credit, batch, len(taken.envelopes), now_ms)
-                self.batches_formed += 1
-                log.debug(
-                    "batch.formed", batch_id=batch_id, size=len(taken.envelopes), credit=credit
-                )
-                return True
-            await self.broker.wait_doorbell(block_s)
-        return False
+                await self.hand_off(credit, taken.envelopes)
+                return
+            await self.queue.wait_doorbell(self.settings.block_timeout_s)
+
+    async def hand_off(self, credit: str, envelopes: list[bytes]) -> None:
+        batch_id = os.urandom(6).hex()
+        now_ms = clock.now_ms()
+        batch = wire.encode_batch(batch_id, self.id, now_ms, envelopes)
+        await self.queue.handoff(credit, batch, len(envelopes), now_ms)
+        self.batches_formed += 1
+        log.debug("batch.formed", batch_id=batch_id, size=len(envelopes), credit=credit)
+
+    async def _register(self) -> None:
+        """Anything left by an earlier life under this id goes back first."""
+        await self.queue.requeue_own()
+        await self.heartbeat.beat_once()
 
     async def serve(self, stop: asyncio.Event) -> int:
-        backoff_s = 0.1
-        # Anything left by an earlier life under this id goes back first.
-        while True:
-            try:
-                await self.broker.requeue(self.id)
-                await self.heartbeat.beat_once()
-                break
-            except (redis.exceptions.RedisError, OSError) as exc:
-                if stop.is_set():
-                    return 0
-                log.warning(
-                    "dispatcher.redis_unavailable", error=type(exc).__name__, retry_s=backoff_s
-                )
-                await asyncio.sleep(backoff_s)
-                backoff_s = min(backoff_s * 2, 2.0)
+        if not await retry_until_done("dispatcher.register", self._register, stop):
+            await self.store.close()
+            return 0
         self.heartbeat.start()
         self.policy.start()
         await self.fleet.start()
         self.reaper.start()
+        self.dispatching.start()
         log.info("dispatcher.started", dispatcher_id=self.id)
         try:
-            while not stop.is_set():
-                try:
-                    credit = await self.broker.wait_credit(self.id, self.settings.block_timeout_s)
-                    if credit is not None:
-                        await self.form_one(credit, stop)
-                    backoff_s = 0.1
-                except (redis.exceptions.RedisError, OSError) as exc:
-                    log.warning(
-                        "dispatcher.redis_unavailable", error=type(exc).__name__, retry_s=backoff_s
-                    )
-                    await asyncio.sleep(backoff_s)
-                    backoff_s = min(backoff_s * 2, 2.0)
+            await stop.wait()
         finally:
+            await self.dispatching.stop()
             await self.reaper.stop()
             await self.heartbeat.stop()
             await self.policy.stop()
             await self.fleet.stop()
-            try:
-                envs, credits = await self.broker.requeue(self.id)
-                await self.broker.retire("dispatcher", self.id)
-                log.info("dispatcher.stopped", requeued=envs, credits_returned=credits)
-            except (redis.exceptions.RedisError, OSError) as exc:
-                log.warning("dispatcher.requeue_failed", error=type(exc).__name__)
-            await self.redis.aclose()
+            await retry_until_done("dispatcher.retire", self._retire, stop, grace_after_stop_s=2.0)
+            await self.store.close()
         return 0
+
+    async def _retire(self) -> None:
+        envs, credits = await self.queue.requeue_own()
+        await self.store.retire("dispatcher", self.id)
+        log.info("dispatcher.stopped", requeued=envs, credits_returned=credits)

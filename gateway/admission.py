@@ -3,7 +3,8 @@ ahead of a request cannot be served within its tier's latency budget.
 
 Fleet capacity is measured, not configured: each worker reports in its
 heartbeat the batch time it measures, so capacity is
-``sum(max_batch / batch_time)`` over healthy workers, planned at the
+``sum(max_batch / batch_time)`` over the workers that take work (a
+draining one does not; see ``infergate.base.fleet``), planned at the
 policy's target utilization. The work ahead of a request is the queue depth
 of its own and higher tiers (the fleet view, refreshed in the background)
 plus what this gateway has admitted since that view was taken, divided by
@@ -17,10 +18,9 @@ capacity drops within a heartbeat TTL and admission tightens by itself.
 
 from dataclasses import dataclass
 
-from dispatcher.fleet import FleetView
-from dispatcher.keys import TIERS
-from dispatcher.service import reserved_slots
-from policies import Policy
+from infergate.base.fleet import FleetView
+from infergate.base.tiers import TIERS
+from infergate.policies import Policy
 
 
 @dataclass(frozen=True)
@@ -37,12 +37,9 @@ class Admission:
         self._admitted_since: dict[str, int] = dict.fromkeys(TIERS, 0)
 
     def capacity_rps(self, policy: Policy) -> float:
-        snapshot = self.fleet.snapshot
-        if snapshot is None:
-            return 0.0
-        max_batch = policy.document.batching.max_batch_size
-        raw = sum(max_batch * 1000.0 / w.batch_ms for w in snapshot.workers if w.batch_ms > 0)
-        return raw * policy.document.capacity.target_utilization
+        """Planned capacity: measured (serving workers only) x target utilization."""
+        measured = self.fleet.capacity_rps(policy.document.batching.max_batch_size)
+        return measured * policy.document.capacity.target_utilization
 
     def _ahead(self, tier: str) -> tuple[int, int]:
         """(work queued at this tier and above, work queued at this tier)."""
@@ -68,7 +65,7 @@ class Admission:
         total, own = self._ahead(tier)
         wait = total / capacity
         max_batch = policy.document.batching.max_batch_size
-        slots = reserved_slots(policy.tiers[tier].min_batch_share, max_batch)
+        slots = policy.reserved_slots(tier)
         above = total - own
         if slots and above >= max_batch:
             # The tiers above fill a batch: count on this tier's reserved slots

@@ -43,9 +43,13 @@ class Readiness(msgspec.Struct):
 class WorkerStatus(msgspec.Struct):
     id: str
     busy: bool
+    # Finishing its batch before it exits; not counted as capacity.
+    draining: bool
     batches_done: int
     requests_done: int
     delivered_rps: float
+    # Measured batch time, and the most it can deliver at the live policy's batch size.
+    batch_ms: float
     capacity_rps: float
 
 

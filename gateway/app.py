@@ -1,18 +1,11 @@
 """The Litestar application: routes, the error shape for every failure, and
 the OpenAPI document."""
 
+from importlib.metadata import version
 from typing import Any
 
-from litestar import Litestar, Request, Response, get, post
-from litestar.exceptions import HTTPException, ValidationException
-from litestar.openapi import OpenAPIConfig
-from litestar.openapi.datastructures import ResponseSpec
-from litestar.openapi.plugins import JsonRenderPlugin, SwaggerRenderPlugin
-from litestar.openapi.spec import Components, SecurityScheme
-from litestar.status_codes import HTTP_200_OK, HTTP_503_SERVICE_UNAVAILABLE
-
-import infergate
-from gateway.api import (
+from infergate.base import logs
+from infergate.gateway.api import (
     AdminPolicy,
     InferenceRequest,
     InferenceResponse,
@@ -20,10 +13,16 @@ from gateway.api import (
     ReloadResult,
     StatusResponse,
 )
-from gateway.errors import ERRORS, ApiError, ErrorBody
-from gateway.middleware import REQUEST_ID, RequestIdAndLimits
-from gateway.service import Gateway
-from infergate import logs
+from infergate.gateway.errors import ERRORS, ApiError, ErrorBody
+from infergate.gateway.middleware import REQUEST_ID, RequestIdAndLimits
+from infergate.gateway.service import Gateway
+from litestar import Litestar, Request, Response, get, post
+from litestar.exceptions import HTTPException, ValidationException
+from litestar.openapi import OpenAPIConfig
+from litestar.openapi.datastructures import ResponseSpec
+from litestar.openapi.plugins import JsonRenderPlugin, SwaggerRenderPlugin
+from litestar.openapi.spec import Components, SecurityScheme
+from litestar.status_codes import HTTP_200_OK, HTTP_503_SERVICE_UNAVAILABLE
 
 log = logs.get(__name__)
 
@@ -212,7 +211,7 @@ def create_app(gateway: Gateway) -> Litestar:
         request_max_body_size=gateway.policy.current.document.limits.max_body_bytes,
         openapi_config=OpenAPIConfig(
             title="infergate",
-            version=infergate.__version__,
+            version=version("infergate"),
             description="A priority-tiered inference gateway: send one string, get one string back.",
             components=Components(
                 security_schemes={

@@ -7,6 +7,7 @@ HTTP status codes are chosen here and nowhere else:
 import math
 
 import msgspec
+from infergate.base import wire
 
 # code -> (HTTP status, OpenAI-style type)
 ERRORS: dict[str, tuple[int, str]] = {
@@ -73,3 +74,14 @@ class ApiError(Exception):
             headers["retry-after"] = str(max(1, math.ceil(self.retry_after_ms / 1000)))
             headers["retry-after-ms"] = str(self.retry_after_ms)
         return headers
+
+
+# Codes a worker or the reaper may put on a result; anything else it sends
+# is answered as INFERENCE_FAILED (the wire is not trusted to pick a status).
+RESULT_CODES = frozenset({"INFERENCE_FAILED", "TIMEOUT", "SERVICE_OVERLOADED"})
+
+
+def error_from_result(error: wire.ErrorInfo) -> ApiError:
+    """The client's error for a result that carries one, by its code."""
+    code = error.code if error.code in RESULT_CODES else "INFERENCE_FAILED"
+    return ApiError(code, error.message or "the backend failed")

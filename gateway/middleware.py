@@ -6,8 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
-
-from gateway.errors import ApiError
+from infergate.gateway.errors import ApiError
 
 Scope = dict[str, Any]
 Receive = Callable[[], Any]

@@ -17,11 +17,9 @@ import time
 from dataclasses import dataclass
 from functools import lru_cache
 
+from infergate.policies import KeyEntry, Tier
 from limits import RateLimitItem, parse_many
 from limits.aio.storage import RedisStorage
-from redis.asyncio import Redis
-
-from policies import KeyEntry, Tier
 
 
 @lru_cache(maxsize=1024)
@@ -59,13 +57,8 @@ class QuotaResult:
 
 
 class Quota:
-    def __init__(self, redis: Redis, key_prefix: str) -> None:
-        self.storage = RedisStorage(
-            "async+redis://",
-            implementation="redispy",
-            key_prefix=key_prefix,
-            connection_pool=redis.connection_pool,  # type: ignore[arg-type]
-        )
+    def __init__(self, storage: RedisStorage) -> None:
+        self.storage = storage
         # When each window ends (epoch s), learned when this gateway opens a
         # window or from one TTL read per window: no extra round trip per request.
         self._window_end: dict[str, float] = {}

@@ -1,4 +1,4 @@
-"""Parked requests and the one pub/sub listener per gateway process.
+"""Parked requests and the one reply listener per gateway process.
 
 A request parks on an ``asyncio.Future`` keyed by its id; the listener
 resolves futures as replies arrive on ``reply:{gateway}``. A reply can
@@ -7,27 +7,23 @@ first resolves the future and the rest find nothing to resolve.
 """
 
 import asyncio
-import contextlib
-from typing import Any
 
 import msgspec
-import redis.exceptions
-from redis.asyncio import Redis
-
-from dispatcher import wire
-from infergate import logs
+from infergate.base import logs, wire
+from infergate.base.loops import Backoff, Supervised
+from infergate.base.queue.gateway import GatewayQueue
 
 log = logs.get(__name__)
 
 
 class ReplyRouter:
-    def __init__(self, redis: Redis, channel: str) -> None:
-        self.redis = redis
-        self.channel = channel
+    def __init__(self, queue: GatewayQueue) -> None:
+        self.queue = queue
         self.pending: dict[str, asyncio.Future[wire.Result]] = {}
         self.subscribed = asyncio.Event()
         self.duplicates = 0
-        self._task: asyncio.Task[Any] | None = None
+        self.unreadable = 0
+        self.loop = Supervised("reply-listener", self.listen, 0, Backoff(0.05, 1.0))
 
     def park(self, request_id: str) -> asyncio.Future[wire.Result]:
         fut: asyncio.Future[wire.Result] = asyncio.get_running_loop().create_future()
@@ -45,37 +41,37 @@ class ReplyRouter:
             elif not fut.done():
                 fut.set_result(result)
 
+    def listening(self) -> bool:
+        return self.subscribed.is_set() and self.loop.running
+
     async def start(self, timeout_s: float = 5.0) -> None:
-        self._task = asyncio.create_task(self._run(), name="reply-listener")
+        self.loop.start()
         await asyncio.wait_for(self.subscribed.wait(), timeout_s)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await self.loop.stop()
+        self.subscribed.clear()
 
-    async def _run(self) -> None:
-        backoff_s = 0.05
-        while True:
-            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
-            try:
-                await pubsub.subscribe(self.channel)
+    async def listen(self) -> None:
+        """Subscribe, then deliver replies until the subscription fails (the
+        supervisor logs it and subscribes again after a backoff)."""
+        try:
+            async with self.queue.replies() as subscription:
                 self.subscribed.set()
-                backoff_s = 0.05
-                log.info("replies.subscribed", channel=self.channel)
+                self.loop.backoff.reset()
+                log.info("replies.subscribed")
                 while True:
-                    message = await pubsub.get_message(timeout=1.0)
-                    if message is None or message.get("type") != "message":
-                        continue
-                    try:
-                        self.deliver(wire.decode_reply(message["data"]))
-                    except msgspec.DecodeError:
-                        log.error("replies.unreadable", size=len(message["data"]))
-            except (redis.exceptions.RedisError, OSError) as exc:
-                self.subscribed.clear()
-                log.warning("replies.disconnected", error=type(exc).__name__, retry_s=backoff_s)
-                await asyncio.sleep(backoff_s)
-                backoff_s = min(backoff_s * 2, 1.0)
-            finally:
-                with contextlib.suppress(redis.exceptions.RedisError, OSError):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                    data = await subscription.next_message(timeout_s=1.0)
+                    if data is not None:
+                        self._deliver_raw(data)
+        finally:
+            self.subscribed.clear()
+
+    def _deliver_raw(self, data: bytes) -> None:
+        try:
+            reply = wire.decode_reply(data)
+        except msgspec.DecodeError:
+            self.unreadable += 1
+            log.error("replies.unreadable", size=len(data))
+            return
+        self.deliver(reply)

@@ -12,10 +12,9 @@ import socket
 from types import FrameType
 
 import uvicorn
-
-from gateway.app import create_asgi
-from gateway.service import Gateway
-from infergate import clock, logs
+from infergate.base import clock, logs
+from infergate.gateway.app import create_asgi
+from infergate.gateway.service import Gateway
 
 log = logs.get(__name__)
 

@@ -11,15 +11,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-import redis.exceptions
-
-from dispatcher import wire
-from dispatcher.broker import Broker, connect
-from dispatcher.fleet import FleetView
-from dispatcher.heartbeat import Heartbeater
-from dispatcher.keys import TIERS, Keys
-from gateway.admission import Admission
-from gateway.api import (
+from infergate.base import clock, logs, tracing, wire
+from infergate.base.errors import STORE_ERRORS
+from infergate.base.fleet import FleetView, worker_capacity_rps
+from infergate.base.heartbeat import Heartbeater
+from infergate.base.queue.gateway import GatewayQueue
+from infergate.base.queue.store import Store
+from infergate.base.settings import ProcessSettings
+from infergate.base.tiers import TIERS
+from infergate.gateway.admission import Admission
+from infergate.gateway.api import (
     AdminPolicy,
     InferenceRequest,
     InferenceResponse,
@@ -27,13 +28,11 @@ from gateway.api import (
     StatusResponse,
     WorkerStatus,
 )
-from gateway.errors import ApiError
-from gateway.quota import Quota
-from gateway.replies import ReplyRouter
-from infergate import clock, logs, tracing
-from infergate.settings import ProcessSettings
-from policies import KeyEntry, Policy
-from policies.live import LivePolicy
+from infergate.gateway.errors import ApiError, error_from_result
+from infergate.gateway.quota import Quota
+from infergate.gateway.replies import ReplyRouter
+from infergate.policies import KeyEntry, Policy, Tier
+from infergate.policies.live import LivePolicy
 
 log = logs.get(__name__)
 _tracer = tracing.tracer(__name__)
@@ -41,6 +40,18 @@ _tracer = tracing.tracer(__name__)
 RETRY_NO_WORKER_MS = 1_000
 RETRY_REDIS_MS = 1_000
 RETRY_DRAINING_MS = 100
+
+# The fleet counters /v1/status always shows (0 until something happens).
+COUNTERS = (
+    "batches_formed",
+    "requests_batched",
+    "expired_dropped",
+    "cancelled_dropped",
+    "malformed_dropped",
+    "requeued",
+    "batches_retried",
+    "batches_dead_lettered",
+)
 
 
 def redis_unreachable() -> ApiError:
@@ -77,18 +88,19 @@ class Gateway:
         self.settings = settings
         self.id = settings.process_id
         self.policy = policy
-        self.keys = Keys(settings.namespace)
-        self.redis = connect(settings.redis_url, name="gateway:" + self.id)
-        self.broker = Broker(self.redis, self.keys)
-        self.replies = ReplyRouter(self.redis, self.keys.reply_channel(self.id))
-        self.fleet = FleetView(self.broker, settings.fleet_refresh_ms)
-        self.quota = Quota(self.redis, self.keys.ratelimit_prefix())
+        self.store = Store.connect(
+            settings.redis_url, settings.namespace, name="gateway:" + self.id
+        )
+        self.queue = GatewayQueue(self.store, self.id)
+        self.replies = ReplyRouter(self.queue)
+        self.fleet = FleetView(self.store, settings.fleet_refresh_ms)
+        self.quota = Quota(self.queue.quota_storage())
         self.admission = Admission(self.fleet)
         self.started_ms = clock.now_ms()
         self.served = 0
         self.draining = False
         self.heartbeat = Heartbeater(
-            self.broker,
+            self.store,
             lambda: wire.Heartbeat(
                 "gateway", self.id, self.started_ms, clock.now_ms(), requests_done=self.served
             ),
@@ -97,10 +109,10 @@ class Gateway:
         )
 
     def ready_for_replies(self) -> bool:
-        """Redis answers AND this gateway is subscribed to its reply channel: a
-        request admitted while the subscription is down (after a Redis restart)
-        would have its reply published to no one."""
-        return self.fleet.redis_ok and self.replies.subscribed.is_set()
+        """Redis answers, the fleet view is fresh, AND this gateway listens on
+        its reply channel: a request admitted while the subscription is down
+        (after a Redis restart) would have its reply published to no one."""
+        return self.fleet.redis_ok and self.replies.listening()
 
     async def start(self) -> None:
         self.policy.start()
@@ -115,10 +127,10 @@ class Gateway:
         await self.replies.stop()
         await self.fleet.stop()
         try:
-            await self.broker.retire("gateway", self.id)
-        except (redis.exceptions.RedisError, OSError) as exc:
+            await self.store.retire("gateway", self.id)
+        except STORE_ERRORS as exc:
             log.warning("gateway.retire_failed", error=type(exc).__name__)
-        await self.redis.aclose()
+        await self.store.close()
         log.info("gateway.stopped", gateway_id=self.id)
 
     # -- one request ---------------------------------------------------------
@@ -182,46 +194,13 @@ class Gateway:
         policy = self.policy.current
         key = self.authenticate(authorization, policy)
         tier = policy.tiers[key.tier]
-        if not body.input:
-            raise ApiError("INVALID_INPUT", "input must be a non-empty string")
-        if len(body.input) > tier.max_input_chars:
-            raise ApiError(
-                "INVALID_INPUT",
-                f"input is {len(body.input)} characters; the {key.tier} tier allows {tier.max_input_chars}",
-            )
+        _check_input(body.input, key.tier, tier)
+        self._check_capacity(policy, key.tier)
+        headers = await self._charge_quota(key, tier, len(body.input))
+        self.admission.admitted(key.tier)
         deadline_ms = (
             tier.deadline_ms if body.timeout_ms is None else min(tier.deadline_ms, body.timeout_ms)
         )
-        if not self.ready_for_replies():
-            raise redis_unreachable()
-        if self.fleet.workers_alive == 0:
-            raise ApiError(
-                "SERVICE_OVERLOADED", "no healthy worker is available", RETRY_NO_WORKER_MS
-            )
-        # Capacity first: a local estimate with no Redis round trip, so under
-        # overload a refusal costs next to nothing (and consumes no quota).
-        decision = self.admission.decide(policy, key.tier)
-        if not decision.admitted:
-            raise ApiError(
-                "SERVICE_OVERLOADED",
-                f"the {key.tier} tier is at capacity: about {decision.wait_ms:.0f} ms of work is "
-                f"queued ahead, over its {tier.latency_budget_ms} ms budget",
-                decision.retry_after_ms,
-            )
-        try:
-            quota = await self.quota.charge(key, tier, len(body.input))
-        except (redis.exceptions.RedisError, OSError) as exc:
-            self.fleet.mark_unreachable()
-            raise redis_unreachable() from exc
-        headers = quota.headers()
-        if not quota.allowed:
-            raise ApiError(
-                "RATE_LIMITED",
-                f"rate limit {quota.refused_by} exceeded for this key",
-                quota.retry_after_ms,
-                headers,
-            )
-        self.admission.admitted(key.tier)
         try:
             result = await self._run(request_id, key, body.input, deadline_ms, started, receive)
         except ApiError as exc:
@@ -237,6 +216,43 @@ class Gateway:
             queue_ms=result.queue_ms,
         )
         return response, headers
+
+    def _check_capacity(self, policy: Policy, tier_name: str) -> None:
+        """Redis and a worker are there, and the tier's queue fits its budget.
+        A local estimate with no Redis round trip, made before the quota is
+        charged, so under overload a refusal costs next to nothing."""
+        if not self.ready_for_replies():
+            raise redis_unreachable()
+        if self.fleet.workers_alive == 0:
+            raise ApiError(
+                "SERVICE_OVERLOADED", "no healthy worker is available", RETRY_NO_WORKER_MS
+            )
+        decision = self.admission.decide(policy, tier_name)
+        if not decision.admitted:
+            budget_ms = policy.tiers[tier_name].latency_budget_ms
+            raise ApiError(
+                "SERVICE_OVERLOADED",
+                f"the {tier_name} tier is at capacity: about {decision.wait_ms:.0f} ms of work is "
+                f"queued ahead, over its {budget_ms} ms budget",
+                decision.retry_after_ms,
+            )
+
+    async def _charge_quota(self, key: KeyEntry, tier: Tier, input_chars: int) -> dict[str, str]:
+        """Charge the key's limits; returns the x-ratelimit-* headers, or raises 429."""
+        try:
+            quota = await self.quota.charge(key, tier, input_chars)
+        except STORE_ERRORS as exc:
+            self.fleet.mark_unreachable()
+            raise redis_unreachable() from exc
+        headers = quota.headers()
+        if not quota.allowed:
+            raise ApiError(
+                "RATE_LIMITED",
+                f"rate limit {quota.refused_by} exceeded for this key",
+                quota.retry_after_ms,
+                headers,
+            )
+        return headers
 
     async def _run(
         self,
@@ -260,33 +276,9 @@ class Gateway:
         )
         future = self.replies.park(request_id)
         try:
-            try:
-                await self.broker.enqueue(key.tier, wire.encode(envelope))
-            except (redis.exceptions.RedisError, OSError) as exc:
-                log.warning(
-                    "request.enqueue_failed", request_id=request_id, error=type(exc).__name__
-                )
-                self.fleet.mark_unreachable()
-                raise redis_unreachable() from exc
+            await self._enqueue(envelope)
             remaining_s = deadline_ms / 1000.0 - (clock.monotonic_s() - started)
-            watcher = (
-                asyncio.ensure_future(_watch_disconnect(receive, future))
-                if receive is not None
-                else None
-            )
-            try:
-                async with asyncio.timeout(max(0.0, remaining_s)):
-                    result = await future
-            except TimeoutError:
-                raise ApiError(
-                    "TIMEOUT", f"no result within the {deadline_ms} ms deadline"
-                ) from None
-            except ClientGone:
-                await self._cancel(request_id, envelope.deadline_ms)
-                raise ApiError("CLIENT_CLOSED", "the client disconnected") from None
-            finally:
-                if watcher is not None:
-                    watcher.cancel()
+            result = await self._wait(future, envelope, remaining_s, receive)
         finally:
             self.replies.forget(request_id)
         if result.error is not None:
@@ -296,15 +288,49 @@ class Gateway:
                 batch_id=result.batch_id,
                 code=result.error.code,
             )
-            raise ApiError("INFERENCE_FAILED", result.error.message)
+            raise error_from_result(result.error)
         return result
+
+    async def _enqueue(self, envelope: wire.Envelope) -> None:
+        try:
+            await self.queue.enqueue(envelope.tier, wire.encode(envelope))
+        except STORE_ERRORS as exc:
+            log.warning("request.enqueue_failed", request_id=envelope.id, error=type(exc).__name__)
+            self.fleet.mark_unreachable()
+            raise redis_unreachable() from exc
+
+    async def _wait(
+        self,
+        future: asyncio.Future[wire.Result],
+        envelope: wire.Envelope,
+        remaining_s: float,
+        receive: Receive | None,
+    ) -> wire.Result:
+        """The request's reply, or 504 at its deadline, or a cancel if the client leaves."""
+        watcher = (
+            asyncio.ensure_future(_watch_disconnect(receive, future))
+            if receive is not None
+            else None
+        )
+        try:
+            async with asyncio.timeout(max(0.0, remaining_s)):
+                return await future
+        except TimeoutError:
+            timeout_ms = envelope.deadline_ms - envelope.enqueued_ms
+            raise ApiError("TIMEOUT", f"no result within the {timeout_ms} ms deadline") from None
+        except ClientGone:
+            await self._cancel(envelope.id, envelope.deadline_ms)
+            raise ApiError("CLIENT_CLOSED", "the client disconnected") from None
+        finally:
+            if watcher is not None:
+                watcher.cancel()
 
     async def _cancel(self, request_id: str, deadline_ms: int) -> None:
         """The client left: mark the request so ``take`` drops it before a worker sees it."""
         try:
-            await self.broker.cancel(request_id, deadline_ms)
+            await self.queue.cancel(request_id, deadline_ms)
             log.info("request.cancelled", request_id=request_id)
-        except (redis.exceptions.RedisError, OSError) as exc:
+        except STORE_ERRORS as exc:
             log.warning("request.cancel_failed", request_id=request_id, error=type(exc).__name__)
 
     # -- operators ---------------------------------------------------------------
@@ -330,37 +356,43 @@ class Gateway:
 
     async def status(self) -> StatusResponse:
         try:
-            workers = await self.broker.alive("worker")
-            dispatchers = await self.broker.alive("dispatcher")
-            gateways = await self.broker.alive("gateway")
-            snapshot = await self.broker.fleet_snapshot(clock.now_ms())
-            stats = await self.broker.stats()
-        except (redis.exceptions.RedisError, OSError) as exc:
+            fleet = await self.store.fleet_status()
+        except STORE_ERRORS as exc:
             raise redis_unreachable() from exc
         policy = self.policy.current
+        max_batch = policy.document.batching.max_batch_size
+        stats = fleet.counters
+        workers = fleet.alive["worker"]
         batches = stats.get("batches_formed", 0)
         batched = stats.get("requests_batched", 0)
         return StatusResponse(
             gateway_id=self.id,
-            policy_version=self.policy.current.version,
+            policy_version=policy.version,
             policy_error=self.policy.error,
             redis_ok=True,
             workers_alive=len(workers),
             workers_busy=sum(w.busy for w in workers),
             workers=[
                 WorkerStatus(
-                    w.id, w.busy, w.batches_done, w.requests_done, w.delivered_rps, w.capacity_rps
+                    id=w.id,
+                    busy=w.busy,
+                    draining=w.draining,
+                    batches_done=w.batches_done,
+                    requests_done=w.requests_done,
+                    delivered_rps=w.delivered_rps,
+                    batch_ms=w.batch_ms,
+                    capacity_rps=round(worker_capacity_rps(w, max_batch), 1),
                 )
                 for w in workers
             ],
-            dispatchers_alive=len(dispatchers),
-            gateways_alive=len(gateways),
-            queue_depth=snapshot.queue_depth,
+            dispatchers_alive=len(fleet.alive["dispatcher"]),
+            gateways_alive=len(fleet.alive["gateway"]),
+            queue_depth=fleet.queue_depth,
             batches_formed=batches,
             requests_batched=batched,
             mean_batch_size=round(batched / batches, 2) if batches else 0.0,
             expired_dropped=stats.get("expired_dropped", 0),
-            counters=stats,
+            counters={name: stats.get(name, 0) for name in COUNTERS} | stats,
             pending_here=len(self.replies.pending),
             replies_ignored=self.replies.duplicates,
             capacity_rps=round(self.admission.capacity_rps(policy), 1),
@@ -369,4 +401,14 @@ class Gateway:
                 for t in TIERS
                 for w in [self.admission.estimate_wait_ms(policy, t)]
             },
+        )
+
+
+def _check_input(text: str, tier_name: str, tier: Tier) -> None:
+    if not text:
+        raise ApiError("INVALID_INPUT", "input must be a non-empty string")
+    if len(text) > tier.max_input_chars:
+        raise ApiError(
+            "INVALID_INPUT",
+            f"input is {len(text)} characters; the {tier_name} tier allows {tier.max_input_chars}",
         )

@@ -13,7 +13,7 @@ containing ``hang_marker`` (default ``"__hang__"``) makes the call hang for
 import time
 import zlib
 
-from gpu.backend import BackendError, OneAtATime, check_batch
+from infergate.gpu.backend import BackendError, OneAtATime, check_batch
 
 DEFAULT_FAIL_MARKER = "__fail__"
 DEFAULT_HANG_MARKER = "__hang__"

@@ -9,7 +9,7 @@ that caused it.
 
 from typing import Any
 
-from gpu.backend import BackendError, OneAtATime, check_batch
+from infergate.gpu.backend import BackendError, OneAtATime, check_batch
 
 
 class TransformersBackend:

@@ -1,29 +1,34 @@
 """A GPU worker: offer a credit, take one batch, run it, publish the replies.
 
 The batch sits in ``processing:{worker}`` while it runs; it leaves only when
-the replies have been published (``finish``). A worker that dies leaves its
-batch there for the reaper. A backend call that fails is split in halves and
-retried down to the single inputs that fail, so one poisoned input fails
-only its own request. A call that runs past the hang timeout stops the
-worker: it stops heartbeating and exits non-zero, so the batch is retried
-elsewhere.
+the replies have been published (``answer_batch``). A worker that dies
+leaves its batch there for the reaper; a worker that starts under an id
+that still holds a batch recovers it first. A backend call that fails is
+split in halves and retried down to the single inputs that fail, so one
+poisoned input fails only its own request. A batch that cannot be run for
+any other reason (unreadable, a bug) is still answered: every request in it
+gets INFERENCE_FAILED, never silence until its deadline. A call that runs
+past the hang timeout stops the worker: it stops heartbeating and exits
+non-zero, so the batch is retried elsewhere.
 """
 
 import asyncio
 import os
 import sys
-from collections import defaultdict, deque
+from collections import deque
 from dataclasses import dataclass
 
-import redis.exceptions
-
-from dispatcher import wire
-from dispatcher.broker import Broker, connect
-from dispatcher.heartbeat import Heartbeater
-from dispatcher.keys import Keys
-from gpu.backend import Backend, BackendError
-from infergate import clock, logs, tracing
-from infergate.settings import ProcessSettings
+import msgspec
+from infergate.base import clock, logs, tracing, wire
+from infergate.base.errors import UNAVAILABLE
+from infergate.base.heartbeat import Heartbeater
+from infergate.base.loops import Backoff, retry_until_done
+from infergate.base.queue.recovery import RecoveryQueue
+from infergate.base.queue.replies import failure_replies, group_by_gateway
+from infergate.base.queue.store import Store
+from infergate.base.queue.worker import WorkerQueue
+from infergate.base.settings import ProcessSettings
+from infergate.gpu.backend import Backend, BackendError
 
 log = logs.get(__name__)
 _tracer = tracing.tracer(__name__)
@@ -33,9 +38,12 @@ EXIT_HUNG = 3
 
 @dataclass(frozen=True)
 class WorkerSettings(ProcessSettings):
-    hang_timeout_ms: int = 5_000
+    hang_timeout_ms: int = 2_000
+    max_attempts: int = 2
     pull_timeout_s: float = 1.0
-    max_batch_size: int = 100
+    # After SIGTERM, how long to keep trying to publish a finished batch while
+    # Redis is away; past it the batch stays in processing for the reaper.
+    publish_grace_s: float = 5.0
 
 
 class Worker:
@@ -43,19 +51,23 @@ class Worker:
         self.settings = settings
         self.backend = backend
         self.id = settings.process_id
-        self.redis = connect(
-            settings.redis_url, block_s=settings.pull_timeout_s, name="worker:" + self.id
+        self.store = Store.connect(
+            settings.redis_url,
+            settings.namespace,
+            block_s=settings.pull_timeout_s,
+            name="worker:" + self.id,
         )
-        self.broker = Broker(self.redis, Keys(settings.namespace))
+        self.queue = WorkerQueue(self.store, self.id)
+        self.recovery = RecoveryQueue(self.store, self.id)
         self.started_ms = clock.now_ms()
         self.busy = False
+        self.stopping = False
         self.batches_done = 0
         self.requests_done = 0
         self.batch_ms_ewma: float | None = None
         self._recent: deque[tuple[float, int]] = deque()  # (monotonic s, requests) per batch
-        self.draining = False
         self.heartbeat = Heartbeater(
-            self.broker, self.status, settings.heartbeat_interval_ms, settings.heartbeat_ttl_ms
+            self.store, self.status, settings.heartbeat_interval_ms, settings.heartbeat_ttl_ms
         )
 
     # -- what the heartbeat says ---------------------------------------------
@@ -66,11 +78,6 @@ class Worker:
         while self._recent and self._recent[0][0] < now - window_s:
             self._recent.popleft()
         delivered = sum(n for _, n in self._recent) / window_s
-        capacity = (
-            self.settings.max_batch_size * 1000.0 / self.batch_ms_ewma
-            if self.batch_ms_ewma
-            else 0.0
-        )
         return wire.Heartbeat(
             role="worker",
             id=self.id,
@@ -80,9 +87,8 @@ class Worker:
             batches_done=self.batches_done,
             requests_done=self.requests_done,
             delivered_rps=round(delivered, 1),
-            capacity_rps=round(capacity, 1),
             batch_ms=round(self.batch_ms_ewma or 0.0, 2),
-            draining=self.draining,
+            draining=self.stopping,
         )
 
     # -- running the backend -------------------------------------------------
@@ -149,25 +155,10 @@ class Worker:
         started = clock.monotonic_s()
         outcomes = await self._infer_isolating([e.input for e in live])
         infer_ms = round(clock.elapsed_ms(started))
-        by_gateway: dict[str, list[wire.Result]] = defaultdict(list)
-        failed = 0
-        for env, outcome in zip(live, outcomes, strict=True):
-            common = dict(
-                id=env.id,
-                batch_id=batch.id,
-                batch_size=len(live),
-                worker=self.id,
-                queue_ms=max(0, started_ms - env.enqueued_ms),
-                infer_ms=infer_ms,
-            )
-            if isinstance(outcome, BackendError):
-                failed += 1
-                error = wire.ErrorInfo(
-                    "INFERENCE_FAILED", str(outcome)[:500] or "the backend failed"
-                )
-                by_gateway[env.gateway].append(wire.Result(**common, error=error))  # type: ignore[arg-type]
-            else:
-                by_gateway[env.gateway].append(wire.Result(**common, output=outcome))  # type: ignore[arg-type]
+        results = [
+            (env.gateway, _result(env, outcome, batch.id, len(live), self.id, started_ms, infer_ms))
+            for env, outcome in zip(live, outcomes, strict=True)
+        ]
         self.batches_done += 1
         self.requests_done += len(live)
         self._recent.append((clock.monotonic_s(), len(live)))
@@ -177,10 +168,34 @@ class Worker:
             size=len(live),
             attempt=batch.attempt,
             infer_ms=infer_ms,
-            failed=failed,
-            gateways=len(by_gateway),
+            failed=sum(isinstance(o, BackendError) for o in outcomes),
         )
-        return {gw: wire.Reply(results) for gw, results in by_gateway.items()}
+        return group_by_gateway(results)
+
+    async def handle(self, data: bytes) -> dict[str, wire.Reply]:
+        """The replies for one pulled batch, whatever happens to it: an
+        unreadable envelope is dropped (take.lua already drops most), an
+        unreadable batch is dead-lettered, and a batch that fails outside the
+        backend answers every request INFERENCE_FAILED."""
+        try:
+            batch, unreadable = wire.decode_batch(data)
+        except msgspec.DecodeError:
+            log.error("batch.unreadable", size=len(data))
+            await self.recovery.dead_letter_unreadable(self.id, data)
+            return {}
+        if unreadable:
+            log.error("batch.envelopes_unreadable", batch_id=batch.id, count=unreadable)
+        try:
+            return await self.run_batch(batch)
+        except Exception:
+            log.exception("batch.failed", batch_id=batch.id, size=len(batch.envelopes))
+            return failure_replies(
+                batch,
+                "INFERENCE_FAILED",
+                "the worker could not run this batch",
+                self.id,
+                clock.now_ms(),
+            )
 
     # -- the loop ----------------------------------------------------------------
 
@@ -191,32 +206,28 @@ class Worker:
             "worker.warm", batch_ms=round(self.batch_ms_ewma or 0.0, 1), backend=self.backend.name
         )
 
+    async def _register(self) -> None:
+        """A batch left under this id by an earlier life is recovered first."""
+        outcome = await self.recovery.recover_worker(self.id, self.settings.max_attempts)
+        if outcome != "idle":
+            log.warning("worker.recovered_own_batch", outcome=outcome)
+        await self.heartbeat.beat_once()
+        await self.queue.offer_credit()
+
     async def serve(self, stop: asyncio.Event) -> int:
         await self.warm_up()
-        backoff_s = 0.1
-        while True:
-            try:
-                await self.heartbeat.beat_once()
-                await self.broker.offer_credit(self.id)
-                break
-            except (redis.exceptions.RedisError, OSError) as exc:
-                if stop.is_set():
-                    return 0
-                log.warning("worker.redis_unavailable", error=type(exc).__name__, retry_s=backoff_s)
-                await asyncio.sleep(backoff_s)
-                backoff_s = min(backoff_s * 2, 2.0)
+        if not await retry_until_done("worker.register", self._register, stop):
+            await self.store.close()
+            return 0
         self.heartbeat.start()
         log.info("worker.started", worker_id=self.id)
         try:
             await self._loop(stop)
         finally:
+            self.stopping = True
             await self.heartbeat.stop()
-            try:
-                await self.broker.finish_idle(self.id)
-                await self.broker.retire("worker", self.id)
-            except (redis.exceptions.RedisError, OSError) as exc:
-                log.warning("worker.retire_failed", error=type(exc).__name__)
-            await self.redis.aclose()
+            await retry_until_done("worker.retire", self._retire, stop, grace_after_stop_s=2.0)
+            await self.store.close()
         log.info(
             "worker.stopped",
             worker_id=self.id,
@@ -225,51 +236,71 @@ class Worker:
         )
         return 0
 
+    async def _retire(self) -> None:
+        await self.queue.withdraw_credit()
+        await self.store.retire("worker", self.id)
+
     async def _loop(self, stop: asyncio.Event) -> None:
-        backoff_s = 0.1
-        need_credit = False
+        backoff = Backoff(base_s=0.1, cap_s=2.0)
         while not stop.is_set():
             try:
-                if need_credit:
-                    await self.broker.offer_credit(self.id)
-                    need_credit = False
-                data = await self.broker.pull_batch(self.id, self.settings.pull_timeout_s)
-                backoff_s = 0.1
-            except (redis.exceptions.RedisError, OSError) as exc:
-                log.warning("worker.redis_unavailable", error=type(exc).__name__, retry_s=backoff_s)
-                await asyncio.sleep(backoff_s)
-                backoff_s = min(backoff_s * 2, 2.0)
-                need_credit = True  # a restarted Redis lost our credit
+                data = await self.queue.pull_batch(self.settings.pull_timeout_s)
+                if data is None:
+                    await self._keep_credit_offered()
+                    continue
+            except UNAVAILABLE as exc:
+                log.warning("worker.redis_unavailable", error=type(exc).__name__)
+                await backoff.sleep()
                 continue
-            if data is None:
-                try:
-                    if await self.broker.ensure_credit(self.id):
-                        log.warning("worker.credit_restored", worker_id=self.id)
-                except (redis.exceptions.RedisError, OSError):
-                    need_credit = True
-                continue
-            self.busy = True
-            try:
-                batch = wire.decode_batch(data)
-                replies = await self.run_batch(batch)
             except Exception:
-                log.exception("batch.unreadable")
-                replies = {}
-            self.draining = stop.is_set()
-            await self._publish(replies, offer_credit=not stop.is_set(), stop=stop)
+                log.exception("worker.pull_failed")
+                await backoff.sleep()
+                continue
+            backoff.reset()
+            self.busy = True
+            replies = await self.handle(data)
+            self.stopping = stop.is_set()
+            await self._answer(replies, stop)
             self.busy = False
 
-    async def _publish(
-        self, replies: dict[str, wire.Reply], offer_credit: bool, stop: asyncio.Event
-    ) -> None:
-        """Publish and ack; retried while Redis is away, since the work is done."""
-        backoff_s = 0.05
-        for _ in range(40):
-            try:
-                await self.broker.publish_and_finish(self.id, replies, offer_credit)
-                return
-            except (redis.exceptions.RedisError, OSError) as exc:
-                log.warning("batch.publish_failed", error=type(exc).__name__, retry_s=backoff_s)
-                await asyncio.sleep(backoff_s)
-                backoff_s = min(backoff_s * 2, 1.0)
-        log.error("batch.publish_gave_up")
+    async def _keep_credit_offered(self) -> None:
+        """Idle: make sure the credit is still out (a restarted Redis lost it)."""
+        if await self.queue.ensure_credit():
+            log.warning("worker.credit_restored", worker_id=self.id)
+
+    async def _answer(self, replies: dict[str, wire.Reply], stop: asyncio.Event) -> None:
+        """Publish and ack: retried for as long as the worker lives (the work
+        is done); once stopping, for ``publish_grace_s``, after which the
+        batch stays in processing and the reaper runs it again."""
+        offer = not stop.is_set()
+
+        async def answer() -> None:
+            await self.queue.answer_batch(replies, offer_credit=offer)
+
+        if not await retry_until_done(
+            "batch.publish", answer, stop, grace_after_stop_s=self.settings.publish_grace_s
+        ):
+            log.error("batch.left_for_the_reaper", worker_id=self.id)
+
+
+def _result(
+    env: wire.Envelope,
+    outcome: str | BackendError,
+    batch_id: str,
+    batch_size: int,
+    worker_id: str,
+    started_ms: int,
+    infer_ms: int,
+) -> wire.Result:
+    common = dict(
+        id=env.id,
+        batch_id=batch_id,
+        batch_size=batch_size,
+        worker=worker_id,
+        queue_ms=max(0, started_ms - env.enqueued_ms),
+        infer_ms=infer_ms,
+    )
+    if isinstance(outcome, BackendError):
+        error = wire.ErrorInfo("INFERENCE_FAILED", str(outcome)[:500] or "the backend failed")
+        return wire.Result(**common, error=error)  # type: ignore[arg-type]
+    return wire.Result(**common, output=outcome)  # type: ignore[arg-type]

@@ -4,9 +4,9 @@
 ``Policy``; every problem is reported as ``FILE:LINE: path: what is wrong``.
 """
 
-from policies.errors import PolicyError, Problem
-from policies.loader import load_policy, parse_policy
-from policies.schema import Batching, Capacity, KeyEntry, Policy, Tier
+from infergate.policies.errors import PolicyError, Problem
+from infergate.policies.loader import load_policy, parse_policy
+from infergate.policies.schema import Batching, Capacity, KeyEntry, Policy, Tier
 
 __all__ = [
     "Batching",

@@ -4,12 +4,12 @@ fresh key per tier in place of its example keys."""
 import secrets
 from importlib import resources
 
-from dispatcher.keys import TIERS
-from policies.loader import digest
+from infergate.base.tiers import TIERS
+from infergate.policies.loader import digest
 
 
 def example_text() -> str:
-    return resources.files("policies").joinpath("example.yaml").read_text("utf-8")
+    return resources.files("infergate.policies").joinpath("example.yaml").read_text("utf-8")
 
 
 def new_secret(tier: str) -> str:

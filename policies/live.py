@@ -2,15 +2,14 @@
 validated, and swapped in whole; an invalid edit changes nothing and is
 kept as ``error`` (logged, and shown in /v1/status) until fixed."""
 
-import asyncio
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-from infergate import logs
-from policies.errors import PolicyError
-from policies.loader import parse_policy
-from policies.schema import Policy
+from infergate.base import logs
+from infergate.base.loops import Supervised
+from infergate.policies.errors import PolicyError
+from infergate.policies.loader import parse_policy
+from infergate.policies.schema import Policy
 
 log = logs.get(__name__)
 
@@ -23,7 +22,7 @@ class LivePolicy:
         self.interval_s = interval_s
         self._seen_text: str | None = None
         self._listeners: list[Callable[[Policy], None]] = []
-        self._task: asyncio.Task[Any] | None = None
+        self.loop = Supervised("policy-watcher", self._watch, interval_s)
 
     def on_change(self, listener: Callable[[Policy], None]) -> None:
         self._listeners.append(listener)
@@ -68,17 +67,10 @@ class LivePolicy:
     def start(self) -> None:
         if self.path is not None:
             self._seen_text = self.path.read_text("utf-8") if self.path.exists() else None
-            self._task = asyncio.create_task(self._run(), name="policy-watcher")
+            self.loop.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await self.loop.stop()
 
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            try:
-                self.reload()
-            except Exception:  # the watcher must survive anything a file can do
-                log.exception("policy.watch_failed")
+    async def _watch(self) -> None:
+        self.reload()

@@ -12,11 +12,10 @@ from typing import Any
 
 import msgspec
 import yaml
+from infergate.base.tiers import TIERS
+from infergate.policies.errors import PolicyError, Problem
+from infergate.policies.schema import Document, Policy, Tier
 from limits import parse_many
-
-from dispatcher.keys import TIERS
-from policies.errors import PolicyError, Problem
-from policies.schema import Document, Policy, Tier
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _KEY_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")

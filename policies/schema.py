@@ -80,3 +80,9 @@ class Policy(msgspec.Struct, frozen=True):
 
     def key_for_digest(self, digest: str) -> KeyEntry | None:
         return self.keys_by_digest.get(digest)
+
+    def reserved_slots(self, tier: str) -> int:
+        """Slots of every batch reserved for a tier: at least one for any share."""
+        share = self.document.tiers[tier].min_batch_share
+        max_batch = self.document.batching.max_batch_size
+        return max(1, round(share * max_batch)) if share > 0 else 0

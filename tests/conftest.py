@@ -5,7 +5,6 @@ from collections.abc import Iterator
 
 import pytest
 import redis
-
 from infergate.redis_server import RedisServer
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import aiohttp
 import redis
-
-from gpu.simulated import sim_output
+from infergate.gpu.simulated import sim_output
 from infergate.redis_server import RedisServer
+
 from tests.helpers import SECRETS, Cluster, policy_yaml, wait_for
 from tests.test_faults import _clean, assert_redis_clean
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import aiohttp
 import pytest
 import redis
-
-from dispatcher import wire
-from dispatcher.keys import Keys
-from gpu.simulated import sim_output
+from infergate.base import wire
+from infergate.base.keys import Keys
+from infergate.gpu.simulated import sim_output
 from infergate.redis_server import RedisServer, free_port
+
 from tests.helpers import (
     SECRETS,
     Proc,

@@ -12,13 +12,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 import redis
-
-from dispatcher import wire
-from dispatcher.keys import Keys
-from gpu.simulated import SimulatedBackend, sim_output
-from gpu.worker import Worker, WorkerSettings
-from infergate import clock
+from infergate.base import clock, wire
+from infergate.base.keys import Keys
+from infergate.gpu.simulated import SimulatedBackend, sim_output
+from infergate.gpu.worker import Worker, WorkerSettings
 from infergate.redis_server import RedisServer
+
 from tests.helpers import SECRETS, Cluster, http, policy_yaml, wait_for
 
 KEYS = Keys()
@@ -82,7 +81,7 @@ async def test_one_poisoned_input_in_a_batch_of_100_fails_alone(own_redis: Redis
     for r, env in zip(results, envs, strict=True):
         if r.id != "r37":
             assert r.output == sim_output(env.input)
-    await worker.redis.aclose()
+    await worker.store.close()
 
 
 def test_poisoned_request_gets_500_and_its_neighbours_succeed(

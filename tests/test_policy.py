@@ -3,10 +3,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from infergate.policies import PolicyError, load_policy, parse_policy
+from infergate.policies.demo import demo_policy, example_text
+from infergate.policies.loader import digest
 
-from policies import PolicyError, load_policy, parse_policy
-from policies.demo import demo_policy, example_text
-from policies.loader import digest
 from tests.helpers import policy_yaml
 
 EXAMPLE = Path(__file__).parent.parent / "policies" / "example.yaml"

@@ -8,10 +8,10 @@ from collections.abc import Iterator
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from infergate.redis_server import RedisServer
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from infergate.redis_server import RedisServer
 from tests.helpers import SECRETS, Stack, policy_yaml
 
 

@@ -2,9 +2,8 @@ import threading
 import time
 
 import pytest
-
-from gpu.backend import BackendError, ContractError
-from gpu.simulated import SimulatedBackend, sim_output
+from infergate.gpu.backend import BackendError, ContractError
+from infergate.gpu.simulated import SimulatedBackend, sim_output
 
 
 def test_one_output_per_input_containing_the_input() -> None:

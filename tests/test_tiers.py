@@ -12,10 +12,10 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-
+from infergate.policies import parse_policy
+from infergate.policies.loader import digest
 from infergate.redis_server import RedisServer
-from policies import parse_policy
-from policies.loader import digest
+
 from tests.helpers import SECRETS, Cluster, auth, http, policy_yaml, sha, wait_for
 
 

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 from infergate.redis_server import RedisServer
+
 from tests.helpers import Cluster, Proc, policy_yaml, wait_for
 
 

@@ -11,9 +11,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-from gpu.backend import BackendError, ContractError  # noqa: E402
-from gpu.transformers_backend import TransformersBackend  # noqa: E402
-from tests.tiny_model import build_tiny_gpt2  # noqa: E402
+from infergate.gpu.backend import BackendError, ContractError  # noqa: E402
+from infergate.gpu.tiny_model import build_tiny_gpt2  # noqa: E402
+from infergate.gpu.transformers_backend import TransformersBackend  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +78,7 @@ def test_a_transformers_worker_serves_http_end_to_end(
     tiny_model: Path, tmp_path: Path, redis_url: str
 ) -> None:
     from infergate.redis_server import free_port
+
     from tests.helpers import Proc, auth, http, policy_yaml, wait_for
 
     policy = tmp_path / "policy.yaml"

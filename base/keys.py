@@ -5,12 +5,7 @@ script runs on one shard, and the same code runs on a single Redis, Sentinel
 or Cluster.
 """
 
-from typing import Final
-
-# Priority order: a batch is filled from the first tier first.
-TIERS: Final = ("enterprise", "paid", "free")
-
-ROLES: Final = ("gateway", "dispatcher", "worker")
+from infergate.base.tiers import TIERS
 
 
 class Keys:
@@ -31,6 +26,7 @@ class Keys:
         self.cancelled = self.prefix + "cancelled"
         self.dead_letter = self.prefix + "dead-letter"
         self.reaper_lock = self.prefix + "reaper-lock"
+        self.ratelimit_prefix = self.prefix + "ratelimit"
         self.queues = tuple(self.queue(t) for t in TIERS)
 
     def queue(self, tier: str) -> str:
@@ -55,6 +51,3 @@ class Keys:
 
     def reply_channel(self, gateway_id: str) -> str:
         return self.prefix + "reply:" + gateway_id
-
-    def ratelimit_prefix(self) -> str:
-        return self.prefix + "ratelimit"

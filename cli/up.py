@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
-from infergate import logs
+from infergate.base import logs
+from infergate.policies import PolicyError, load_policy
+from infergate.policies.demo import demo_policy
 from infergate.redis_server import RedisServer
-from policies import PolicyError, load_policy
-from policies.demo import demo_policy
 
 log = logs.get(__name__)
 
@@ -113,51 +113,41 @@ def _ready(url: str) -> bool:
         return False
 
 
-def run_stack(args: argparse.Namespace) -> int:
-    logs.configure("up", "up")
-    stop_requested: list[int] = []
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop_requested.append(signum)
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-
-    tmp = Path(tempfile.mkdtemp(prefix="infergate-up-"))
-    redis_server: RedisServer | None = None
+def _policy_path(args: argparse.Namespace, tmp: Path) -> str | None:
+    """The policy file the stack runs: the one given (checked), or the demo
+    policy with fresh keys written under ``tmp``. None if the given one is invalid."""
     if args.policy:
         try:
             load_policy(args.policy)
         except PolicyError as exc:
             print(f"infergate up: the policy is not valid:\n{exc}", file=sys.stderr)
-            return 2
-        policy_path = str(Path(args.policy).resolve())
+            return None
         if args.keys_out:
             print(
                 "infergate up: --keys-out writes demo keys, and only without --policy; ignored",
                 file=sys.stderr,
             )
-    else:
-        text, keys = demo_policy()
-        policy_path = str(tmp / "demo-policy.yaml")
-        Path(policy_path).write_text(text, "utf-8")
-        print("infergate up: demo API keys (one per tier):", file=sys.stderr)
-        for tier, secret in keys.items():
-            print(f"  {tier:<10} {secret}", file=sys.stderr)
-        if args.keys_out:
-            Path(args.keys_out).write_text(json.dumps(keys, indent=2) + "\n", "utf-8")
+        return str(Path(args.policy).resolve())
+    text, keys = demo_policy()
+    path = tmp / "demo-policy.yaml"
+    path.write_text(text, "utf-8")
+    print("infergate up: demo API keys (one per tier):", file=sys.stderr)
+    for tier, secret in keys.items():
+        print(f"  {tier:<10} {secret}", file=sys.stderr)
+    if args.keys_out:
+        _write_private(Path(args.keys_out), json.dumps(keys, indent=2) + "\n")
+    return str(path)
 
-    redis_url = os.environ.get("REDIS_URL")
-    if not redis_url:
-        try:
-            redis_server = RedisServer().start()
-        except RuntimeError as exc:
-            print(f"infergate up: cannot start Redis: {exc}", file=sys.stderr)
-            return 1
-        redis_url = redis_server.url
-        log.info("up.redis_started", url=redis_url)
-    env = {**os.environ, "REDIS_URL": redis_url, "INFERGATE_NAMESPACE": args.namespace}
 
+def _write_private(path: Path, text: str) -> None:
+    """Write a file only its owner can read (it holds secrets)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.chmod(path, 0o600)  # an existing file keeps its mode through O_CREAT
+
+
+def _children(args: argparse.Namespace, policy_path: str) -> list[Child]:
     worker_args = [
         "--backend",
         args.backend,
@@ -168,59 +158,91 @@ def run_stack(args: argparse.Namespace) -> int:
     ]
     if args.model:
         worker_args += ["--model", args.model]
-    children = [
+    gateway_args = ["--policy", policy_path, "--host", args.host, "--port", str(args.port)]
+    return [
         *(Child(f"worker-{i + 1}", "worker", worker_args) for i in range(args.workers)),
         *(
             Child(f"dispatcher-{i + 1}", "dispatcher", ["--policy", policy_path])
             for i in range(args.dispatchers)
         ),
-        *(
-            Child(
-                f"gateway-{i + 1}",
-                "gateway",
-                ["--policy", policy_path, "--host", args.host, "--port", str(args.port)],
-            )
-            for i in range(args.gateways)
-        ),
+        *(Child(f"gateway-{i + 1}", "gateway", gateway_args) for i in range(args.gateways)),
     ]
-    stack = Stack(children, env)
-    code = 0
+
+
+def _wait_ready(stack: Stack, url: str, stop_requested: list[int]) -> int | None:
+    """None once the gateway answers ready; else the exit code to stop with."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not _ready(url):
+        failed = stack.failed_child()
+        if failed is not None:
+            code = failed.proc.returncode if failed.proc else None
+            print(
+                f"infergate up: {failed.name} failed to start (exit code {code}); stopping",
+                file=sys.stderr,
+            )
+            return 1
+        if stop_requested:
+            return 0
+        if time.monotonic() > deadline:
+            print(
+                f"infergate up: not ready within {READY_TIMEOUT_S:.0f}s ({url}); stopping",
+                file=sys.stderr,
+            )
+            return 1
+        time.sleep(0.1)
+    return None
+
+
+def run_stack(args: argparse.Namespace) -> int:
+    logs.configure("up", "up")
+    stop_requested: list[int] = []
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop_requested.append(signum)
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    with tempfile.TemporaryDirectory(prefix="infergate-up-") as tmp:
+        policy_path = _policy_path(args, Path(tmp))
+        if policy_path is None:
+            return 2
+        redis_url = os.environ.get("REDIS_URL")
+        if redis_url:
+            return _run(args, policy_path, redis_url, stop_requested)
+        try:
+            redis_server = RedisServer().start()
+        except RuntimeError as exc:
+            print(f"infergate up: cannot start Redis: {exc}", file=sys.stderr)
+            return 1
+        log.info("up.redis_started", url=redis_server.url)
+        try:
+            return _run(args, policy_path, redis_server.url, stop_requested)
+        finally:
+            redis_server.close()
+
+
+def _run(args: argparse.Namespace, policy_path: str, redis_url: str, stop: list[int]) -> int:
+    """Start the children, wait until ready, supervise until a signal, stop them."""
+    env = {**os.environ, "REDIS_URL": redis_url, "INFERGATE_NAMESPACE": args.namespace}
+    stack = Stack(_children(args, policy_path), env)
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     try:
         stack.start_all()
-        ready_url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}/readyz"
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not _ready(ready_url):
-            failed = stack.failed_child()
-            if failed is not None:
-                code_ = failed.proc.returncode if failed.proc else None
-                print(
-                    f"infergate up: {failed.name} failed to start (exit code {code_}); stopping",
-                    file=sys.stderr,
-                )
-                return 1
-            if stop_requested:
-                return 0
-            if time.monotonic() > deadline:
-                print(
-                    f"infergate up: not ready within {READY_TIMEOUT_S:.0f}s ({ready_url}); stopping",
-                    file=sys.stderr,
-                )
-                return 1
-            time.sleep(0.1)
+        code = _wait_ready(stack, f"http://{host}:{args.port}/readyz", stop)
+        if code is not None:
+            return code
         print(
             f"infergate up: ready at http://{args.host}:{args.port} "
             f"({args.gateways} gateway, {args.dispatchers} dispatcher, {args.workers} workers; Redis {redis_url})",
             file=sys.stderr,
         )
-        while not stop_requested:
+        while not stop:
             stack.supervise_once()
             time.sleep(0.2)
-        log.info("up.stopping", signal=stop_requested[0])
+        log.info("up.stopping", signal=stop[0])
+        return 0
     except Exception:
         log.exception("up.failed")
-        code = 1
+        return 1
     finally:
         stack.stop_all()
-        if redis_server is not None:
-            redis_server.stop()
-    return code

@@ -6,7 +6,6 @@ import socket
 import subprocess
 import tempfile
 import time
-from pathlib import Path
 
 
 def find_redis_server() -> str:
@@ -97,8 +96,11 @@ class RedisServer:
                 self.proc.wait(5)
         if self.proc is not None and self.proc.stderr is not None:
             self.proc.stderr.close()
+
+    def close(self) -> None:
+        """Stop it for good and remove its folder."""
+        self.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
-        Path(self.dir).mkdir(parents=True, exist_ok=True)
 
     def restart(self, timeout_s: float = 10.0) -> "RedisServer":
         self.stop()

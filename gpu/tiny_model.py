@@ -18,7 +18,7 @@ def build_tiny_gpt2(path: Path, n_layer: int = 2, n_embd: int = 32, n_head: int 
     bpe.train_from_iterator(
         corpus, vocab_size=300, min_frequency=1, special_tokens=["<|endoftext|>"]
     )
-    tokenizer = PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=bpe,
         eos_token="<|endoftext|>",
         bos_token="<|endoftext|>",

@@ -15,7 +15,10 @@ the Redis of every component.
 import argparse
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from infergate.gpu.backend import Backend
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -55,7 +58,7 @@ def _common(p: argparse.ArgumentParser, role: str) -> None:
 
 def _process(args: argparse.Namespace, role: str) -> dict[str, Any]:
     """Set up logging for this process and return its common settings."""
-    from infergate import logs, tracing
+    from infergate.base import logs, tracing
 
     process_id = args.id or f"{role}-{os.urandom(4).hex()}"
     logs.configure(role, process_id)
@@ -69,10 +72,7 @@ def _process(args: argparse.Namespace, role: str) -> dict[str, Any]:
     }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="infergate", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _up_parser(sub: Any) -> None:
     up = sub.add_parser("up", help="run a whole local stack")
     _add(up, "--host", "127.0.0.1", "address the gateway listens on")
     _add(up, "--port", 8000, "port the gateway listens on", int)
@@ -86,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add(up, "--backend", "simulated", "worker backend: simulated or transformers")
     _add(up, "--model", None, "model path for the transformers backend")
 
+
+def _gateway_parser(sub: Any) -> None:
     gw = sub.add_parser("gateway", help="run one gateway process")
     _common(gw, "gateway")
     _add(gw, "--host", "127.0.0.1", "address to listen on")
@@ -93,10 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add(gw, "--policy", None, "policy file (required)")
     _add(gw, "--drain-timeout-s", 10, "on SIGTERM, how long to wait for open requests", float)
 
+
+def _dispatcher_parser(sub: Any) -> None:
     dp = sub.add_parser("dispatcher", help="run one dispatcher process")
     _common(dp, "dispatcher")
     _add(dp, "--policy", None, "policy file for the batching settings (default: built-in)")
 
+
+def _worker_parser(sub: Any) -> None:
     wk = sub.add_parser("worker", help="run one GPU worker process")
     _common(wk, "worker")
     _add(wk, "--backend", "simulated", "simulated or transformers")
@@ -125,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
         int,
     )
 
+
+def _tool_parsers(sub: Any) -> None:
     pol = sub.add_parser("policy", help="policy tools")
     polsub = pol.add_subparsers(dest="policy_command", required=True)
     chk = polsub.add_parser("check", help="validate a policy file")
@@ -136,13 +144,20 @@ def build_parser() -> argparse.ArgumentParser:
     new.add_argument("--tier", required=True)
     new.add_argument("--id", required=True)
     new.add_argument("--admin", action="store_true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="infergate", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_up_parser, _gateway_parser, _dispatcher_parser, _worker_parser, _tool_parsers):
+        add(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "up":
-        from infergate.stack import run_stack
+        from infergate.up import run_stack
 
         return run_stack(args)
     if args.command == "gateway":
@@ -159,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _load_policy_or_exit(path: str | None, required: bool) -> Any:
-    from policies import PolicyError, load_policy, parse_policy
-    from policies.demo import example_text
+    from infergate.policies import PolicyError, load_policy, parse_policy
+    from infergate.policies.demo import example_text
 
     try:
         if path:
@@ -176,10 +191,9 @@ def _load_policy_or_exit(path: str | None, required: bool) -> Any:
 
 def _gateway(args: argparse.Namespace) -> int:
     import uvloop
-
-    from gateway.server import serve
-    from gateway.service import Gateway, GatewaySettings
-    from policies.live import LivePolicy
+    from infergate.gateway.server import serve
+    from infergate.gateway.service import Gateway, GatewaySettings
+    from infergate.policies.live import LivePolicy
 
     settings = GatewaySettings(**_process(args, "gateway"))
     policy = _load_policy_or_exit(args.policy, required=True)
@@ -188,9 +202,9 @@ def _gateway(args: argparse.Namespace) -> int:
 
 
 def _dispatcher(args: argparse.Namespace) -> int:
-    from dispatcher.service import Dispatcher, DispatcherSettings
-    from infergate import runtime
-    from policies.live import LivePolicy
+    from infergate.base import runtime
+    from infergate.dispatcher.service import Dispatcher, DispatcherSettings
+    from infergate.policies.live import LivePolicy
 
     settings = DispatcherSettings(**_process(args, "dispatcher"))
     policy = _load_policy_or_exit(args.policy, required=False)
@@ -198,44 +212,49 @@ def _dispatcher(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from gpu.backend import Backend
-    from gpu.worker import Worker, WorkerSettings
-    from infergate import runtime
+    from infergate.base import runtime
+    from infergate.gpu.worker import Worker, WorkerSettings
 
     common = _process(args, "worker")
-    backend: Backend
-    if args.backend == "simulated":
-        from gpu.simulated import SimulatedBackend
+    backend = _backend(args)
+    if backend is None:
+        return 2
+    workers = _load_policy_or_exit(args.policy, required=False).document.workers
+    settings = WorkerSettings(
+        **common,
+        hang_timeout_ms=args.hang_timeout_ms or workers.hang_timeout_ms,
+        max_attempts=workers.max_attempts,
+    )
+    worker = Worker(settings, backend)
+    return runtime.run(worker.serve, shutdown_grace_s=settings.hang_timeout_ms / 1000.0 + 10.0)
 
-        backend = SimulatedBackend(args.sim_latency_ms, args.sim_fail_marker, args.sim_hang_marker)
-    elif args.backend == "transformers":
+
+def _backend(args: argparse.Namespace) -> "Backend | None":
+    """The backend the flags ask for, or None (and a message) if they cannot."""
+    if args.backend == "simulated":
+        from infergate.gpu.simulated import SimulatedBackend
+
+        return SimulatedBackend(args.sim_latency_ms, args.sim_fail_marker, args.sim_hang_marker)
+    if args.backend == "transformers":
         if not args.model:
             print(
                 "infergate worker: --model is required with --backend transformers", file=sys.stderr
             )
-            return 2
-        from gpu.transformers_backend import TransformersBackend
+            return None
+        from infergate.gpu.transformers_backend import TransformersBackend
 
-        backend = TransformersBackend(
+        return TransformersBackend(
             args.model, gguf_file=args.gguf_file, max_new_tokens=args.max_new_tokens
         )
-    else:
-        print(
-            f"infergate worker: unknown backend {args.backend!r}; use simulated or transformers",
-            file=sys.stderr,
-        )
-        return 2
-    policy = _load_policy_or_exit(args.policy, required=False)
-    settings = WorkerSettings(
-        **common,
-        max_batch_size=policy.document.batching.max_batch_size,
-        hang_timeout_ms=args.hang_timeout_ms or policy.document.workers.hang_timeout_ms,
+    print(
+        f"infergate worker: unknown backend {args.backend!r}; use simulated or transformers",
+        file=sys.stderr,
     )
-    return runtime.run(Worker(settings, backend).serve)
+    return None
 
 
 def _policy_check(path: str) -> int:
-    from policies import PolicyError, load_policy
+    from infergate.policies import PolicyError, load_policy
 
     try:
         policy = load_policy(path)
@@ -252,9 +271,9 @@ def _policy_check(path: str) -> int:
 
 
 def _keys_new(args: argparse.Namespace) -> int:
-    from dispatcher.keys import TIERS
-    from policies.demo import new_secret
-    from policies.loader import digest
+    from infergate.base.tiers import TIERS
+    from infergate.policies.demo import new_secret
+    from infergate.policies.loader import digest
 
     if args.tier not in TIERS:
         print(f"infergate keys new: --tier must be one of {', '.join(TIERS)}", file=sys.stderr)

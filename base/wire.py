@@ -31,8 +31,9 @@ class Batch(msgspec.Struct, frozen=True):
     attempt: int = 0
 
 
-class _BatchOut(msgspec.Struct, frozen=True):
-    """Encoding side of ``Batch``: envelopes are embedded as their raw bytes."""
+class _RawBatch(msgspec.Struct, frozen=True):
+    """``Batch`` with its envelopes as raw bytes: built from envelopes as they
+    came out of Redis without re-encoding them, and read one envelope at a time."""
 
     id: str
     dispatcher: str
@@ -75,17 +76,16 @@ class Heartbeat(msgspec.Struct, frozen=True, omit_defaults=True):
     busy: bool = False
     batches_done: int = 0
     requests_done: int = 0
-    # Measured: requests/s delivered over the last window, and the most it
-    # could deliver at the batch time it measured (max batch / batch time).
+    # Measured: requests/s delivered over the last window, and the batch time
+    # (its capacity follows from the live policy's batch size: see fleet.py).
     delivered_rps: float = 0.0
-    capacity_rps: float = 0.0
     batch_ms: float = 0.0
     draining: bool = False
 
 
 _json_encoder = msgspec.json.Encoder()
 _envelope_decoder = msgspec.json.Decoder(Envelope)
-_batch_decoder = msgspec.json.Decoder(Batch)
+_raw_batch_decoder = msgspec.json.Decoder(_RawBatch)
 _reply_decoder = msgspec.json.Decoder(Reply)
 _heartbeat_decoder = msgspec.json.Decoder(Heartbeat)
 
@@ -99,16 +99,32 @@ def encode_batch(
 ) -> bytes:
     """Encode a batch from envelopes as they came out of Redis, without re-encoding them."""
     return _json_encoder.encode(
-        _BatchOut(batch_id, dispatcher, formed_ms, [msgspec.Raw(e) for e in envelopes], attempt)
+        _RawBatch(batch_id, dispatcher, formed_ms, [msgspec.Raw(e) for e in envelopes], attempt)
     )
+
+
+def retried_batch(data: bytes) -> bytes:
+    """The same batch with ``attempt + 1`` (its envelopes' bytes unchanged)."""
+    raw = _raw_batch_decoder.decode(data)
+    return _json_encoder.encode(msgspec.structs.replace(raw, attempt=raw.attempt + 1))
 
 
 def decode_envelope(data: bytes) -> Envelope:
     return _envelope_decoder.decode(data)
 
 
-def decode_batch(data: bytes) -> Batch:
-    return _batch_decoder.decode(data)
+def decode_batch(data: bytes) -> tuple[Batch, int]:
+    """The batch with every envelope that decodes, and how many did not.
+    Raises ``msgspec.DecodeError`` only if the batch itself is unreadable."""
+    raw = _raw_batch_decoder.decode(data)
+    envelopes = []
+    for env in raw.envelopes:
+        try:
+            envelopes.append(_envelope_decoder.decode(env))
+        except msgspec.DecodeError:
+            continue
+    batch = Batch(raw.id, raw.dispatcher, raw.formed_ms, envelopes, raw.attempt)
+    return batch, len(raw.envelopes) - len(envelopes)
 
 
 def decode_reply(data: bytes) -> Reply:

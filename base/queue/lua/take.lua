@@ -2,7 +2,8 @@
 -- dispatcher's inflight list, in one step, oldest first within a tier.
 -- Each tier first gets its minimum share of the batch (if it has work), then
 -- the rest is filled in strict priority order (KEYS order). Envelopes past
--- their deadline, cancelled, or unreadable are dropped here and counted: they
+-- their deadline, cancelled, or unreadable (not JSON, or without a numeric
+-- deadline_ms and string id, gateway and input) are dropped here and counted: they
 -- never reach a worker. If work is left behind, the doorbell rings again so
 -- another dispatcher holding a credit wakes for it.
 -- Pacing: while less than a full batch is queued, batches are handed off no
@@ -41,7 +42,9 @@ local function pop_from(queue, limit)
     local raw = redis.call('RPOP', queue)
     if not raw then return end
     local ok, env = pcall(cjson.decode, raw)
-    if not ok or type(env) ~= 'table' or type(env.deadline_ms) ~= 'number' then
+    if not ok or type(env) ~= 'table' or type(env.deadline_ms) ~= 'number'
+        or type(env.id) ~= 'string' or type(env.gateway) ~= 'string'
+        or type(env.input) ~= 'string' then
       malformed = malformed + 1
     elseif env.deadline_ms <= now then
       expired = expired + 1

@@ -1,0 +1,80 @@
+"""A process's view of the fleet: healthy workers, their measured batch time
+and capacity, and the queue depth of each tier, refreshed in the background
+several times a second (never a Redis round trip per request). Gateways use
+it for readiness and admission, dispatchers for pacing.
+
+Capacity is computed here and only here: a worker reports the batch time it
+measures, and the fleet's capacity is ``max_batch_size / batch time`` summed
+over the workers that take work (a draining worker does not), with the
+batch size of the live policy.
+"""
+
+import asyncio
+
+from infergate.base import clock, logs, wire
+from infergate.base.loops import Backoff, Supervised
+from infergate.base.queue.store import FleetSnapshot, Store
+
+log = logs.get(__name__)
+
+
+def worker_capacity_rps(worker: wire.Heartbeat, max_batch_size: int) -> float:
+    """The most one worker can deliver at the batch time it measured (0 if unknown)."""
+    return max_batch_size * 1000.0 / worker.batch_ms if worker.batch_ms > 0 else 0.0
+
+
+class FleetView:
+    def __init__(self, store: Store, refresh_ms: int = 200) -> None:
+        self.store = store
+        self.snapshot: FleetSnapshot | None = None
+        self.refreshed = asyncio.Event()
+        refresh_s = refresh_ms / 1000.0
+        self.loop = Supervised(
+            "fleet-view", self.refresh, refresh_s, Backoff(base_s=refresh_s, cap_s=1.0)
+        )
+
+    @property
+    def redis_ok(self) -> bool:
+        """The last refresh succeeded (so the view is fresh)."""
+        return self.loop.healthy and self.snapshot is not None
+
+    def serving(self) -> list[wire.Heartbeat]:
+        """The workers that take work: alive and not draining."""
+        return [] if self.snapshot is None else [w for w in self.snapshot.workers if not w.draining]
+
+    @property
+    def workers_alive(self) -> int:
+        return len(self.serving())
+
+    def capacity_rps(self, max_batch_size: int) -> float:
+        return sum(worker_capacity_rps(w, max_batch_size) for w in self.serving())
+
+    def batch_ms(self) -> float:
+        """Mean measured batch time of the serving workers (0 if unknown)."""
+        times = [w.batch_ms for w in self.serving() if w.batch_ms > 0]
+        return sum(times) / len(times) if times else 0.0
+
+    def mark_unreachable(self) -> None:
+        """A request just failed to reach Redis: say not ready until a refresh succeeds."""
+        self.snapshot = None
+
+    async def refresh(self) -> None:
+        try:
+            self.snapshot = await self.store.fleet_snapshot(clock.now_ms())
+        except BaseException:
+            self.snapshot = None
+            raise
+        finally:
+            self.refreshed.set()
+
+    async def start(self) -> None:
+        """Refresh once (so the first request sees the fleet), then keep refreshing."""
+        try:
+            await self.refresh()
+            self.loop.healthy = True
+        except Exception as exc:
+            log.warning("fleet.first_refresh_failed", error=type(exc).__name__)
+        self.loop.start()
+
+    async def stop(self) -> None:
+        await self.loop.stop()

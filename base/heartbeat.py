@@ -1,0 +1,45 @@
+"""Heartbeats: every process keeps a key with a TTL; the reaper treats an
+owner whose key has expired (or is unreadable) as dead."""
+
+from collections.abc import Callable
+
+from infergate.base import wire
+from infergate.base.loops import Backoff, Supervised
+from infergate.base.queue.store import Store
+
+
+class Heartbeater:
+    """Beats every ``interval_ms`` with whatever ``status()`` returns.
+
+    A failed beat (Redis away) is logged and retried with backoff, never
+    slower than the interval; the process keeps running and its key simply
+    expires if Redis stays away.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        status: Callable[[], wire.Heartbeat],
+        interval_ms: int,
+        ttl_ms: int,
+    ) -> None:
+        self.store = store
+        self.status = status
+        self.ttl_ms = ttl_ms
+        interval_s = interval_ms / 1000.0
+        self.loop = Supervised(
+            "heartbeat", self.beat_once, interval_s, Backoff(base_s=0.05, cap_s=interval_s)
+        )
+
+    @property
+    def healthy(self) -> bool:
+        return self.loop.healthy
+
+    async def beat_once(self) -> None:
+        await self.store.beat(self.status(), self.ttl_ms)
+
+    def start(self) -> None:
+        self.loop.start()
+
+    async def stop(self) -> None:
+        await self.loop.stop()

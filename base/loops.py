@@ -1,0 +1,133 @@
+"""Supervised background loops, and the one backoff every retry uses.
+
+Each periodic task of a process (heartbeat, fleet view, reply listener,
+policy watcher, reaper) is a ``Supervised`` loop around one ``step``. A step
+that fails does not end the loop: Redis being away is logged once per
+outage and retried with backoff; anything else is logged with its stack
+every time it happens (at most once per backoff cap) and retried the same
+way. ``healthy`` says whether the last step succeeded, so readiness can
+report a loop that keeps failing instead of serving on a frozen view.
+"""
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from infergate.base import logs
+from infergate.base.errors import UNAVAILABLE
+
+log = logs.get(__name__)
+
+
+class Backoff:
+    """Exponential backoff with jitter: ``base_s``, doubling, up to ``cap_s``."""
+
+    def __init__(self, base_s: float = 0.05, cap_s: float = 2.0) -> None:
+        self.base_s = base_s
+        self.cap_s = cap_s
+        self.failures = 0
+
+    def next_s(self) -> float:
+        delay = min(self.cap_s, self.base_s * 2 ** min(self.failures, 30))
+        self.failures += 1
+        return float(delay * random.uniform(0.5, 1.0))
+
+    def reset(self) -> None:
+        self.failures = 0
+
+    async def sleep(self) -> float:
+        delay = self.next_s()
+        await asyncio.sleep(delay)
+        return delay
+
+
+Step = Callable[[], Awaitable[Any]]
+
+
+class Supervised:
+    """Runs ``step`` every ``interval_s`` (0: again at once) until stopped."""
+
+    def __init__(
+        self, name: str, step: Step, interval_s: float, backoff: Backoff | None = None
+    ) -> None:
+        self.name = name
+        self.step = step
+        self.interval_s = interval_s
+        self.backoff = backoff or Backoff()
+        self.healthy = False
+        self.errors = 0
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=self.name)
+        self._task.add_done_callback(self._ended)
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is None:
+            return
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled():
+            # Only a BaseException other than cancellation gets here (the
+            # loop itself never returns): say so loudly, never silently.
+            log.error("loop.ended", loop=self.name, error=repr(task.exception()))
+            self.healthy = False
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.step()
+            except UNAVAILABLE as exc:
+                if self.healthy or self.backoff.failures == 0:
+                    log.warning("loop.redis_unavailable", loop=self.name, error=type(exc).__name__)
+                self.healthy = False
+                await self.backoff.sleep()
+                continue
+            except Exception:
+                self.errors += 1
+                self.healthy = False
+                log.exception("loop.failed", loop=self.name, errors=self.errors)
+                await self.backoff.sleep()
+                continue
+            if not self.healthy and self.backoff.failures:
+                log.info("loop.recovered", loop=self.name)
+            self.healthy = True
+            self.backoff.reset()
+            if self.interval_s > 0:
+                await asyncio.sleep(self.interval_s)
+
+
+async def retry_until_done(
+    what: str,
+    step: Step,
+    stop: asyncio.Event | None = None,
+    grace_after_stop_s: float = 0.0,
+    backoff: Backoff | None = None,
+) -> bool:
+    """Run ``step`` until it succeeds, with backoff between failures, and
+    return True. Once ``stop`` is set, keep trying for ``grace_after_stop_s``
+    more, then return False. Every failure is logged; none is swallowed."""
+    backoff = backoff or Backoff(base_s=0.05, cap_s=2.0)
+    stopped_at: float | None = None
+    while True:
+        try:
+            await step()
+            return True
+        except UNAVAILABLE as exc:
+            log.warning("retry.redis_unavailable", what=what, error=type(exc).__name__)
+        except Exception:
+            log.exception("retry.failed", what=what)
+        if stop is not None and stop.is_set():
+            now = asyncio.get_running_loop().time()
+            stopped_at = now if stopped_at is None else stopped_at
+            if now - stopped_at >= grace_after_stop_s:
+                return False
+        await backoff.sleep()

@@ -1,0 +1,126 @@
+"""What recovery may do in Redis: the reaper's lock, finding processes whose
+heartbeat expired, returning a dead dispatcher's envelopes, and retrying or
+dead-lettering a dead worker's batch (answering its requests when it gives
+up). A worker starting under an id that still holds a batch recovers it
+the same way."""
+
+import msgspec
+from infergate.base import clock, logs, wire
+from infergate.base.queue.dispatcher import requeue
+from infergate.base.queue.replies import failure_replies, publish_replies
+from infergate.base.queue.store import Store
+
+log = logs.get(__name__)
+
+DEAD_LETTER_CAP = 1_000
+
+
+class RecoveryQueue:
+    def __init__(self, store: Store, owner_id: str) -> None:
+        self.store = store
+        self.keys = store.keys
+        self.owner_id = owner_id
+
+    # -- the lock ------------------------------------------------------------
+
+    async def hold_lock(self, ttl_ms: int) -> bool:
+        """Take or extend the fleet-wide reaper lock; True while this owner holds it."""
+        held = await self.store.scripts.reaper_lock(
+            keys=[self.keys.reaper_lock], args=[self.owner_id, "hold", ttl_ms]
+        )
+        return bool(held)
+
+    async def release_lock(self) -> None:
+        await self.store.scripts.reaper_lock(
+            keys=[self.keys.reaper_lock], args=[self.owner_id, "release", 0]
+        )
+
+    # -- who is dead -----------------------------------------------------------
+
+    async def expired(self, roles: tuple[str, ...]) -> dict[str, list[str]]:
+        """Registered processes whose heartbeat has expired, or is unreadable
+        (a corrupt heartbeat is deleted: its owner, if alive, writes a new one)."""
+        beats, _ = await self.store.heartbeats(roles)
+        dead: dict[str, list[str]] = {}
+        for role, by_id in beats.items():
+            for process_id, value in by_id.items():
+                if value is not None and _readable(value):
+                    continue
+                if value is not None:
+                    await self.store.redis.delete(self.keys.heartbeat(role, process_id))
+                dead.setdefault(role, []).append(process_id)
+        return dead
+
+    async def forget(self, role: str, process_id: str) -> None:
+        await self.store.redis.srem(self.keys.members(role), process_id)
+
+    # -- recovering their work -------------------------------------------------
+
+    async def requeue_dispatcher(self, dispatcher_id: str) -> tuple[int, int]:
+        return await requeue(self.store, dispatcher_id)
+
+    async def recover_worker(self, worker_id: str, max_attempts: int) -> str:
+        """The batch a worker left in processing goes back to ``batches`` with
+        attempt + 1, or past ``max_attempts`` to the dead-letter list with
+        every request in it answered INFERENCE_FAILED. Returns what happened:
+        'idle', 'retried', 'dead_lettered' or 'moved_already'."""
+        raw: bytes | None = await self.store.redis.lindex(  # type: ignore[assignment]
+            self.keys.processing(worker_id), -1
+        )
+        if raw is None:
+            await self.store.redis.lrem(self.keys.ready, 0, worker_id)
+            return "idle"
+        try:
+            batch, _ = wire.decode_batch(raw)
+        except msgspec.DecodeError:
+            log.error("recovery.batch_unreadable", worker_id=worker_id, size=len(raw))
+            return "dead_lettered" if await self._move(worker_id, raw, b"") else "moved_already"
+        attempt = batch.attempt + 1
+        if attempt < max_attempts:
+            if not await self._move(worker_id, raw, wire.retried_batch(raw)):
+                return "moved_already"
+            log.warning(
+                "recovery.batch_retried", worker_id=worker_id, batch_id=batch.id, attempt=attempt
+            )
+            return "retried"
+        if not await self._move(worker_id, raw, b""):
+            return "moved_already"
+        log.error(
+            "recovery.batch_dead_lettered", worker_id=worker_id, batch_id=batch.id, attempts=attempt
+        )
+        replies = failure_replies(
+            batch,
+            "INFERENCE_FAILED",
+            f"the batch failed {attempt} times (its workers died or hung); not retried again",
+            worker_id="",
+            now_ms=clock.now_ms(),
+        )
+        async with self.store.redis.pipeline(transaction=False) as pipe:
+            publish_replies(pipe, self.keys, replies)
+            await pipe.execute()
+        return "dead_lettered"
+
+    async def dead_letter_unreadable(self, worker_id: str, raw: bytes) -> None:
+        """A worker could not read the batch it pulled: keep it for an operator."""
+        await self._move(worker_id, raw, b"")
+
+    async def _move(self, worker_id: str, raw: bytes, retried: bytes) -> bool:
+        moved = await self.store.scripts.retry(
+            keys=[
+                self.keys.processing(worker_id),
+                self.keys.batches,
+                self.keys.dead_letter,
+                self.keys.ready,
+                self.keys.stats,
+            ],
+            args=[raw, retried, worker_id, DEAD_LETTER_CAP],
+        )
+        return bool(moved)
+
+
+def _readable(value: bytes) -> bool:
+    try:
+        wire.decode_heartbeat(value)
+    except msgspec.DecodeError:
+        return False
+    return True

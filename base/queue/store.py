@@ -1,0 +1,170 @@
+"""The Redis side of the queue layer: one client per process, and what every
+role shares (heartbeats, members and the fleet's state).
+
+A request lives in exactly one place at a time: ``queue:{tier}`` ->
+``inflight:{dispatcher}`` -> ``batches`` -> ``processing:{worker}`` ->
+answered. Each move is one atomic Redis operation (a Lua script or BLMOVE);
+nothing newer than Redis 6.2 is used. Every Redis command of infergate is in
+this package: each role reaches Redis through its own face
+(``GatewayQueue``, ``DispatcherQueue``, ``WorkerQueue``, ``RecoveryQueue``),
+each built on one ``Store``.
+"""
+
+from collections.abc import Iterable
+from typing import Any
+
+import msgspec
+from infergate.base import logs, wire
+from infergate.base.keys import Keys
+from infergate.base.queue.scripts import Scripts
+from infergate.base.tiers import ROLES, TIERS
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialWithJitterBackoff
+
+log = logs.get(__name__)
+
+
+def connect(
+    url: str, *, block_s: float = 0.0, name: str | None = None, max_connections: int = 32
+) -> Redis:
+    """A client for one process. ``block_s`` is the longest blocking pop it
+    will issue; the socket timeout leaves room for it, so a dead Redis is
+    noticed instead of hanging. Under a burst, commands wait (up to 2 s) for
+    one of ``max_connections`` connections instead of failing."""
+    pool = BlockingConnectionPool.from_url(
+        url,
+        max_connections=max_connections,
+        timeout=2.0,
+        socket_connect_timeout=1.0,
+        socket_timeout=block_s + 2.0,
+        client_name=name,
+        # Fail fast when Redis is away: callers answer 503 or back off themselves.
+        retry=Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.1), retries=2),
+    )
+    return Redis.from_pool(pool)  # the client owns (and closes) its pool
+
+
+class FleetSnapshot(msgspec.Struct, frozen=True):
+    """The workers alive and the queue depth of each tier, at ``taken_ms``."""
+
+    workers: list[wire.Heartbeat]
+    queue_depth: dict[str, int]
+    taken_ms: int
+
+
+class FleetStatus(msgspec.Struct, frozen=True):
+    """Everything an operator's status page shows, read in two round trips."""
+
+    alive: dict[str, list[wire.Heartbeat]]
+    queue_depth: dict[str, int]
+    counters: dict[str, int]
+
+
+class Store:
+    """One process's Redis client, key names and registered scripts."""
+
+    def __init__(self, redis: Redis, keys: Keys) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.scripts = Scripts(redis)
+        self._unreadable_seen: set[str] = set()
+
+    @classmethod
+    def connect(cls, url: str, namespace: str, *, block_s: float = 0.0, name: str) -> "Store":
+        return cls(connect(url, block_s=block_s, name=name), Keys(namespace))
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    # -- heartbeats and members ---------------------------------------------
+
+    async def beat(self, hb: wire.Heartbeat, ttl_ms: int) -> None:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(self.keys.heartbeat(hb.role, hb.id), wire.encode(hb), px=ttl_ms)
+            pipe.sadd(self.keys.members(hb.role), hb.id)
+            await pipe.execute()
+
+    async def retire(self, role: str, process_id: str) -> None:
+        """A clean exit: drop the heartbeat and the membership at once."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.delete(self.keys.heartbeat(role, process_id))
+            pipe.srem(self.keys.members(role), process_id)
+            await pipe.execute()
+
+    async def heartbeats(
+        self, roles: Iterable[str], *, with_depths: bool = False, with_counters: bool = False
+    ) -> tuple[dict[str, dict[str, bytes | None]], list[Any]]:
+        """Every registered process of ``roles`` and its heartbeat value (None
+        once it expired), plus the queue depths and counters if asked: two
+        round trips whatever the fleet size. Returns (beats, extras)."""
+        roles = list(roles)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for role in roles:
+                pipe.smembers(self.keys.members(role))
+            if with_depths:
+                for q in self.keys.queues:
+                    pipe.llen(q)
+            if with_counters:
+                pipe.hgetall(self.keys.stats)
+            results = await pipe.execute()
+        member_sets, extras = results[: len(roles)], results[len(roles) :]
+        ids = {
+            role: sorted(m.decode() for m in ms)
+            for role, ms in zip(roles, member_sets, strict=True)
+        }
+        wanted = [self.keys.heartbeat(role, i) for role in roles for i in ids[role]]
+        values: list[bytes | None] = await self.redis.mget(wanted) if wanted else []  # type: ignore[assignment]
+        it = iter(values)
+        beats = {role: {i: next(it) for i in ids[role]} for role in roles}
+        return beats, extras
+
+    def readable(self, role: str, beats: dict[str, bytes | None]) -> list[wire.Heartbeat]:
+        """The live heartbeats that decode; an unreadable one is skipped (and
+        logged once per process id): one bad key must not blind the fleet."""
+        out = []
+        for process_id, value in beats.items():
+            if value is None:
+                continue
+            try:
+                hb = wire.decode_heartbeat(value)
+            except msgspec.DecodeError:
+                if process_id not in self._unreadable_seen and len(self._unreadable_seen) < 1000:
+                    self._unreadable_seen.add(process_id)
+                    log.warning("fleet.heartbeat_unreadable", role=role, process_id=process_id[:64])
+                continue
+            out.append(hb)
+        return out
+
+    async def alive(self, role: str) -> list[wire.Heartbeat]:
+        beats, _ = await self.heartbeats([role])
+        return self.readable(role, beats[role])
+
+    # -- the fleet's state -------------------------------------------------
+
+    async def fleet_snapshot(self, now_ms: int) -> FleetSnapshot:
+        beats, depths = await self.heartbeats(["worker"], with_depths=True)
+        return FleetSnapshot(self.readable("worker", beats["worker"]), _depths(depths), now_ms)
+
+    async def fleet_status(self) -> FleetStatus:
+        beats, extras = await self.heartbeats(ROLES, with_depths=True, with_counters=True)
+        *depths, raw_counters = extras
+        return FleetStatus(
+            {role: self.readable(role, beats[role]) for role in ROLES},
+            _depths(depths),
+            _counters(raw_counters),
+        )
+
+
+def _depths(values: list[Any]) -> dict[str, int]:
+    return dict(zip(TIERS, map(int, values), strict=True))
+
+
+def _counters(raw: dict[bytes, bytes]) -> dict[str, int]:
+    out = {}
+    for k, v in raw.items():
+        try:
+            out[k.decode()] = int(v)
+        except ValueError:
+            continue  # not one of ours: every counter is an integer
+    return out

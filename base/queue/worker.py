@@ -1,0 +1,58 @@
+"""What a worker may do in Redis: offer its credit, pull a batch into its
+processing list, and answer the batch (publish its replies, then ack it)."""
+
+from collections.abc import Mapping
+
+from infergate.base import wire
+from infergate.base.queue.replies import publish_replies
+from infergate.base.queue.store import Store
+
+
+class WorkerQueue:
+    def __init__(self, store: Store, worker_id: str) -> None:
+        self.store = store
+        self.keys = store.keys
+        self.worker_id = worker_id
+
+    async def offer_credit(self) -> None:
+        """Say this worker is idle and can take one batch (idempotent)."""
+        await self.store.scripts.offer_credit(keys=[self.keys.ready], args=[self.worker_id])
+
+    async def withdraw_credit(self) -> None:
+        """A worker leaving takes its credit back."""
+        await self.store.redis.lrem(self.keys.ready, 0, self.worker_id)
+
+    async def ensure_credit(self) -> bool:
+        """An idle worker re-offers its credit if Redis lost it (see ensure_credit.lua)."""
+        members: set[bytes] = await self.store.redis.smembers(  # type: ignore[assignment]
+            self.keys.members("dispatcher")
+        )
+        dispatchers = sorted(m.decode() for m in members)
+        offered = await self.store.scripts.ensure_credit(
+            keys=[self.keys.ready, self.keys.batches, *map(self.keys.credits, dispatchers)],
+            args=[self.worker_id],
+        )
+        return bool(offered)
+
+    async def pull_batch(self, timeout_s: float) -> bytes | None:
+        """Block until a batch is handed to this worker; it lands in processing:{worker}."""
+        data: bytes | None = await self.store.redis.blmove(  # type: ignore[assignment]
+            self.keys.batches,
+            self.keys.processing(self.worker_id),
+            timeout_s,  # type: ignore[arg-type]  # BLMOVE takes fractional seconds
+            "RIGHT",
+            "LEFT",
+        )
+        return data
+
+    async def answer_batch(self, replies: Mapping[str, wire.Reply], offer_credit: bool) -> None:
+        """Publish one reply per gateway, then ack the batch (and offer a credit).
+        A crash between the two re-runs the batch; gateways ignore the duplicate."""
+        async with self.store.redis.pipeline(transaction=False) as pipe:
+            publish_replies(pipe, self.keys, replies)
+            await self.store.scripts.ack_batch(
+                keys=[self.keys.processing(self.worker_id), self.keys.ready],
+                args=[self.worker_id, "1" if offer_credit else "0"],
+                client=pipe,
+            )
+            await pipe.execute()

@@ -1,0 +1,57 @@
+"""Running one component as a process: signals, a bounded shutdown, exit codes.
+
+The first SIGTERM or SIGINT sets the component's ``stop`` event so it can
+drain; a second ends the process at once. A shutdown can never hang: if the
+component has not returned ``shutdown_grace_s`` after the first signal, the
+stack of every task still running is logged (``shutdown.stuck``, the await
+that did not finish) and the process exits with ``EXIT_STUCK``.
+"""
+
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import uvloop
+from infergate.base import logs
+
+log = logs.get(__name__)
+
+EXIT_STUCK = 4
+
+
+def _where(task: asyncio.Task[Any]) -> list[str]:
+    return [f"{f.f_code.co_filename}:{f.f_lineno} {f.f_code.co_name}" for f in task.get_stack()]
+
+
+def _exit_stuck(grace_s: float) -> None:
+    tasks = {t.get_name(): _where(t) for t in asyncio.all_tasks() if not t.done()}
+    log.error("shutdown.stuck", grace_s=grace_s, tasks=tasks)
+    sys.stderr.flush()
+    os._exit(EXIT_STUCK)
+
+
+def run(
+    main: Callable[[asyncio.Event], Coroutine[Any, Any, int]], shutdown_grace_s: float = 10.0
+) -> int:
+    """Run ``main(stop)`` on uvloop until it returns its exit code."""
+
+    async def runner() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def on_signal(signum: int) -> None:
+            if stop.is_set():
+                log.warning("shutdown.forced", signal=signum)
+                sys.stderr.flush()
+                os._exit(128 + signum)
+            stop.set()
+            loop.call_later(shutdown_grace_s, _exit_stuck, shutdown_grace_s)
+
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, on_signal, signum)
+        return await main(stop)
+
+    return uvloop.run(runner())

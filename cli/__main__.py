@@ -1,0 +1,5 @@
+import sys
+
+from infergate.main import main
+
+sys.exit(main())

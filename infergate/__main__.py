@@ -1,5 +1,0 @@
-import sys
-
-from infergate.cli import main
-
-sys.exit(main())

@@ -1,0 +1,271 @@
+"""The data model's atomic moves, through each role's face of the queue
+layer, against a real Redis."""
+
+import asyncio
+from dataclasses import dataclass
+
+import msgspec
+import pytest
+
+from infergate.base import clock, wire
+from infergate.base.queue.dispatcher import DispatcherQueue
+from infergate.base.queue.gateway import GatewayQueue
+from infergate.base.queue.recovery import DEAD_LETTER_CAP, RecoveryQueue
+from infergate.base.queue.store import Store
+from infergate.base.queue.worker import WorkerQueue
+from infergate.base.tiers import TIERS
+
+
+def env(i: int, tier: str, deadline_in_ms: int = 10_000) -> bytes:
+    now = clock.now_ms()
+    return wire.encode(wire.Envelope(f"r{i}", "gw", tier, "k", f"in{i}", now, now + deadline_in_ms))
+
+
+@dataclass
+class Faces:
+    store: Store
+    gateway: GatewayQueue
+    dispatcher: DispatcherQueue
+    worker: WorkerQueue
+    recovery: RecoveryQueue
+
+    @property
+    def redis(self):  # for the assertions: what is really in Redis
+        return self.store.redis
+
+    @property
+    def keys(self):
+        return self.store.keys
+
+    def dispatcher_as(self, dispatcher_id: str) -> DispatcherQueue:
+        return DispatcherQueue(self.store, dispatcher_id)
+
+    async def stats(self) -> dict[str, int]:
+        return (await self.store.fleet_status()).counters
+
+
+@pytest.fixture
+async def q(redis_url: str):
+    store = Store.connect(redis_url, "t", block_s=1, name="test")
+    yield Faces(
+        store,
+        GatewayQueue(store, "gw"),
+        DispatcherQueue(store, "d1"),
+        WorkerQueue(store, "w1"),
+        RecoveryQueue(store, "reaper-1"),
+    )
+    await store.close()
+
+
+def ids(envelopes: list[bytes]) -> list[str]:
+    return [wire.decode_envelope(e).id for e in envelopes]
+
+
+async def test_take_is_priority_ordered_and_fifo_within_a_tier(q: Faces) -> None:
+    for i, tier in enumerate(["free", "paid", "free", "enterprise", "paid", "enterprise"]):
+        await q.gateway.enqueue(tier, env(i, tier))
+    taken = await q.dispatcher.take(5, clock.now_ms(), [0, 0, 0])
+    assert ids(taken.envelopes) == ["r3", "r5", "r1", "r4", "r0"]
+    assert await q.redis.llen(q.keys.inflight("d1")) == 5
+    assert await q.redis.llen(q.keys.queue("free")) == 1
+    # Work was left behind: the doorbell rang again for another dispatcher.
+    assert await q.redis.llen(q.keys.doorbell) == 1
+
+
+async def test_min_share_is_served_before_strict_priority(q: Faces) -> None:
+    for i in range(10):
+        await q.gateway.enqueue("enterprise", env(i, "enterprise"))
+    for i in range(10, 15):
+        await q.gateway.enqueue("free", env(i, "free"))
+    taken = await q.dispatcher.take(10, clock.now_ms(), [0, 0, 2])
+    assert ids(taken.envelopes) == ["r10", "r11", *[f"r{i}" for i in range(8)]]
+
+
+async def test_expired_and_cancelled_never_leave_the_queue_for_a_worker(q: Faces) -> None:
+    await q.gateway.enqueue("free", env(1, "free", deadline_in_ms=-1))
+    await q.gateway.enqueue("free", env(2, "free"))
+    await q.gateway.enqueue("free", env(3, "free"))
+    await q.gateway.cancel("r2", clock.now_ms() + 60_000)
+    taken = await q.dispatcher.take(10, clock.now_ms(), [0, 0, 0])
+    assert ids(taken.envelopes) == ["r3"]
+    assert (taken.expired, taken.cancelled) == (1, 1)
+    stats = await q.stats()
+    assert stats["expired_dropped"] == 1
+    assert stats["cancelled_dropped"] == 1
+
+
+async def test_handoff_and_worker_round_trip(q: Faces) -> None:
+    await q.worker.offer_credit()
+    assert await q.dispatcher.wait_credit(1) == "w1"
+    await q.gateway.enqueue("paid", env(1, "paid"))
+    taken = await q.dispatcher.take(100, clock.now_ms(), [0, 0, 0])
+    batch = wire.encode_batch("b1", "d1", clock.now_ms(), taken.envelopes)
+    await q.dispatcher.handoff("w1", batch, 1, clock.now_ms())
+    assert await q.redis.llen(q.keys.inflight("d1")) == 0
+    assert await q.redis.llen(q.keys.credits("d1")) == 0
+    data = await q.worker.pull_batch(1)
+    assert data is not None
+    decoded, unreadable = wire.decode_batch(data)
+    assert unreadable == 0
+    assert decoded.id == "b1"
+    assert [e.id for e in decoded.envelopes] == ["r1"]
+    assert await q.redis.llen(q.keys.processing("w1")) == 1
+    pubsub = q.redis.pubsub()
+    await pubsub.subscribe(q.keys.reply_channel("gw"))
+    reply = wire.Reply([wire.Result("r1", "b1", 1, "w1", 0, 100, output="out")])
+    await q.worker.answer_batch({"gw": reply}, offer_credit=True)
+    assert await q.redis.llen(q.keys.processing("w1")) == 0
+    assert await q.redis.lrange(q.keys.ready, 0, -1) == [b"w1"]
+    msg = None
+    for _ in range(20):
+        msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.1)
+        if msg:
+            break
+    assert msg is not None
+    assert wire.decode_reply(msg["data"]) == reply
+    await pubsub.aclose()
+
+
+async def test_requeue_returns_inflight_to_the_front_in_order(q: Faces) -> None:
+    for i in range(4):
+        await q.gateway.enqueue("free", env(i, "free"))
+    await q.worker.offer_credit()
+    await q.dispatcher.wait_credit(1)
+    await q.dispatcher.take(3, clock.now_ms(), [0, 0, 0])
+    await q.gateway.enqueue("free", env(9, "free"))
+    assert await q.dispatcher.requeue_own() == (3, 1)
+    assert await q.redis.lrange(q.keys.ready, 0, -1) == [b"w1"]
+    taken = await q.dispatcher_as("d2").take(10, clock.now_ms(), [0, 0, 0])
+    assert ids(taken.envelopes) == ["r0", "r1", "r2", "r3", "r9"]
+
+
+async def test_pacing_holds_a_partial_batch_but_never_a_full_one(q: Faces) -> None:
+    now = clock.now_ms()
+    await q.redis.set(q.keys.last_dispatch, now)
+    await q.gateway.enqueue("free", env(1, "free"))
+    held = await q.dispatcher.take(3, now + 5, [0, 0, 0], min_interval_ms=25)
+    assert held.envelopes == []
+    assert 0 < held.wait_ms <= 20
+    for i in range(2, 4):
+        await q.gateway.enqueue("free", env(i, "free"))
+    full = await q.dispatcher.take(3, now + 5, [0, 0, 0], min_interval_ms=25)
+    assert ids(full.envelopes) == ["r1", "r2", "r3"]
+
+
+async def test_concurrent_takes_never_share_an_envelope(q: Faces) -> None:
+    for i in range(300):
+        await q.gateway.enqueue(TIERS[i % 3], env(i, TIERS[i % 3]))
+    results = await asyncio.gather(
+        *(q.dispatcher_as(f"d{j}").take(40, clock.now_ms(), [0, 0, 0]) for j in range(10))
+    )
+    all_ids = [i for r in results for i in ids(r.envelopes)]
+    assert len(all_ids) == len(set(all_ids)) == 300
+
+
+def test_envelope_wire_format_round_trips() -> None:
+    e = wire.Envelope("id", "gw", "free", "k", 'ünï "quoted"', 1, 2)
+    assert wire.decode_envelope(wire.encode(e)) == e
+    with pytest.raises(msgspec.DecodeError):
+        wire.decode_envelope(b"{}")
+
+
+async def test_malformed_envelopes_are_dropped_by_take_and_survive_requeue(q: Faces) -> None:
+    junk = [b"not json", b"[1, 2]", b'{"id": "x"}', b'{"id": 1, "deadline_ms": 9e15}']
+    for raw in junk:
+        await q.redis.lpush(q.keys.queue("paid"), raw)
+    await q.gateway.enqueue("paid", env(1, "paid"))
+    taken = await q.dispatcher.take(10, clock.now_ms(), [0, 0, 0])
+    assert ids(taken.envelopes) == ["r1"]
+    assert taken.malformed == len(junk)
+    assert (await q.stats())["malformed_dropped"] == len(junk)
+    # requeue puts an unreadable inflight envelope back (on the last queue)
+    # instead of failing the whole script, and take then drops it.
+    await q.redis.rpush(q.keys.inflight("d1"), b"\xff garbage")
+    assert await q.dispatcher.requeue_own() == (2, 0)
+    again = await q.dispatcher.take(10, clock.now_ms(), [0, 0, 0])
+    assert ids(again.envelopes) == ["r1"]
+    assert again.malformed == 1
+
+
+async def test_the_reaper_lock_is_held_by_one_owner_and_released_only_by_it(q: Faces) -> None:
+    other = RecoveryQueue(q.store, "reaper-2")
+    assert await q.recovery.hold_lock(2_000)
+    assert not await other.hold_lock(2_000)
+    assert await q.recovery.hold_lock(2_000)  # extends its own
+    await other.release_lock()  # not the holder: changes nothing
+    assert not await other.hold_lock(2_000)
+    await q.recovery.release_lock()
+    assert await other.hold_lock(2_000)
+    # A lock that expired and was taken by another is not extended by the old owner.
+    await q.redis.pexpire(q.keys.reaper_lock, 1)
+    await asyncio.sleep(0.01)
+    assert await q.recovery.hold_lock(2_000)
+    assert not await other.hold_lock(2_000)
+
+
+async def _batch_in_processing(q: Faces, attempt: int = 0) -> bytes:
+    for i in range(3):
+        await q.gateway.enqueue("free", env(i, "free"))
+    taken = await q.dispatcher.take(10, clock.now_ms(), [0, 0, 0])
+    batch = wire.encode_batch("b1", "d1", clock.now_ms(), taken.envelopes, attempt=attempt)
+    await q.dispatcher.handoff("w1", batch, 3, clock.now_ms())
+    data = await q.worker.pull_batch(1)
+    assert data is not None
+    return data
+
+
+async def test_a_dead_workers_batch_is_retried_then_dead_lettered_and_answered(q: Faces) -> None:
+    await _batch_in_processing(q)
+    assert await q.recovery.recover_worker("w1", max_attempts=2) == "retried"
+    retried = await q.redis.lrange(q.keys.batches, 0, -1)
+    assert len(retried) == 1
+    assert wire.decode_batch(retried[0])[0].attempt == 1
+    # The retried batch dies with its next worker too: now it is the last attempt.
+    await q.redis.lmove(q.keys.batches, q.keys.processing("w1"), "RIGHT", "LEFT")
+    pubsub = q.redis.pubsub()
+    await pubsub.subscribe(q.keys.reply_channel("gw"))
+    assert await q.recovery.recover_worker("w1", max_attempts=2) == "dead_lettered"
+    assert await q.redis.llen(q.keys.processing("w1")) == 0
+    assert await q.redis.llen(q.keys.dead_letter) == 1
+    message = None
+    for _ in range(20):
+        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.1)
+        if message:
+            break
+    await pubsub.aclose()
+    assert message is not None
+    results = wire.decode_reply(message["data"]).results
+    assert sorted(r.id for r in results) == ["r0", "r1", "r2"]
+    assert all(r.error is not None and r.error.code == "INFERENCE_FAILED" for r in results)
+    # Run twice (two reapers racing): the batch moves once.
+    assert await q.recovery.recover_worker("w1", max_attempts=2) == "idle"
+
+
+async def test_the_dead_letter_list_is_capped(q: Faces) -> None:
+    for i in range(DEAD_LETTER_CAP + 5):
+        await q.redis.rpush(q.keys.processing("w1"), f"junk-{i}")
+        await q.recovery.dead_letter_unreadable("w1", f"junk-{i}".encode())
+    assert await q.redis.llen(q.keys.dead_letter) == DEAD_LETTER_CAP
+    # the newest are kept
+    assert await q.redis.lindex(q.keys.dead_letter, 0) == f"junk-{DEAD_LETTER_CAP + 4}".encode()
+
+
+async def test_an_unreadable_heartbeat_hides_nothing_and_counts_as_dead(q: Faces) -> None:
+    now = clock.now_ms()
+    await q.store.beat(wire.Heartbeat("worker", "w-ok", now, now, batch_ms=100.0), 5_000)
+    await q.redis.sadd(q.keys.members("worker"), "w-bad")
+    await q.redis.set(q.keys.heartbeat("worker", "w-bad"), b"\x00 not a heartbeat")
+    snapshot = await q.store.fleet_snapshot(now)
+    assert [w.id for w in snapshot.workers] == ["w-ok"]
+    dead = await q.recovery.expired(("worker",))
+    assert dead == {"worker": ["w-bad"]}
+    assert await q.redis.exists(q.keys.heartbeat("worker", "w-bad")) == 0
+
+
+def test_a_batch_with_an_unreadable_envelope_keeps_the_readable_ones() -> None:
+    good = env(1, "paid")
+    data = wire.encode_batch("b", "d", 1, [good, b'{"id": "half"}'])
+    batch, unreadable = wire.decode_batch(data)
+    assert [e.id for e in batch.envelopes] == ["r1"]
+    assert unreadable == 1
+    assert wire.decode_batch(wire.retried_batch(data))[0].attempt == 1
