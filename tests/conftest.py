@@ -1,5 +1,7 @@
-"""Real Redis for every test: one redis-server on a free port per session
-(never the one on 6379), flushed before each test."""
+"""Real Redis for every test, never the one on 6379: one ``redis-server``
+on a free port per session, flushed before each test that asks for
+``redis_url``; ``module_redis`` for a module whose stack outlives one test;
+``own_redis`` for a test that kills or restarts its Redis."""
 
 from collections.abc import Iterator
 
@@ -8,11 +10,27 @@ import redis
 from infergate.redis_server import RedisServer
 
 
+def _serve() -> Iterator[RedisServer]:
+    server = RedisServer().start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer().start()
-    yield server
-    server.stop()
+    yield from _serve()
+
+
+@pytest.fixture(scope="module")
+def module_redis() -> Iterator[RedisServer]:
+    yield from _serve()
+
+
+@pytest.fixture
+def own_redis() -> Iterator[RedisServer]:
+    yield from _serve()
 
 
 @pytest.fixture

@@ -12,6 +12,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import redis
+import yaml
+from infergate.base.keys import Keys
 from infergate.redis_server import free_port
 
 SECRETS = {
@@ -27,35 +30,66 @@ def sha(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
-def policy_yaml(
+def key_entry(key_id: str, tier: str, secret: str, **extra: Any) -> dict[str, Any]:
+    return {"id": key_id, "tier": tier, "sha256": sha(secret), **extra}
+
+
+def policy(
     *,
     deadline_ms: int = 10_000,
     max_batch_size: int = 100,
     pacing: bool = True,
     free_share: float = 0.0,
-    extra_keys: str = "",
-    tiers_extra: str = "",
-) -> str:
-    tiers = ""
-    for tier, chars in (("enterprise", 4000), ("paid", 2000), ("free", 1000)):
-        share = free_share if tier == "free" else 0.0
-        tiers += (
-            f"  {tier}:\n    deadline_ms: {deadline_ms}\n    max_input_chars: {chars}\n"
-            f"    latency_budget_ms: {min(deadline_ms, 5000)}\n    min_batch_share: {share}\n{tiers_extra}"
-        )
-    return (
-        "tiers:\n"
-        + tiers
-        + "keys:\n"
-        + f"  - id: ent\n    tier: enterprise\n    sha256: {sha(SECRETS['enterprise'])}\n"
-        + f"  - id: pai\n    tier: paid\n    sha256: {sha(SECRETS['paid'])}\n"
-        + f"  - id: fre\n    tier: free\n    sha256: {sha(SECRETS['free'])}\n"
-        + f"  - id: retired\n    tier: free\n    sha256: {sha(SECRETS['disabled'])}\n    disabled: true\n"
-        + f"  - id: adm\n    tier: enterprise\n    sha256: {sha(SECRETS['admin'])}\n    admin: true\n"
-        + extra_keys
-        + f"batching:\n  max_batch_size: {max_batch_size}\n  pacing: {'true' if pacing else 'false'}\n"
-        + "limits:\n  max_body_bytes: 8192\n"
-    )
+    extra_keys: tuple[dict[str, Any], ...] = (),
+    **sections: dict[str, Any],
+) -> dict[str, Any]:
+    """The tests' policy as data, with the known keys of ``SECRETS``.
+    ``sections`` are merged in, one level deep: ``workers={"max_attempts": 2}``,
+    or ``tiers={"free": {"rate_limits": ["2/minute"]}}``."""
+    doc: dict[str, Any] = {
+        "tiers": {
+            tier: {
+                "deadline_ms": deadline_ms,
+                "max_input_chars": chars,
+                "latency_budget_ms": min(deadline_ms, 5000),
+                "min_batch_share": free_share if tier == "free" else 0.0,
+            }
+            for tier, chars in (("enterprise", 4000), ("paid", 2000), ("free", 1000))
+        },
+        "keys": [
+            key_entry("ent", "enterprise", SECRETS["enterprise"]),
+            key_entry("pai", "paid", SECRETS["paid"]),
+            key_entry("fre", "free", SECRETS["free"]),
+            key_entry("retired", "free", SECRETS["disabled"], disabled=True),
+            key_entry("adm", "enterprise", SECRETS["admin"], admin=True),
+            *extra_keys,
+        ],
+        "batching": {"max_batch_size": max_batch_size, "pacing": pacing},
+        "limits": {"max_body_bytes": 8192},
+    }
+    for name, values in sections.items():
+        if name == "tiers":
+            for tier, fields in values.items():
+                doc["tiers"][tier].update(fields)
+        else:
+            doc.setdefault(name, {}).update(values)
+    return doc
+
+
+def as_yaml(doc: dict[str, Any]) -> str:
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
+def policy_yaml(**kwargs: Any) -> str:
+    """``policy(**kwargs)`` as YAML text."""
+    return as_yaml(policy(**kwargs))
+
+
+def write_policy(path: Path, doc: dict[str, Any] | str) -> None:
+    """Replace a policy file the way an editor or `kubectl` does: write, then rename."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(doc if isinstance(doc, str) else as_yaml(doc))
+    tmp.replace(path)
 
 
 def wait_for(predicate: Any, timeout_s: float, what: str, interval_s: float = 0.05) -> Any:
@@ -328,3 +362,42 @@ class Cluster:
     def stop(self) -> None:
         for p in self.procs + self.workers:
             p.stop()
+
+
+KEYS = Keys()
+
+
+def stats(client: redis.Redis, keys: Keys = KEYS) -> dict[str, int]:
+    return {k.decode(): int(v) for k, v in client.hgetall(keys.stats).items()}
+
+
+def assert_redis_clean(client: redis.Redis, keys: Keys = KEYS) -> None:
+    """No request is left in any list, and nothing per-request lives without a TTL."""
+    lists = [*keys.queues, keys.batches]
+    lists += [k.decode() for k in client.scan_iter(keys.prefix + "inflight:*")]
+    lists += [k.decode() for k in client.scan_iter(keys.prefix + "processing:*")]
+    assert {name: client.llen(name) for name in lists if client.llen(name)} == {}
+    # Fleet structure, bounded by the number of processes, not of requests.
+    structural = (keys.stats, keys.ready, keys.dead_letter, keys.cancelled, keys.doorbell)
+    per_process = (keys.prefix + "members:", keys.prefix + "credits:")
+    assert client.llen(keys.doorbell) <= 1
+    for key in client.scan_iter("*"):
+        name = key.decode()
+        if client.ttl(name) == -1:
+            assert name in structural or name.startswith(per_process), name
+
+
+def redis_clean(client: redis.Redis, keys: Keys = KEYS) -> bool:
+    try:
+        assert_redis_clean(client, keys)
+    except AssertionError:
+        return False
+    return True
+
+
+def busy_worker(client: redis.Redis, keys: Keys = KEYS) -> str | None:
+    """The id of a worker with a batch in its processing list, if any."""
+    for key in client.scan_iter(keys.prefix + "processing:*"):
+        if client.llen(key):
+            return key.decode().rsplit(":", 1)[1]
+    return None

@@ -13,8 +13,7 @@ import redis
 from infergate.gpu.simulated import sim_output
 from infergate.redis_server import RedisServer
 
-from tests.helpers import SECRETS, Cluster, policy_yaml, wait_for
-from tests.test_faults import _clean, assert_redis_clean
+from tests.helpers import SECRETS, Cluster, assert_redis_clean, policy_yaml, redis_clean, wait_for
 
 DEADLINE_MS = 3_000
 RATE = 200
@@ -57,8 +56,8 @@ async def drive(c: Cluster, events: dict[float, object]) -> list[dict]:
     return records
 
 
-def test_chaos_loses_nothing(tmp_path: Path) -> None:
-    server = RedisServer().start()
+def test_chaos_loses_nothing(tmp_path: Path, own_redis: RedisServer) -> None:
+    server = own_redis
     policy = policy_yaml(deadline_ms=DEADLINE_MS)
     c = Cluster(tmp_path, server.url, policy, gateways=2, workers=3, dispatchers=2, latency_ms=100)
     client = redis.Redis.from_url(server.url)
@@ -77,7 +76,7 @@ def test_chaos_loses_nothing(tmp_path: Path) -> None:
 
     def restart_redis() -> None:
         server.kill()
-        time.sleep(0.5)
+        time.sleep(0.5)  # pacing: Redis stays down this long
         server.start()
 
     try:
@@ -104,22 +103,18 @@ def test_chaos_loses_nothing(tmp_path: Path) -> None:
         after = [r for r in records if r["gw"] == 1 and r["sent"] > timeline["gateway"] + 0.1]
         assert after
         assert all(r["status"] is None for r in after)
+        # A reply the surviving gateway ignored is either a duplicate from the one
+        # batch that ran twice (the killed worker's: at most 100 requests) or one
+        # that came after its request had been answered with an error: anything
+        # more would be replies delivered to the wrong gateway or counted twice.
+        ignored = c.status()["replies_ignored"]
+        assert ignored <= len(survivor) - by_status[200] + 100, (ignored, by_status)
         # Once the load stops the fleet drains and Redis holds nothing of it.
         wait_for(lambda: c.status()["workers_alive"] == 3, 10, "the workers to be back")
-        time.sleep(1.5)
-        if not wait_for_quietly(lambda: _clean(client), 10):
+        try:
+            wait_for(lambda: redis_clean(client), 10, "Redis to drain")
+        except AssertionError:
             assert_redis_clean(client)  # fails, saying what is left
-        print("chaos:", dict(by_status), "replies ignored:", c.status()["replies_ignored"])
     finally:
         client.close()
         c.stop()
-        server.stop()
-
-
-def wait_for_quietly(predicate, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return False

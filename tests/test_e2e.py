@@ -34,16 +34,13 @@ ERROR_FIELDS = {"code", "type", "message", "request_id"}
 
 
 @pytest.fixture(scope="module")
-def redis_mod() -> Iterator[RedisServer]:
-    server = RedisServer().start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, redis_mod: RedisServer) -> Iterator[Stack]:
+def stack(tmp_path_factory: pytest.TempPathFactory, module_redis: RedisServer) -> Iterator[Stack]:
     s = Stack(
-        tmp_path_factory.mktemp("main"), redis_mod.url, workers=4, gateways=2, policy=policy_yaml()
+        tmp_path_factory.mktemp("main"),
+        module_redis.url,
+        workers=4,
+        gateways=2,
+        policy=policy_yaml(),
     )
     yield s
     s.stop()
@@ -67,7 +64,7 @@ async def _post(session: aiohttp.ClientSession, url: str, tier: str, text: str) 
 
 
 async def test_hundreds_of_concurrent_requests_each_get_their_own_output(
-    stack: Stack, redis_mod: RedisServer
+    stack: Stack, module_redis: RedisServer
 ) -> None:
     tiers = ["free", "paid", "enterprise"]
     texts = [f"req-{i}-{tiers[i % 3]}" for i in range(400)]
@@ -82,7 +79,7 @@ async def test_hundreds_of_concurrent_requests_each_get_their_own_output(
     assert max(body["batch_size"] for _, body in results) > 1
     assert {body["tier"] for _, body in results} == set(tiers)
     # Both gateway processes answered part of the traffic.
-    client = redis.Redis.from_url(redis_mod.url)
+    client = redis.Redis.from_url(module_redis.url)
     keys = Keys()
 
     def both_served() -> bool:
@@ -179,11 +176,13 @@ def test_openapi_document_describes_the_api(stack: Stack) -> None:
 
 
 async def test_enterprise_sent_after_a_free_backlog_is_answered_first(
-    tmp_path: Path, redis_mod: RedisServer
+    tmp_path: Path, module_redis: RedisServer
 ) -> None:
     policy = policy_yaml(max_batch_size=10)
-    s = Stack(tmp_path, redis_mod.url, workers=1, latency_ms=200, policy=policy, namespace="prio")
-    client = redis.Redis.from_url(redis_mod.url)
+    s = Stack(
+        tmp_path, module_redis.url, workers=1, latency_ms=200, policy=policy, namespace="prio"
+    )
+    client = redis.Redis.from_url(module_redis.url)
     done: list[str] = []
 
     async def one(session: aiohttp.ClientSession, tier: str, i: int) -> int:
@@ -233,8 +232,8 @@ def _lone_gateway(tmp_path: Path, redis_url: str, namespace: str) -> tuple[Proc,
     return proc, url
 
 
-def test_no_healthy_worker_gives_503_at_once(tmp_path: Path, redis_mod: RedisServer) -> None:
-    proc, url = _lone_gateway(tmp_path, redis_mod.url, "lonely")
+def test_no_healthy_worker_gives_503_at_once(tmp_path: Path, module_redis: RedisServer) -> None:
+    proc, url = _lone_gateway(tmp_path, module_redis.url, "lonely")
     try:
         started = time.monotonic()
         status, headers, body = http(
@@ -249,8 +248,8 @@ def test_no_healthy_worker_gives_503_at_once(tmp_path: Path, redis_mod: RedisSer
         proc.stop()
 
 
-def test_redis_unreachable_gives_503_fast(tmp_path: Path) -> None:
-    own = RedisServer().start()
+def test_redis_unreachable_gives_503_fast(tmp_path: Path, own_redis: RedisServer) -> None:
+    own = own_redis
     gateway, url = _lone_gateway(tmp_path, own.url, "infergate")
     worker = Proc(
         ["worker", "--sim-latency-ms", "10"], {"REDIS_URL": own.url}, tmp_path / "worker.log"
@@ -277,7 +276,6 @@ def test_redis_unreachable_gives_503_fast(tmp_path: Path) -> None:
     finally:
         for p in (gateway, worker, dispatcher):
             p.stop()
-        own.stop()
 
 
 def test_up_stops_every_child_on_sigint(tmp_path: Path) -> None:
@@ -324,14 +322,16 @@ def test_up_stops_every_child_on_sigint(tmp_path: Path) -> None:
         proc.stop()
 
 
-def test_up_fails_clearly_when_a_part_cannot_start(tmp_path: Path, redis_mod: RedisServer) -> None:
+def test_up_fails_clearly_when_a_part_cannot_start(
+    tmp_path: Path, module_redis: RedisServer
+) -> None:
     blocker = socket.socket()
     blocker.bind(("127.0.0.1", 0))
     blocker.listen()
     port = blocker.getsockname()[1]
     proc = Proc(
         ["up", "--port", str(port), "--workers", "1", "--namespace", "fails"],
-        {"REDIS_URL": redis_mod.url},
+        {"REDIS_URL": module_redis.url},
         tmp_path / "up.log",
     )
     try:

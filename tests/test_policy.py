@@ -7,7 +7,7 @@ from infergate.policies import PolicyError, load_policy, parse_policy
 from infergate.policies.demo import demo_policy, example_text
 from infergate.policies.loader import digest
 
-from tests.helpers import policy_yaml
+from tests.helpers import as_yaml, policy, policy_yaml
 
 EXAMPLE = Path(__file__).parent.parent / "policies" / "example.yaml"
 
@@ -38,14 +38,21 @@ def _problems(text: str) -> list[str]:
 
 
 def test_errors_name_file_line_path_and_fix() -> None:
-    text = policy_yaml().replace("deadline_ms: 10000", "deadline_ms: soon", 1)
+    doc = policy()
+    doc["tiers"]["enterprise"]["deadline_ms"] = "soon"
+    text = as_yaml(doc)
     [problem] = _problems(text)
-    assert problem.startswith("p.yaml:3: tiers.enterprise.deadline_ms: Expected `int`, got `str`")
+    line = text.splitlines().index("    deadline_ms: soon") + 1
+    assert problem.startswith(
+        f"p.yaml:{line}: tiers.enterprise.deadline_ms: Expected `int`, got `str`"
+    )
     assert "write a whole number" in problem
 
 
 def test_unknown_field_points_at_the_field() -> None:
-    text = policy_yaml().replace("  max_batch_size:", "  max_batch_sise:")
+    doc = policy()
+    doc["batching"]["max_batch_sise"] = doc["batching"].pop("max_batch_size")
+    text = as_yaml(doc)
     [problem] = _problems(text)
     line = text.splitlines().index("  max_batch_sise: 100") + 1
     assert problem.startswith(
@@ -54,12 +61,10 @@ def test_unknown_field_points_at_the_field() -> None:
 
 
 def test_semantic_problems_are_all_reported() -> None:
-    text = (
-        policy_yaml(tiers_extra="    rate_limits: ['10/minuet']\n")
-        .replace("tier: paid", "tier: gold")
-        .replace("sha256: " + digest("test-free-secret"), "sha256: not-a-digest")
-    )
-    problems = _problems(text)
+    doc = policy(tiers={"enterprise": {"rate_limits": ["10/minuet"]}})
+    doc["keys"][1]["tier"] = "gold"
+    doc["keys"][2]["sha256"] = "not-a-digest"
+    problems = _problems(as_yaml(doc))
     assert any(
         "tiers.enterprise.rate_limits[0]: '10/minuet' is not a rate; write e.g." in p
         for p in problems
@@ -88,7 +93,9 @@ def test_policy_check_cli(tmp_path: Path) -> None:
     assert ok.returncode == 0
     assert "ok: version" in ok.stdout
     bad = tmp_path / "bad.yaml"
-    bad.write_text(policy_yaml().replace("tier: paid", "tier: gold"))
+    doc = policy()
+    doc["keys"][1]["tier"] = "gold"
+    bad.write_text(as_yaml(doc))
     res = subprocess.run(
         [sys.executable, "-m", "infergate", "policy", "check", str(bad)],
         capture_output=True,

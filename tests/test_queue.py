@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 import msgspec
 import pytest
-
 from infergate.base import clock, wire
 from infergate.base.queue.dispatcher import DispatcherQueue
 from infergate.base.queue.gateway import GatewayQueue

@@ -16,8 +16,10 @@ from tests.helpers import SECRETS, Stack, policy_yaml
 
 
 @pytest.fixture(scope="module")
-def live_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    server = RedisServer().start()
+def live_stack(
+    tmp_path_factory: pytest.TempPathFactory, module_redis: RedisServer
+) -> Iterator[Stack]:
+    server = module_redis
     stack = Stack(
         tmp_path_factory.mktemp("schemathesis"),
         server.url,
@@ -27,7 +29,6 @@ def live_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     )
     yield stack
     stack.stop()
-    server.stop()
 
 
 def no_internal_error(ctx, response, case) -> bool:

@@ -17,8 +17,10 @@ def spans(proc: Proc) -> list[dict]:
     return out
 
 
-def test_a_request_and_its_batch_are_traced_and_linked(tmp_path: Path) -> None:
-    server = RedisServer().start()
+def test_a_request_and_its_batch_are_traced_and_linked(
+    tmp_path: Path, own_redis: RedisServer
+) -> None:
+    server = own_redis
     c = Cluster(tmp_path, server.url, policy_yaml(), env={"INFERGATE_TRACING": "console"})
     try:
         status, headers, body = c.infer("paid", "trace me")
@@ -44,4 +46,3 @@ def test_a_request_and_its_batch_are_traced_and_linked(tmp_path: Path) -> None:
         assert batch_span["attributes"]["infergate.batch_size"] == body["batch_size"]
     finally:
         c.stop()
-        server.stop()
