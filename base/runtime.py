@@ -23,7 +23,17 @@ EXIT_STUCK = 4
 
 
 def _where(task: asyncio.Task[Any]) -> list[str]:
-    return [f"{f.f_code.co_filename}:{f.f_lineno} {f.f_code.co_name}" for f in task.get_stack()]
+    """The task's await chain, outermost first: the last line is the await that waits."""
+    out = []
+    coro: Any = task.get_coro()
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is None:
+            out.append(repr(coro)[:200])
+            break
+        out.append(f"{frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return out
 
 
 def _exit_stuck(grace_s: float) -> None:

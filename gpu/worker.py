@@ -61,7 +61,9 @@ class Worker:
         self.recovery = RecoveryQueue(self.store, self.id)
         self.started_ms = clock.now_ms()
         self.busy = False
-        self.stopping = False
+        # Set at SIGTERM: the heartbeat says draining at once, so admission
+        # stops counting this worker while it finishes its batch.
+        self.stopping = asyncio.Event()
         self.batches_done = 0
         self.requests_done = 0
         self.batch_ms_ewma: float | None = None
@@ -88,7 +90,7 @@ class Worker:
             requests_done=self.requests_done,
             delivered_rps=round(delivered, 1),
             batch_ms=round(self.batch_ms_ewma or 0.0, 2),
-            draining=self.stopping,
+            draining=self.stopping.is_set(),
         )
 
     # -- running the backend -------------------------------------------------
@@ -215,6 +217,7 @@ class Worker:
         await self.queue.offer_credit()
 
     async def serve(self, stop: asyncio.Event) -> int:
+        self.stopping = stop
         await self.warm_up()
         if not await retry_until_done("worker.register", self._register, stop):
             await self.store.close()
@@ -224,7 +227,6 @@ class Worker:
         try:
             await self._loop(stop)
         finally:
-            self.stopping = True
             await self.heartbeat.stop()
             await retry_until_done("worker.retire", self._retire, stop, grace_after_stop_s=2.0)
             await self.store.close()
@@ -259,7 +261,6 @@ class Worker:
             backoff.reset()
             self.busy = True
             replies = await self.handle(data)
-            self.stopping = stop.is_set()
             await self._answer(replies, stop)
             self.busy = False
 

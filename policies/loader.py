@@ -170,9 +170,9 @@ def _check(doc: Document, at: "_Locator") -> list[Problem]:
     if doc.limits.max_body_bytes < 256:
         out.append(at.problem(["limits", "max_body_bytes"], "must be at least 256, e.g. 65536"))
     if doc.workers.hang_timeout_ms < 100:
-        out.append(at.problem(["workers", "hang_timeout_ms"], "must be at least 100, e.g. 5000"))
+        out.append(at.problem(["workers", "hang_timeout_ms"], "must be at least 100, e.g. 2000"))
     if doc.workers.max_attempts < 1:
-        out.append(at.problem(["workers", "max_attempts"], "must be at least 1, e.g. 3"))
+        out.append(at.problem(["workers", "max_attempts"], "must be at least 1, e.g. 2"))
     return out
 
 

@@ -280,10 +280,12 @@ def test_redis_unreachable_gives_503_fast(tmp_path: Path, own_redis: RedisServer
 
 def test_up_stops_every_child_on_sigint(tmp_path: Path) -> None:
     port = free_port()
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
     # No REDIS_URL: `up` starts (and must stop) its own redis-server.
     proc = Proc(
         ["up", "--port", str(port), "--workers", "2", "--keys-out", str(tmp_path / "k.json")],
-        {},
+        {"TMPDIR": str(scratch)},
         tmp_path / "up.log",
     )
     try:
@@ -298,6 +300,8 @@ def test_up_stops_every_child_on_sigint(tmp_path: Path) -> None:
         wait_for(ready, 60, "up to be ready")
         keys = json.loads((tmp_path / "k.json").read_text())
         assert set(keys) == {"enterprise", "paid", "free"}
+        assert (tmp_path / "k.json").stat().st_mode & 0o777 == 0o600  # secrets: owner only
+        assert sorted(p.name.split("-")[1] for p in scratch.iterdir()) == ["redis", "up"]
         status, _, body = http(
             "POST",
             f"http://127.0.0.1:{port}/v1/inference",
@@ -318,6 +322,7 @@ def test_up_stops_every_child_on_sigint(tmp_path: Path) -> None:
         proc.signal(signal.SIGINT)
         assert proc.wait(20) == 0
         wait_for(lambda: not any(pid_alive(pid) for pid in children), 5, "every child to exit")
+        assert list(scratch.iterdir()) == []  # its Redis and demo-policy folders are gone
     finally:
         proc.stop()
 

@@ -34,6 +34,24 @@ def test_one_output_per_input_deterministic(backend: TransformersBackend) -> Non
     assert backend.infer(inputs) == outputs
 
 
+def test_each_output_in_a_batch_of_mixed_lengths_equals_its_output_alone(
+    backend: TransformersBackend,
+) -> None:
+    # Left padding and the attention mask must make a batch neighbour invisible:
+    # the short inputs are padded by many tokens next to the long one.
+    inputs = [
+        "a",
+        "the quick brown fox jumps over the lazy dog " * 6,
+        "hello world",
+        "lorem ipsum dolor sit amet, consectetur adipiscing elit",
+        "x y",
+    ]
+    together = backend.infer(inputs)
+    alone = [backend.infer([text])[0] for text in inputs]
+    assert together == alone
+    assert len(set(alone)) > 1  # the model really does tell them apart
+
+
 def test_a_full_batch_of_100(backend: TransformersBackend) -> None:
     assert len(backend.infer([f"input number {i}" for i in range(100)])) == 100
 

@@ -1,0 +1,246 @@
+"""No failure stays silent: what used to end a background loop, drop a batch
+or give up quietly, now logged, survived, answered and visible in readiness.
+Real processes on a real Redis, corrupted the way a bad deploy, a bug or a
+hostile writer with Redis access would."""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import redis
+from infergate.base import clock, wire
+from infergate.base.queue.store import Store
+from infergate.gpu.simulated import sim_output
+from infergate.gpu.worker import Worker, WorkerSettings
+from infergate.redis_server import RedisServer
+
+from tests.helpers import KEYS, SECRETS, Cluster, http, policy_yaml, wait_for
+
+
+def log_events(path: Path) -> list[dict]:
+    events = []
+    for line in path.read_text(errors="replace").splitlines():
+        if line.startswith("{"):
+            try:
+                events.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return events
+
+
+async def _steady_load(url: str, n: int, rate: float) -> list[tuple[int, str, dict]]:
+    hdrs = {"Authorization": "Bearer " + SECRETS["paid"]}
+    async with aiohttp.ClientSession() as session:
+
+        async def one(i: int) -> tuple[int, str, dict]:
+            text = f"steady-{i}"
+            async with session.post(url + "/v1/inference", json={"input": text}, headers=hdrs) as r:
+                return r.status, text, await r.json()
+
+        tasks = []
+        start = time.monotonic()
+        for i in range(n):
+            await asyncio.sleep(max(0.0, start + i / rate - time.monotonic()))
+            tasks.append(asyncio.create_task(one(i)))
+        return await asyncio.gather(*tasks)
+
+
+def test_corrupt_heartbeats_and_envelopes_under_load_leave_the_service_whole(
+    tmp_path: Path, own_redis: RedisServer
+) -> None:
+    client = redis.Redis.from_url(own_redis.url)
+    c = Cluster(tmp_path, own_redis.url, policy_yaml(), workers=2, latency_ms=50)
+    try:
+
+        def corrupt() -> None:
+            # A "worker" whose heartbeat is not a heartbeat (and never expires).
+            client.sadd(KEYS.members("worker"), "w-corrupt")
+            client.set(KEYS.heartbeat("worker", "w-corrupt"), b"\x00garbage")
+            # An envelope that passes take's checks but is not an Envelope (no
+            # tier, key or enqueue time): it lands in a batch beside real ones.
+            half = {"id": "evil", "gateway": "nobody", "input": "x", "deadline_ms": 9e15}
+            client.lpush(KEYS.queue("paid"), json.dumps(half))
+            # And plain junk, which take drops.
+            client.lpush(KEYS.queue("paid"), b"\xff not json")
+
+        async def scenario() -> list[tuple[int, str, dict]]:
+            load = asyncio.create_task(_steady_load(c.urls[0], 150, 50.0))
+            await asyncio.sleep(1.0)  # pacing: corrupt Redis a second into the load
+            await asyncio.to_thread(corrupt)
+            return await load
+
+        results = asyncio.run(scenario())
+        # Every real request was answered with its own output: the batch that
+        # carried the bad envelope ran its good ones.
+        assert [s for s, _, _ in results] == [200] * 150
+        assert all(body["output"] == sim_output(text) for _, text, body in results)
+        # The corrupt heartbeat blinded no one, and the reaper dropped it.
+        wait_for(
+            lambda: not client.sismember(KEYS.members("worker"), "w-corrupt"),
+            5,
+            "the reaper to drop the corrupt worker",
+        )
+        assert not client.exists(KEYS.heartbeat("worker", "w-corrupt"))
+        status = c.status()
+        assert status["workers_alive"] == 2
+        assert status["counters"]["malformed_dropped"] == 1
+        assert http("GET", c.urls[0] + "/readyz")[0] == 200
+        # ...and said so, once each, without a traceback for data it skips.
+        worker_events = [e for w in c.workers for e in log_events(w.log_path)]
+        assert [e["event"] for e in worker_events].count("batch.envelopes_unreadable") == 1
+        gateway_events = [e["event"] for e in log_events(c.gateways[0].log_path)]
+        assert gateway_events.count("fleet.heartbeat_unreadable") == 1
+        assert "loop.failed" not in gateway_events
+    finally:
+        client.close()
+        c.stop()
+
+
+def test_a_loop_that_keeps_failing_says_so_in_logs_and_readiness(
+    tmp_path: Path, own_redis: RedisServer
+) -> None:
+    client = redis.Redis.from_url(own_redis.url)
+    c = Cluster(tmp_path, own_redis.url, policy_yaml(), workers=1, latency_ms=20)
+    url = c.urls[0]
+    try:
+        assert c.infer("paid", "before")[0] == 200
+        # The worker member set becomes a string: every fleet refresh now fails
+        # with a Redis error that is not an outage (WRONGTYPE).
+        members = KEYS.members("worker")
+        client.delete(members)
+        client.set(members, "not a set")
+        wait_for(lambda: http("GET", url + "/readyz")[0] == 503, 5, "readiness to say not ready")
+        status, _, body = c.infer("paid", "during")
+        assert status == 503
+        assert body["error"]["code"] == "SERVICE_OVERLOADED"
+        failed = wait_for(
+            lambda: [
+                e
+                for e in log_events(c.gateways[0].log_path)
+                if e["event"] == "loop.failed" and e.get("loop") == "fleet-view"
+            ],
+            5,
+            "the failure to be logged",
+        )
+        assert "ResponseError" in failed[0]["exception"]  # with its stack
+        # Repaired: the loops never stopped, so the service comes back by itself.
+        client.delete(members)
+        wait_for(lambda: http("GET", url + "/readyz")[0] == 200, 10, "readiness to come back")
+        assert c.infer("paid", "after")[0] == 200
+    finally:
+        client.close()
+        c.stop()
+
+
+class _Buggy:
+    """A backend with a bug: it raises something that is not a BackendError."""
+
+    name = "buggy"
+
+    def infer(self, inputs: list[str]) -> list[str]:
+        raise KeyError("a bug, not a model failure")
+
+
+async def test_a_batch_that_fails_outside_the_backend_is_answered(redis_url: str) -> None:
+    worker = Worker(WorkerSettings("w-buggy", redis_url), _Buggy())
+    now = clock.now_ms()
+    envs = [
+        wire.encode(wire.Envelope(f"r{i}", f"gw{i % 2}", "paid", "k", f"in{i}", now, now + 9_000))
+        for i in range(4)
+    ]
+    try:
+        replies = await worker.handle(wire.encode_batch("b1", "d1", now, envs))
+    finally:
+        await worker.store.close()
+    assert set(replies) == {"gw0", "gw1"}
+    results = [r for reply in replies.values() for r in reply.results]
+    assert sorted(r.id for r in results) == ["r0", "r1", "r2", "r3"]
+    assert all(r.error is not None and r.error.code == "INFERENCE_FAILED" for r in results)
+
+
+async def test_an_unreadable_batch_is_dead_lettered_not_dropped(redis_url: str) -> None:
+    worker = Worker(WorkerSettings("w-1", redis_url), _Buggy())
+    store = worker.store
+    try:
+        await store.redis.lpush(store.keys.batches, b"{not a batch")
+        data = await worker.queue.pull_batch(1)
+        assert data is not None
+        assert await worker.handle(data) == {}
+        assert await store.redis.lrange(store.keys.dead_letter, 0, -1) == [b"{not a batch"]
+        assert await store.redis.llen(store.keys.processing("w-1")) == 0
+    finally:
+        await store.close()
+
+
+async def test_a_finished_batch_is_published_once_redis_returns_however_long_it_takes(
+    own_redis: RedisServer,
+) -> None:
+    from infergate.gpu.simulated import SimulatedBackend
+
+    worker = Worker(WorkerSettings("w-pub", own_redis.url), SimulatedBackend(latency_ms=0))
+    store = worker.store
+    now = clock.now_ms()
+    env = wire.Envelope("r1", "gw", "paid", "k", "in", now, now + 60_000)
+    await store.redis.lpush(store.keys.processing("w-pub"), b"the batch")
+    reply = wire.Reply([wire.Result("r1", "b", 1, "w-pub", 0, 1, output="out")])
+    own_redis.kill()
+    stop = asyncio.Event()
+    answering = asyncio.create_task(worker._answer({env.gateway: reply}, stop))
+    # Redis stays away for a while: the worker keeps trying, it does not give up.
+    await asyncio.sleep(3.0)  # pacing: the outage lasts this long
+    assert not answering.done()
+    own_redis.start()
+    checker = Store.connect(own_redis.url, "infergate", name="checker")
+    pubsub = checker.redis.pubsub()
+    await pubsub.subscribe(checker.keys.reply_channel("gw"))
+    try:
+        await asyncio.wait_for(answering, 15)
+        # The ack ran against the restarted (empty) Redis; the credit is offered.
+        assert await checker.redis.lrange(checker.keys.ready, 0, -1) == [b"w-pub"]
+    finally:
+        await pubsub.aclose()
+        await checker.close()
+        await store.close()
+
+
+def test_a_shutdown_that_hangs_is_ended_and_says_where(tmp_path: Path) -> None:
+    code = (
+        "import asyncio\n"
+        "from infergate.base import logs, runtime\n"
+        "logs.configure('test', 'stuck')\n"
+        "async def never_finishes_its_cleanup():\n"
+        "    await asyncio.Event().wait()\n"
+        "async def main(stop):\n"
+        "    print('started', flush=True)\n"
+        "    await stop.wait()\n"
+        "    await never_finishes_its_cleanup()\n"
+        "    return 0\n"
+        "raise SystemExit(runtime.run(main, shutdown_grace_s=1.0))\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "INFERGATE_LOG_FORMAT": "json"},
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "started"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(10) == 4
+    stderr = proc.stderr.read()
+    proc.stdout.close()
+    proc.stderr.close()
+    stuck = [e for e in map(json.loads, stderr.splitlines()) if e.get("event")]
+    (event,) = [e for e in stuck if e["event"] == "shutdown.stuck"]
+    assert any(
+        "never_finishes_its_cleanup" in frame
+        for frames in event["tasks"].values()
+        for frame in frames
+    )
