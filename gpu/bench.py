@@ -5,7 +5,7 @@ Builds a GPT-2 on disk with random weights (``--size small`` is GPT-2
 small's shape: 12 layers, 768 wide, 12 heads; ``tiny`` is 2 x 32) so it
 needs no download, then times ``infer`` for each batch size after a warm-up.
 
-    python -m loadtest.backend_bench --size small --device cuda --json-out gpu.json
+    python -m infergate.gpu.bench --size small --device cuda --json-out gpu.json
 """
 
 import argparse
@@ -20,7 +20,7 @@ SIZES = {"tiny": (2, 32, 2), "small": (12, 768, 12)}
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtest.backend_bench")
+    p = argparse.ArgumentParser(prog="python -m infergate.gpu.bench")
     p.add_argument("--size", choices=sorted(SIZES), default="small")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
     p.add_argument("--batches", default="1,10,50,100")

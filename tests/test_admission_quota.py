@@ -418,6 +418,8 @@ async def test_cost_limit_charges_input_characters_and_refunds_refusals(store: S
     assert refused.refused_by is not None
     assert "input characters" in refused.refused_by
     assert "100 per 1 minute" in refused.refused_by
+    # Its headers show the request limit as refunded: 1 of 3 used.
+    assert (refused.limit, refused.remaining) == (3, 2)
     assert refused.retry_after_ms is not None
     assert 0 < refused.retry_after_ms <= 60_000
     # The refused 60 were refunded: 40 fit exactly (60 + 40 = 100).

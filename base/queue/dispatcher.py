@@ -46,12 +46,8 @@ class DispatcherQueue:
     async def wait_credit(self, timeout_s: float) -> str | None:
         """Block until an idle worker's credit is free, and hold it in
         ``credits:{dispatcher}`` (returned to ``ready`` if this dispatcher dies)."""
-        credit: bytes | None = await self.store.redis.blmove(  # type: ignore[assignment]
-            self.keys.ready,
-            self.keys.credits(self.dispatcher_id),
-            timeout_s,  # type: ignore[arg-type]  # BLMOVE takes fractional seconds
-            "RIGHT",
-            "LEFT",
+        credit = await self.store.move_oldest(
+            self.keys.ready, self.keys.credits(self.dispatcher_id), timeout_s
         )
         return None if credit is None else credit.decode()
 

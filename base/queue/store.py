@@ -77,6 +77,18 @@ class Store:
     async def close(self) -> None:
         await self.redis.aclose()
 
+    async def move_oldest(self, source: str, destination: str, timeout_s: float) -> bytes | None:
+        """BLMOVE: block up to ``timeout_s`` for the oldest item of ``source``
+        (lists are pushed on the left) and move it atomically to ``destination``."""
+        item: bytes | None = await self.redis.blmove(  # type: ignore[assignment]
+            source,
+            destination,
+            timeout_s,  # type: ignore[arg-type]  # BLMOVE takes fractional seconds
+            "RIGHT",
+            "LEFT",
+        )
+        return item
+
     # -- heartbeats and members ---------------------------------------------
 
     async def beat(self, hb: wire.Heartbeat, ttl_ms: int) -> None:

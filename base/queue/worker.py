@@ -36,14 +36,9 @@ class WorkerQueue:
 
     async def pull_batch(self, timeout_s: float) -> bytes | None:
         """Block until a batch is handed to this worker; it lands in processing:{worker}."""
-        data: bytes | None = await self.store.redis.blmove(  # type: ignore[assignment]
-            self.keys.batches,
-            self.keys.processing(self.worker_id),
-            timeout_s,  # type: ignore[arg-type]  # BLMOVE takes fractional seconds
-            "RIGHT",
-            "LEFT",
+        return await self.store.move_oldest(
+            self.keys.batches, self.keys.processing(self.worker_id), timeout_s
         )
-        return data
 
     async def answer_batch(self, replies: Mapping[str, wire.Reply], offer_credit: bool) -> None:
         """Publish one reply per gateway, then ack the batch (and offer a credit).
