@@ -11,8 +11,9 @@ plus what this gateway has admitted since that view was taken, divided by
 capacity. That holds while the tiers above leave room. Once they queue a
 full batch, a tier with a minimum batch share is counted only on the slots
 it reserves in every batch (a guaranteed rate, so the estimate errs on the
-safe side); a tier without one is refused once more is queued above it than
-the fleet can start in one batch time. When workers die,
+safe side); a tier without one is refused once as much is queued above it
+as the fleet can start in one batch time (and at least a full batch). When
+workers die,
 capacity drops within a heartbeat TTL and admission tightens by itself.
 """
 

@@ -268,20 +268,15 @@ def test_threshold_for_a_tier_without_share_is_at_least_one_full_batch() -> None
     assert admission.estimate_wait_ms(pol, "free") == INF
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "gateway/admission.py: the docstring says a tier without a share is refused once "
-        "MORE is queued above it than the fleet starts in one batch time; "
-        "estimate_wait_ms uses >=, so exactly that much above already gives inf"
-    ),
-)
-def test_exactly_one_batch_time_queued_above_is_not_yet_refused() -> None:
+def test_exactly_one_batch_time_queued_above_is_already_refused() -> None:
     pol = admission_policy()
-    # 200 above, exactly what 800 rps starts in 0.25 s: not more than it.
+    # 200 above, exactly what 800 rps starts in 0.25 s: as much as one batch
+    # time can start, so free (no reserved share) waits until they drain.
     view = fleet(snapshot(four_workers(), enterprise=100, paid=100, free=1))
     admission = Admission(view)
-    assert admission.estimate_wait_ms(pol, "free") == pytest.approx(251.25)  # 201 / 800 s
+    assert admission.estimate_wait_ms(pol, "free") == float("inf")
+    one_less = fleet(snapshot(four_workers(), enterprise=100, paid=99, free=1))
+    assert Admission(one_less).estimate_wait_ms(pol, "free") == pytest.approx(250.0)
 
 
 def test_decide_admits_iff_the_wait_is_within_the_tier_budget() -> None:
@@ -334,7 +329,9 @@ def free_tier(**fields: Any) -> Policy:
     return quota_policy(tiers={"free": fields})
 
 
-async def charge_n(quota: Quota, pol: Policy, key_id: str, n: int, chars: int = 10) -> list:
+async def charge_n(
+    quota: Quota, pol: Policy, key_id: str, n: int, chars: int = 10
+) -> list[QuotaResult]:
     key = key_of(pol, key_id)
     return [await quota.charge(key, pol.tiers[key.tier], chars) for _ in range(n)]
 
