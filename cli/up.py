@@ -22,6 +22,7 @@ from pathlib import Path
 from types import FrameType
 
 from infergate.base import logs
+from infergate.base.loops import Backoff
 from infergate.policies import PolicyError, load_policy
 from infergate.policies.demo import demo_policy
 from infergate.redis_server import RedisServer
@@ -29,6 +30,7 @@ from infergate.redis_server import RedisServer
 log = logs.get(__name__)
 
 STOP_TIMEOUT_S = 8.0
+CHILD_STABLE_S = 30.0  # a child that lived this long restarts without waiting
 READY_TIMEOUT_S = 60.0
 
 
@@ -42,6 +44,7 @@ class Child:
     next_start: float = 0.0
     started_at: float = 0.0
     ids: list[str] = field(default_factory=list)
+    backoff: Backoff = field(default_factory=lambda: Backoff(base_s=0.5, cap_s=10.0))
 
     def start(self, env: dict[str, str]) -> None:
         process_id = f"{self.name}-{os.urandom(3).hex()}"
@@ -69,19 +72,20 @@ class Stack:
         return next((c for c in self.children if not c.alive()), None)
 
     def supervise_once(self) -> None:
-        """Restart children that died, with exponential backoff."""
+        """Restart children that died, with backoff (reset after a long life)."""
         now = time.monotonic()
         for child in self.children:
             if child.alive() or self.stopping:
                 continue
             if child.next_start == 0.0:
                 code = child.proc.returncode if child.proc else None
-                backoff = min(0.5 * 2 ** min(child.restarts, 5), 10.0)
-                if now - child.started_at > 30.0:
-                    child.restarts = 0
-                    backoff = 0.5
-                child.next_start = now + backoff
-                log.warning("up.child_died", child=child.name, exit_code=code, restart_in_s=backoff)
+                if now - child.started_at > CHILD_STABLE_S:
+                    child.backoff.reset()
+                delay = child.backoff.next_s()
+                child.next_start = now + delay
+                log.warning(
+                    "up.child_died", child=child.name, exit_code=code, restart_in_s=round(delay, 2)
+                )
             elif now >= child.next_start:
                 child.restarts += 1
                 child.next_start = 0.0

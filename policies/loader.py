@@ -71,42 +71,26 @@ def parse_policy(text: str, filename: str = "<policy>") -> Policy:
 
 
 def _check(doc: Document, at: "_Locator") -> list[Problem]:
+    return [*_check_tiers(doc, at), *_check_keys(doc, at), *_check_settings(doc, at)]
+
+
+def _check_tiers(doc: Document, at: "_Locator") -> list[Problem]:
     out: list[Problem] = []
     missing = [t for t in TIERS if t not in doc.tiers]
-    extra = [t for t in doc.tiers if t not in TIERS]
     if missing:
         out.append(
             at.problem(
                 ["tiers"], f"missing tier(s) {', '.join(missing)}; define all of {', '.join(TIERS)}"
             )
         )
-    for name in extra:
-        out.append(
-            at.problem(["tiers", name], f"unknown tier {name!r}; tiers are {', '.join(TIERS)}")
-        )
-    share_total = 0.0
-    for name, tier in doc.tiers.items():
-        here: list[str | int] = ["tiers", name]
-        for field, value in (
-            ("deadline_ms", tier.deadline_ms),
-            ("max_input_chars", tier.max_input_chars),
-            ("latency_budget_ms", tier.latency_budget_ms),
-        ):
-            if value <= 0:
-                out.append(at.problem([*here, field], f"{value} must be a positive whole number"))
-        if tier.latency_budget_ms > tier.deadline_ms:
+    for name in doc.tiers:
+        if name not in TIERS:
             out.append(
-                at.problem(
-                    [*here, "latency_budget_ms"],
-                    "must not exceed deadline_ms; lower it or raise deadline_ms",
-                )
+                at.problem(["tiers", name], f"unknown tier {name!r}; tiers are {', '.join(TIERS)}")
             )
-        out.extend(_check_rates(tier.rate_limits, [*here, "rate_limits"], at))
-        if tier.cost_limit is not None:
-            out.extend(_check_rates([tier.cost_limit], [*here, "cost_limit"], at, single=True))
-        if not 0.0 <= tier.min_batch_share <= 1.0:
-            out.append(at.problem([*here, "min_batch_share"], "must be between 0 and 1, e.g. 0.1"))
-        share_total += tier.min_batch_share
+    for name, tier in doc.tiers.items():
+        out.extend(_check_tier(name, tier, at))
+    share_total = sum(tier.min_batch_share for tier in doc.tiers.values())
     if share_total > 1.0:
         out.append(
             at.problem(
@@ -114,11 +98,40 @@ def _check(doc: Document, at: "_Locator") -> list[Problem]:
                 f"min_batch_share values add up to {share_total:g}; keep the sum at most 1",
             )
         )
+    return out
 
+
+def _check_tier(name: str, tier: Tier, at: "_Locator") -> list[Problem]:
+    out: list[Problem] = []
+    here: list[str | int] = ["tiers", name]
+    for field, value in (
+        ("deadline_ms", tier.deadline_ms),
+        ("max_input_chars", tier.max_input_chars),
+        ("latency_budget_ms", tier.latency_budget_ms),
+    ):
+        if value <= 0:
+            out.append(at.problem([*here, field], f"{value} must be a positive whole number"))
+    if tier.latency_budget_ms > tier.deadline_ms:
+        out.append(
+            at.problem(
+                [*here, "latency_budget_ms"],
+                "must not exceed deadline_ms; lower it or raise deadline_ms",
+            )
+        )
+    out.extend(_check_rates(tier.rate_limits, [*here, "rate_limits"], at))
+    if tier.cost_limit is not None:
+        out.extend(_check_rates([tier.cost_limit], [*here, "cost_limit"], at, single=True))
+    if not 0.0 <= tier.min_batch_share <= 1.0:
+        out.append(at.problem([*here, "min_batch_share"], "must be between 0 and 1, e.g. 0.1"))
+    return out
+
+
+def _check_keys(doc: Document, at: "_Locator") -> list[Problem]:
+    out: list[Problem] = []
     seen_ids: dict[str, int] = {}
     seen_digests: dict[str, int] = {}
     for i, key in enumerate(doc.keys):
-        here = ["keys", i]
+        here: list[str | int] = ["keys", i]
         if not _KEY_ID.match(key.id):
             out.append(
                 at.problem(
@@ -156,7 +169,11 @@ def _check(doc: Document, at: "_Locator") -> list[Problem]:
         seen_digests.setdefault(key.sha256, i)
         if key.rate_limits is not None:
             out.extend(_check_rates(key.rate_limits, [*here, "rate_limits"], at))
+    return out
 
+
+def _check_settings(doc: Document, at: "_Locator") -> list[Problem]:
+    out: list[Problem] = []
     if not 1 <= doc.batching.max_batch_size <= 100:
         out.append(
             at.problem(
