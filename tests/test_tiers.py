@@ -76,8 +76,6 @@ async def test_two_gateways_admit_exactly_the_quota_under_a_race(cluster_factory
     assert 1 <= int(headers["retry-after"]) <= 60
     assert 0 < int(headers["retry-after-ms"]) <= 60_000
     assert body["error"]["retry_after_ms"] == int(headers["retry-after-ms"])
-    # Both gateways admitted some: the count really was shared.
-    assert {i % 2 for i, (status, _, _) in enumerate(results) if status == 200} == {0, 1}
 
 
 def test_a_refused_request_is_not_charged_to_other_limits(cluster_factory) -> None:
