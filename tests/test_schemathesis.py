@@ -12,7 +12,7 @@ import schemathesis
 # these modules as it imports them, and CPython 3.11.7's AST constructor can
 # fail ("AST constructor recursion depth mismatch") when that happens deep in
 # a test's stack, as it did on a fresh install in CI.
-import schemathesis.generation.jsonschema.strategy  # noqa: F401
+import schemathesis.generation.jsonschema.strategy
 from hypothesis import HealthCheck, given, settings
 from infergate.redis_server import RedisServer
 from schemathesis.checks import not_a_server_error
