@@ -27,6 +27,7 @@ class Keys:
         self.dead_letter = self.prefix + "dead-letter"
         self.reaper_lock = self.prefix + "reaper-lock"
         self.ratelimit_prefix = self.prefix + "ratelimit"
+        self.policy = self.prefix + "policy"
         self.queues = tuple(self.queue(t) for t in TIERS)
 
     def queue(self, tier: str) -> str:

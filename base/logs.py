@@ -8,6 +8,7 @@ key or an input text (lengths and hashes only).
 import logging
 import os
 import sys
+import time
 from typing import Any
 
 import structlog
@@ -42,3 +43,36 @@ def configure(role: str, process_id: str, level: str | None = None) -> None:
 
 def get(name: str) -> Any:
     return structlog.get_logger(name)
+
+
+class _Limiter:
+    """At most ``per_s`` lines a second for each event name; the next line
+    that gets through says how many were suppressed in between."""
+
+    def __init__(self, per_s: int = 5) -> None:
+        self.per_s = per_s
+        self.window: dict[str, tuple[int, int, int]] = {}  # event -> (second, lines, suppressed)
+
+    def admit(self, event: str) -> tuple[bool, int]:
+        now = int(time.monotonic())
+        second, lines, suppressed = self.window.get(event, (now, 0, 0))
+        if second != now:
+            second, lines = now, 0
+        if lines >= self.per_s:
+            self.window[event] = (second, lines, suppressed + 1)
+            return False, 0
+        self.window[event] = (second, lines + 1, 0)
+        return True, suppressed
+
+
+_limiter = _Limiter()
+
+
+def limited(logger: Any, event: str, level: str = "info", **fields: Any) -> None:
+    """Log an event that an attacker can repeat at will (a refused request,
+    a bad header): a few lines a second at most, never a traceback."""
+    admitted, suppressed = _limiter.admit(event)
+    if admitted:
+        if suppressed:
+            fields["suppressed"] = suppressed
+        getattr(logger, level)(event, **fields)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from infergate.gpu.backend import Backend
+    from infergate.policies.live import LivePolicy
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -47,6 +48,13 @@ def _common(p: argparse.ArgumentParser, role: str) -> None:
     _add(p, "--namespace", "infergate", "key namespace (Redis Cluster hash tag) of this deployment")
     _add(p, "--id", None, f"this {role}'s id (default: {role}-<random>)")
     _add(p, "--heartbeat-interval-ms", 250, "how often to beat", int)
+    _add(
+        p,
+        "--max-policy-bytes",
+        8 * 1024 * 1024,
+        "a policy file larger than this is refused unread",
+        int,
+    )
     _add(
         p,
         "--heartbeat-ttl-ms",
@@ -94,6 +102,28 @@ def _gateway_parser(sub: Any) -> None:
     _add(gw, "--port", 8000, "port to listen on (shared with other gateways via SO_REUSEPORT)", int)
     _add(gw, "--policy", None, "policy file (required)")
     _add(gw, "--drain-timeout-s", 10, "on SIGTERM, how long to wait for open requests", float)
+    from infergate.gateway.limits import EdgeLimits
+
+    edge = EdgeLimits()
+    _add(gw, "--max-head-bytes", edge.max_head_bytes, "request line and headers, in all (431)", int)
+    _add(gw, "--max-header-bytes", edge.max_header_bytes, "one header, name and value (431)", int)
+    _add(gw, "--max-headers", edge.max_headers, "headers in one request (431)", int)
+    _add(gw, "--head-timeout-s", edge.head_timeout_s, "time to send the request head (408)", float)
+    _add(gw, "--body-timeout-s", edge.body_timeout_s, "time to send the request body (408)", float)
+    _add(
+        gw,
+        "--keep-alive-s",
+        edge.keep_alive_s,
+        "idle time before a kept-alive connection is closed",
+        float,
+    )
+    _add(
+        gw,
+        "--max-connections",
+        edge.max_connections,
+        "open connections per process; more are closed at once",
+        int,
+    )
 
 
 def _dispatcher_parser(sub: Any) -> None:
@@ -110,14 +140,14 @@ def _worker_parser(sub: Any) -> None:
     _add(
         wk,
         "--sim-fail-marker",
-        "__fail__",
-        "simulated backend: inputs containing this fail ('' for never)",
+        "",
+        "simulated backend, for tests: inputs containing this fail (default: off)",
     )
     _add(
         wk,
         "--sim-hang-marker",
-        "__hang__",
-        "simulated backend: inputs containing this hang the backend ('' for never)",
+        "",
+        "simulated backend, for tests: inputs containing this hang the backend (default: off)",
     )
     _add(wk, "--model", None, "transformers backend: model directory")
     _add(wk, "--gguf-file", None, "transformers backend: GGUF file inside the model directory")
@@ -173,42 +203,70 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
-def _load_policy_or_exit(path: str | None, required: bool) -> Any:
-    from infergate.policies import PolicyError, load_policy, parse_policy
+def _live_policy(args: argparse.Namespace, required: bool) -> "LivePolicy":
+    """The policy this process starts on: its file, or, while the file is
+    invalid or unreadable, the fleet's last valid policy kept in Redis (the
+    file's problem is then reported, not fatal); the built-in example when
+    no file is given and none is required."""
+    from infergate.base import logs
+    from infergate.base.queue.policy_copy import fetch_policy
+    from infergate.policies import PolicyError, parse_policy
     from infergate.policies.demo import example_text
+    from infergate.policies.live import LivePolicy
+    from infergate.policies.loader import public_error, read_policy_text
 
-    try:
-        if path:
-            return load_policy(path)
+    path, max_bytes = args.policy, args.max_policy_bytes
+    if not path:
         if required:
             print("infergate: --policy FILE (or INFERGATE_POLICY) is required", file=sys.stderr)
             sys.exit(2)
-        return parse_policy(example_text(), "policies/example.yaml")
+        text = example_text()
+        return LivePolicy(parse_policy(text, "policies/example.yaml"), None, text=text)
+    try:
+        text = read_policy_text(path, max_bytes)
+        return LivePolicy(parse_policy(text, path), path, text=text, max_bytes=max_bytes)
     except PolicyError as exc:
-        print(f"infergate: the policy is not valid:\n{exc}", file=sys.stderr)
-        sys.exit(2)
+        copy = fetch_policy(args.redis_url, args.namespace)
+        if copy is None:
+            print(
+                f"infergate: the policy is not valid, and Redis holds no last valid one:\n{exc}",
+                file=sys.stderr,
+            )
+            sys.exit(2)
+        error = public_error(exc)
+    logs.get(__name__).error(
+        "policy.file_invalid_starting_on_last_valid", error=error, version=copy.version
+    )
+    policy = parse_policy(copy.text, "the last valid policy (Redis)")
+    return LivePolicy(policy, path, text=copy.text, error=error, max_bytes=max_bytes)
 
 
 def _gateway(args: argparse.Namespace) -> int:
     import uvloop
+    from infergate.gateway.limits import EdgeLimits
     from infergate.gateway.server import serve
     from infergate.gateway.service import Gateway, GatewaySettings
-    from infergate.policies.live import LivePolicy
 
     settings = GatewaySettings(**_process(args, "gateway"))
-    policy = _load_policy_or_exit(args.policy, required=True)
-    gateway = Gateway(settings, LivePolicy(policy, args.policy))
-    return uvloop.run(serve(gateway, args.host, args.port, args.drain_timeout_s))
+    gateway = Gateway(settings, _live_policy(args, required=True))
+    limits = EdgeLimits(
+        max_head_bytes=args.max_head_bytes,
+        max_header_bytes=args.max_header_bytes,
+        max_headers=args.max_headers,
+        head_timeout_s=args.head_timeout_s,
+        body_timeout_s=args.body_timeout_s,
+        keep_alive_s=args.keep_alive_s,
+        max_connections=args.max_connections,
+    )
+    return uvloop.run(serve(gateway, args.host, args.port, args.drain_timeout_s, limits))
 
 
 def _dispatcher(args: argparse.Namespace) -> int:
     from infergate.base import runtime
     from infergate.dispatcher.service import Dispatcher, DispatcherSettings
-    from infergate.policies.live import LivePolicy
 
     settings = DispatcherSettings(**_process(args, "dispatcher"))
-    policy = _load_policy_or_exit(args.policy, required=False)
-    return runtime.run(Dispatcher(settings, LivePolicy(policy, args.policy)).serve)
+    return runtime.run(Dispatcher(settings, _live_policy(args, required=False)).serve)
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -219,7 +277,7 @@ def _worker(args: argparse.Namespace) -> int:
     backend = _backend(args)
     if backend is None:
         return 2
-    workers = _load_policy_or_exit(args.policy, required=False).document.workers
+    workers = _live_policy(args, required=False).current.document.workers
     settings = WorkerSettings(
         **common,
         hang_timeout_ms=args.hang_timeout_ms or workers.hang_timeout_ms,

@@ -28,6 +28,7 @@ from infergate.base.fleet import FleetView
 from infergate.base.heartbeat import Heartbeater
 from infergate.base.loops import Supervised, retry_until_done
 from infergate.base.queue.dispatcher import DispatcherQueue
+from infergate.base.queue.policy_copy import keep_policy
 from infergate.base.queue.recovery import RecoveryQueue
 from infergate.base.queue.store import Store
 from infergate.base.settings import ProcessSettings
@@ -68,6 +69,7 @@ class Dispatcher:
         self.policy = policy
         self.rule = BatchRule.from_policy(policy.current)
         policy.on_change(self._policy_changed)
+        policy.keep_with(self._keep_policy)
         self.store = Store.connect(
             settings.redis_url,
             settings.namespace,
@@ -98,6 +100,9 @@ class Dispatcher:
 
     def _policy_changed(self, policy: Policy) -> None:
         self.rule = BatchRule.from_policy(policy)
+
+    async def _keep_policy(self, policy: Policy, text: str) -> None:
+        await keep_policy(self.store, policy.version, text)
 
     def pacing_interval_ms(self, rule: BatchRule) -> int:
         workers = self.fleet.workers_alive
@@ -146,6 +151,8 @@ class Dispatcher:
         """Anything left by an earlier life under this id goes back first."""
         await self.queue.requeue_own()
         await self.heartbeat.beat_once()
+        if self.policy.error is None:
+            await self.policy.keep()
 
     async def serve(self, stop: asyncio.Event) -> int:
         if not await retry_until_done("dispatcher.register", self._register, stop):

@@ -1,8 +1,9 @@
 """The request and response bodies of the public API (they make the OpenAPI document)."""
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
+from litestar.openapi.spec import OpenAPIMediaType, OpenAPIType, RequestBody, Schema
 
 
 class InferenceRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -22,6 +23,60 @@ class InferenceRequest(msgspec.Struct, forbid_unknown_fields=True):
         ]
         | None
     ) = None
+
+
+_request_decoder = msgspec.json.Decoder(InferenceRequest)
+
+
+class BadRequestBody(ValueError):
+    """The body is not an InferenceRequest; the message says where and why."""
+
+
+def decode_inference_request(body: bytes) -> InferenceRequest:
+    """Strict, typed decoding: wrong types (``"500"``, ``1e3`` for an integer),
+    unknown fields, invalid UTF-8 and malformed JSON are all refused. The
+    schema is flat, so nested JSON is refused at its first level, without
+    recursing into it however deep it goes."""
+    try:
+        return _request_decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise BadRequestBody(f"invalid request body: {exc}") from None
+    except (msgspec.DecodeError, UnicodeDecodeError):
+        raise BadRequestBody("the request body is not valid JSON in UTF-8") from None
+
+
+def _openapi_schema(js: dict[str, Any]) -> Schema:
+    """msgspec's JSON schema of a struct, as Litestar's OpenAPI ``Schema``."""
+    renames = {
+        "minLength": "min_length",
+        "additionalProperties": "additional_properties",
+        "minimum": "minimum",
+        "maximum": "maximum",
+        "description": "description",
+        "title": "title",
+        "required": "required",
+    }
+    fields: dict[str, Any] = {dst: js[src] for src, dst in renames.items() if src in js}
+    if "type" in js:
+        fields["type"] = OpenAPIType(js["type"])
+    if "properties" in js:
+        fields["properties"] = {k: _openapi_schema(v) for k, v in js["properties"].items()}
+    if "anyOf" in js:
+        fields["any_of"] = [_openapi_schema(v) for v in js["anyOf"]]
+    return Schema(**fields)
+
+
+def inference_request_body() -> RequestBody:
+    """The OpenAPI request body of /v1/inference (read as raw bytes by the handler)."""
+    js = msgspec.json.schema(InferenceRequest)
+    return RequestBody(
+        content={
+            "application/json": OpenAPIMediaType(
+                schema=_openapi_schema(js["$defs"]["InferenceRequest"])
+            )
+        },
+        required=True,
+    )
 
 
 class InferenceResponse(msgspec.Struct):

@@ -1,17 +1,18 @@
 """The Litestar application: routes, the error shape for every failure, and
 the OpenAPI document."""
 
+from dataclasses import dataclass
 from importlib.metadata import version
 from typing import Any
 
 from infergate.base import logs
 from infergate.gateway.api import (
     AdminPolicy,
-    InferenceRequest,
     InferenceResponse,
     Readiness,
     ReloadResult,
     StatusResponse,
+    inference_request_body,
 )
 from infergate.gateway.errors import ERRORS, ApiError, ErrorBody
 from infergate.gateway.middleware import REQUEST_ID, RequestIdAndLimits
@@ -21,7 +22,7 @@ from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.openapi.plugins import JsonRenderPlugin, SwaggerRenderPlugin
-from litestar.openapi.spec import Components, SecurityScheme
+from litestar.openapi.spec import Components, Operation, SecurityScheme
 from litestar.status_codes import HTTP_200_OK, HTTP_503_SERVICE_UNAVAILABLE
 
 log = logs.get(__name__)
@@ -73,6 +74,15 @@ def _gateway(request: Request[Any, Any, Any]) -> Gateway:
     return gw
 
 
+@dataclass
+class _InferenceOperation(Operation):
+    """The handler reads its body itself (the key is checked before the body
+    is parsed, and strictly): the document still shows the body's schema."""
+
+    def __post_init__(self) -> None:
+        self.request_body = inference_request_body()
+
+
 @post(
     "/v1/inference",
     status_code=HTTP_200_OK,
@@ -80,12 +90,14 @@ def _gateway(request: Request[Any, Any, Any]) -> Gateway:
     summary="Run one input through the model",
     description="Waits on this connection until the result is ready or the deadline passes.",
     security=[{"bearer": []}],
+    operation_class=_InferenceOperation,
 )
-async def inference(
-    request: Request[Any, Any, Any], data: InferenceRequest
-) -> Response[InferenceResponse]:
+async def inference(request: Request[Any, Any, Any]) -> Response[InferenceResponse]:
     result, headers = await _gateway(request).infer(
-        _request_id(request), request.headers.get("authorization"), data, request.receive
+        _request_id(request),
+        request.headers.get("authorization"),
+        await request.body(),
+        request.receive,
     )
     return Response(result, headers=headers)
 
@@ -119,7 +131,7 @@ async def admin_policy(request: Request[Any, Any, Any]) -> AdminPolicy:
 async def reload_policy(request: Request[Any, Any, Any]) -> ReloadResult:
     gw = _gateway(request)
     gw.admin(request.headers.get("authorization"))
-    return gw.reload_policy()
+    return await gw.reload_policy()
 
 
 @get("/healthz", summary="The process is alive")
@@ -144,12 +156,22 @@ async def readyz(request: Request[Any, Any, Any]) -> Response[Readiness]:
     return Response(body, status_code=HTTP_200_OK if ready else HTTP_503_SERVICE_UNAVAILABLE)
 
 
-@get("/v1/status", summary="Workers, queues and batching at a glance")
+@get(
+    "/v1/status",
+    summary="Workers, queues, batching and the policy at a glance (admin key)",
+    responses=ADMIN_ERRORS,
+    security=[{"bearer": []}],
+)
 async def status(request: Request[Any, Any, Any]) -> StatusResponse:
-    return await _gateway(request).status()
+    gw = _gateway(request)
+    gw.admin(request.headers.get("authorization"))
+    return await gw.status()
 
 
 def _render(request: Request[Any, Any, Any], error: ApiError) -> Response[ErrorBody]:
+    if error.status < 500:
+        # A client's mistake: one line, rate-limited (an attacker can repeat it at will).
+        logs.limited(log, "request.refused", status=error.status, code=error.code)
     return Response(
         error.body(_request_id(request)), status_code=error.status, headers=error.all_headers()
     )
@@ -208,7 +230,8 @@ def create_app(gateway: Gateway) -> Litestar:
             HTTPException: _on_http,
             Exception: _on_unexpected,
         },
-        request_max_body_size=gateway.policy.current.document.limits.max_body_bytes,
+        # The body's size is limited, live, by the middleware (create_asgi).
+        request_max_body_size=None,
         openapi_config=OpenAPIConfig(
             title="infergate",
             version=version("infergate"),
@@ -229,8 +252,10 @@ def create_app(gateway: Gateway) -> Litestar:
     return app
 
 
-def create_asgi(gateway: Gateway) -> Any:
+def create_asgi(gateway: Gateway, body_timeout_s: float = 10.0) -> Any:
     """The Litestar app wrapped in the request-id and body-limit middleware."""
     return RequestIdAndLimits(
-        create_app(gateway), lambda: gateway.policy.current.document.limits.max_body_bytes
+        create_app(gateway),
+        lambda: gateway.policy.current.document.limits.max_body_bytes,
+        body_timeout_s,
     )

@@ -1,11 +1,20 @@
 """Raw ASGI middleware around the Litestar app: the request id on every
-response, and the body-size limit before a byte of the body is read."""
+response, and the body's limits, live.
 
+The body is read here, whole, before the app sees it: at most the policy's
+``limits.max_body_bytes`` (re-read for every request, so a live edit
+applies at once, whether the body comes with a Content-Length or chunked),
+within ``body_timeout_s``. Over the size: 413; too slow: 408; in the one
+error shape, connection closed. The app then reads the same bytes back.
+"""
+
+import asyncio
 import os
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
+from infergate.base import logs
 from infergate.gateway.errors import ApiError
 
 Scope = dict[str, Any]
@@ -15,15 +24,30 @@ ASGIApp = Any  # Litestar's own, stricter ASGI types do not unify with these
 
 REQUEST_ID = "infergate.request_id"
 
+log = logs.get(__name__)
+
 
 def new_request_id() -> str:
     return os.urandom(8).hex()
 
 
+class BodyRefused(Exception):
+    def __init__(self, error: ApiError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+class ClientLeft(Exception):
+    """The client disconnected before its body arrived."""
+
+
 class RequestIdAndLimits:
-    def __init__(self, app: ASGIApp, max_body_bytes: Callable[[], int]) -> None:
+    def __init__(
+        self, app: ASGIApp, max_body_bytes: Callable[[], int], body_timeout_s: float = 10.0
+    ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -38,22 +62,62 @@ class RequestIdAndLimits:
                 message["headers"] = [*message.get("headers", ()), header]
             await send(message)
 
+        try:
+            body = await self._read_body(scope, receive)
+        except BodyRefused as exc:
+            logs.limited(log, "request.refused", status=exc.error.status, code=exc.error.code)
+            await _send_error(send_with_id, exc.error, request_id)
+            return
+        except ClientLeft:
+            return
+        await self.app(scope, _replay(body, receive), send_with_id)
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
         limit = self.max_body_bytes()
+        too_large = ApiError("PAYLOAD_TOO_LARGE", f"the request body is over {limit} bytes")
         for name, value in scope["headers"]:
             if name == b"content-length":
-                try:
-                    too_large = int(value) > limit
-                except ValueError:
-                    too_large = False
-                if too_large:
-                    await _send_error(
-                        send_with_id,
-                        ApiError("PAYLOAD_TOO_LARGE", f"the request body is over {limit} bytes"),
-                        request_id,
-                    )
-                    return
+                if value.isdigit() and int(value) > limit:
+                    raise BodyRefused(too_large)
                 break
-        await self.app(scope, receive, send_with_id)
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        raise ClientLeft()
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > limit:
+                        raise BodyRefused(too_large)
+                    chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        return b"".join(chunks)
+        except TimeoutError:
+            raise BodyRefused(
+                ApiError(
+                    "REQUEST_TIMEOUT",
+                    f"the request body did not arrive within {self.body_timeout_s:g} s",
+                )
+            ) from None
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive that gives the app the body read above, then the client's own
+    messages (its disconnect, which the gateway watches for)."""
+    sent = False
+
+    async def replay() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        message: dict[str, Any] = await receive()
+        return message
+
+    return replay
 
 
 async def _send_error(send: Send, error: ApiError, request_id: str) -> None:

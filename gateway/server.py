@@ -14,6 +14,8 @@ from types import FrameType
 import uvicorn
 from infergate.base import clock, logs
 from infergate.gateway.app import create_asgi
+from infergate.gateway.edge import EdgeProtocol
+from infergate.gateway.limits import EdgeLimits
 from infergate.gateway.service import Gateway
 
 log = logs.get(__name__)
@@ -30,12 +32,20 @@ def reuseport_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def serve(gateway: Gateway, host: str, port: int, drain_timeout_s: float = 10.0) -> int:
+async def serve(
+    gateway: Gateway,
+    host: str,
+    port: int,
+    drain_timeout_s: float = 10.0,
+    limits: EdgeLimits | None = None,
+) -> int:
+    limits = limits or EdgeLimits()
     sock = reuseport_socket(host, port)
     config = uvicorn.Config(
-        create_asgi(gateway),
+        create_asgi(gateway, limits.body_timeout_s),
         loop="uvloop",
-        http="httptools",
+        http=EdgeProtocol.with_limits(limits),
+        timeout_keep_alive=max(1, round(limits.keep_alive_s)),
         lifespan="on",
         access_log=False,
         log_config=None,

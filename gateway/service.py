@@ -8,6 +8,7 @@ import asyncio
 import hashlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -16,17 +17,19 @@ from infergate.base.errors import STORE_ERRORS
 from infergate.base.fleet import FleetView, worker_capacity_rps
 from infergate.base.heartbeat import Heartbeater
 from infergate.base.queue.gateway import GatewayQueue
+from infergate.base.queue.policy_copy import keep_policy
 from infergate.base.queue.store import Store
 from infergate.base.settings import ProcessSettings
 from infergate.base.tiers import TIERS
 from infergate.gateway.admission import Admission
 from infergate.gateway.api import (
     AdminPolicy,
-    InferenceRequest,
+    BadRequestBody,
     InferenceResponse,
     ReloadResult,
     StatusResponse,
     WorkerStatus,
+    decode_inference_request,
 )
 from infergate.gateway.errors import ApiError, error_from_result
 from infergate.gateway.quota import Quota
@@ -96,6 +99,7 @@ class Gateway:
         self.fleet = FleetView(self.store, settings.fleet_refresh_ms)
         self.quota = Quota(self.queue.quota_storage())
         self.admission = Admission(self.fleet)
+        policy.keep_with(self._keep_policy)
         self.started_ms = clock.now_ms()
         self.served = 0
         self.draining = False
@@ -114,7 +118,15 @@ class Gateway:
         (after a Redis restart) would have its reply published to no one."""
         return self.fleet.redis_ok and self.replies.listening()
 
+    async def _keep_policy(self, policy: Policy, text: str) -> None:
+        await keep_policy(self.store, policy.version, text)
+
     async def start(self) -> None:
+        if self.policy.error is None:
+            try:
+                await self.policy.keep()
+            except STORE_ERRORS as exc:
+                log.warning("policy.keep_failed", error=type(exc).__name__)
         self.policy.start()
         await self.fleet.start()
         await self.replies.start()
@@ -158,17 +170,17 @@ class Gateway:
         self,
         request_id: str,
         authorization: str | None,
-        body: InferenceRequest,
+        raw_body: bytes,
         receive: Receive | None = None,
     ) -> tuple[InferenceResponse, dict[str, str]]:
         """Who, capacity, quota (see README: how admission decides), then enqueue and wait.
         Returns the response and the headers it carries."""
         if not tracing.enabled:
-            return await self._infer(request_id, authorization, body, receive)
+            return await self._infer(request_id, authorization, raw_body, receive)
         with _tracer.start_as_current_span("gateway.inference") as span:
             span.set_attribute("infergate.request_id", request_id)
             try:
-                response, headers = await self._infer(request_id, authorization, body, receive)
+                response, headers = await self._infer(request_id, authorization, raw_body, receive)
             except ApiError as exc:
                 span.set_attribute("http.response.status_code", exc.status)
                 span.set_attribute("infergate.error_code", exc.code)
@@ -183,7 +195,7 @@ class Gateway:
         self,
         request_id: str,
         authorization: str | None,
-        body: InferenceRequest,
+        raw_body: bytes,
         receive: Receive | None,
     ) -> tuple[InferenceResponse, dict[str, str]]:
         started = clock.monotonic_s()
@@ -192,7 +204,11 @@ class Gateway:
                 "SERVICE_OVERLOADED", "this gateway is shutting down; retry", RETRY_DRAINING_MS
             )
         policy = self.policy.current
-        key = self.authenticate(authorization, policy)
+        key = self.authenticate(authorization, policy)  # before the body is parsed
+        try:
+            body = decode_inference_request(raw_body)
+        except BadRequestBody as exc:
+            raise ApiError("INVALID_INPUT", str(exc)) from None
         tier = policy.tiers[key.tier]
         _check_input(body.input, key.tier, tier)
         self._check_capacity(policy, key.tier)
@@ -348,10 +364,10 @@ class Gateway:
         document: dict[str, Any] = msgspec.to_builtins(policy.document)
         for key in document.get("keys", []):
             key.pop("sha256", None)
-        return AdminPolicy(policy.version, policy.source, self.policy.error, document)
+        return AdminPolicy(policy.version, Path(policy.source).name, self.policy.error, document)
 
-    def reload_policy(self) -> ReloadResult:
-        changed = self.policy.reload()
+    async def reload_policy(self) -> ReloadResult:
+        changed = await self.policy.reload()
         return ReloadResult(changed, self.policy.current.version, self.policy.error)
 
     async def status(self) -> StatusResponse:

@@ -4,19 +4,17 @@ one call at a time (a second concurrent call raises).
 
 Its output for ``s`` is ``sim_output(s)``, which contains ``s``, so anyone
 can see that each reply belongs to its request. To test failure handling,
-any input containing ``fail_marker`` (default ``"__fail__"``) makes the
-whole call raise, as a poisoned input does on a real model, and any input
-containing ``hang_marker`` (default ``"__hang__"``) makes the call hang for
-``hang_s`` (a stuck GPU). Set a marker to '' to turn it off.
+any input containing ``fail_marker`` makes the whole call raise, as a
+poisoned input does on a real model, and any input containing
+``hang_marker`` makes the call hang for ``hang_s`` (a stuck GPU). Both are
+off unless given (``infergate worker --sim-fail-marker __fail__``): in a
+running stack they would let any key fail or hang a worker at will.
 """
 
 import time
 import zlib
 
 from infergate.gpu.backend import BackendError, OneAtATime, check_batch
-
-DEFAULT_FAIL_MARKER = "__fail__"
-DEFAULT_HANG_MARKER = "__hang__"
 
 
 def sim_output(s: str) -> str:
@@ -29,8 +27,8 @@ class SimulatedBackend:
     def __init__(
         self,
         latency_ms: float = 100.0,
-        fail_marker: str | None = DEFAULT_FAIL_MARKER,
-        hang_marker: str | None = DEFAULT_HANG_MARKER,
+        fail_marker: str | None = None,
+        hang_marker: str | None = None,
         hang_s: float = 3600.0,
     ) -> None:
         if latency_ms < 0:

@@ -14,32 +14,71 @@ import msgspec
 import yaml
 from infergate.base.tiers import TIERS
 from infergate.policies.errors import PolicyError, Problem
-from infergate.policies.schema import Document, Policy, Tier
+from infergate.policies.schema import (
+    Batching,
+    Capacity,
+    Document,
+    KeyEntry,
+    Limits,
+    Policy,
+    Tier,
+    Workers,
+)
 from limits import parse_many
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _KEY_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _MSGSPEC_PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
 _RATE_HINT = "write e.g. '100/second' or '5000/minute' (several: a list)"
+# A request body carries one input: no policy may let a client send more.
+MAX_BODY_BYTES = 1_048_576
 
 
-def load_policy(path: str | Path) -> Policy:
+# A policy bigger than this is refused before it is read (20,000 keys are
+# about 2 MB). A process setting: INFERGATE_MAX_POLICY_BYTES.
+MAX_POLICY_BYTES = 8 * 1024 * 1024
+
+# libyaml's parser where PyYAML was built with it: ~10x faster on big files.
+_Loader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+# The names a document may use: shown as they are in a public problem; any
+# other name in a problem's path came from the file and is masked.
+SCHEMA_NAMES = frozenset(TIERS) | frozenset(
+    field.name
+    for struct in (Document, Tier, KeyEntry, Batching, Capacity, Limits, Workers)
+    for field in msgspec.structs.fields(struct)
+)
+
+
+def public_error(exc: PolicyError) -> str:
+    """What a running process may show or log about an invalid policy."""
+    return exc.public(SCHEMA_NAMES)
+
+
+def read_policy_text(path: str | Path, max_bytes: int = MAX_POLICY_BYTES) -> str:
+    """The file's text, refused (PolicyError) if unreadable or over ``max_bytes``."""
     p = Path(path)
     try:
-        text = p.read_text("utf-8")
+        with p.open("rb") as f:
+            data = f.read(max_bytes + 1)
+        if len(data) > max_bytes:
+            raise PolicyError(
+                [Problem(str(p), None, "", f"the file is over {max_bytes} bytes; not read")]
+            )
+        return data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise PolicyError([Problem(str(p), None, "", f"cannot read the policy: {exc}")]) from exc
-    return parse_policy(text, str(p))
+        reason = type(exc).__name__ if isinstance(exc, UnicodeDecodeError) else exc.strerror
+        raise PolicyError([Problem(str(p), None, "", f"cannot read the policy: {reason}")]) from exc
+
+
+def load_policy(path: str | Path, max_bytes: int = MAX_POLICY_BYTES) -> Policy:
+    return parse_policy(read_policy_text(path, max_bytes), str(path))
 
 
 def parse_policy(text: str, filename: str = "<policy>") -> Policy:
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = mark.line + 1 if mark is not None else None
-        raise PolicyError([Problem(filename, line, "", f"not valid YAML: {exc}")]) from exc
+    root = _compose(text, filename)
+    data = _construct(root, filename)
     if not isinstance(data, dict):
         raise PolicyError(
             [Problem(filename, 1, "", "the policy must be a mapping with 'tiers:' and 'keys:'")]
@@ -68,6 +107,56 @@ def parse_policy(text: str, filename: str = "<policy>") -> Policy:
         source=filename,
         keys_by_digest={k.sha256: k for k in document.keys},
     )
+
+
+def _compose(text: str, filename: str) -> yaml.Node | None:
+    """The YAML node tree, refused if it is not YAML, nests too deep, or uses
+    anchors and aliases (a few lines of aliases expand to billions of nodes)."""
+    loader = _Loader(text)
+    try:
+        root: yaml.Node | None = loader.get_single_node()
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = mark.line + 1 if mark is not None else None
+        raise PolicyError([Problem(filename, line, "", f"not valid YAML: {exc}")]) from None
+    except RecursionError:
+        raise PolicyError([Problem(filename, None, "", "the YAML nests too deeply")]) from None
+    finally:
+        loader.dispose()
+    seen: set[int] = set()
+    stack = [root] if root is not None else []
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            raise PolicyError(
+                [
+                    Problem(
+                        filename,
+                        node.start_mark.line + 1,
+                        "",
+                        "anchors and aliases (&name, *name) are not allowed in a policy; "
+                        "write each value out",
+                    )
+                ]
+            )
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            stack.extend(part for pair in node.value for part in pair)
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend(node.value)
+    return root
+
+
+def _construct(root: yaml.Node | None, filename: str) -> Any:
+    if root is None:
+        return None
+    loader = _Loader("")
+    try:
+        return loader.construct_document(root)
+    except RecursionError:
+        raise PolicyError([Problem(filename, None, "", "the YAML nests too deeply")]) from None
+    finally:
+        loader.dispose()
 
 
 def _check(doc: Document, at: "_Locator") -> list[Problem]:
@@ -184,8 +273,10 @@ def _check_settings(doc: Document, at: "_Locator") -> list[Problem]:
         out.append(
             at.problem(["capacity", "target_utilization"], "must be between 0.05 and 1, e.g. 0.85")
         )
-    if doc.limits.max_body_bytes < 256:
-        out.append(at.problem(["limits", "max_body_bytes"], "must be at least 256, e.g. 65536"))
+    if not 256 <= doc.limits.max_body_bytes <= MAX_BODY_BYTES:
+        out.append(
+            at.problem(["limits", "max_body_bytes"], f"must be 256-{MAX_BODY_BYTES}, e.g. 65536")
+        )
     if doc.workers.hang_timeout_ms < 100:
         out.append(at.problem(["workers", "hang_timeout_ms"], "must be at least 100, e.g. 2000"))
     if doc.workers.max_attempts < 1:

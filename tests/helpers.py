@@ -136,7 +136,9 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
     base = {
         k: v for k, v in os.environ.items() if k != "REDIS_URL" and not k.startswith("INFERGATE_")
     }
-    return {**base, "INFERGATE_LOG_FORMAT": "json", **extra}
+    # The simulated backend's failure markers are off unless turned on: tests turn them on.
+    markers = {"INFERGATE_SIM_FAIL_MARKER": "__fail__", "INFERGATE_SIM_HANG_MARKER": "__hang__"}
+    return {**base, "INFERGATE_LOG_FORMAT": "json", **markers, **extra}
 
 
 class Proc:
@@ -346,7 +348,7 @@ class Cluster:
         self.killed = [*self.killed, proc]
 
     def status(self, i: int = 0) -> Any:
-        return http("GET", self.urls[i] + "/v1/status")[2]
+        return http("GET", self.urls[i] + "/v1/status", headers=auth("admin"))[2]
 
     def infer(
         self, tier_or_secret: str, text: str, i: int = 0, **extra: Any

@@ -144,7 +144,10 @@ def test_health_ready_and_status(stack: Stack) -> None:
     assert body["workers_alive"] == 4
     assert "x-request-id" in headers
     assert stack.infer("enterprise", "status please")[0] == 200
-    status, _, body = http("GET", stack.url + "/v1/status")
+    # Fleet detail is for operators: an admin key.
+    assert http("GET", stack.url + "/v1/status")[0] == 401
+    assert http("GET", stack.url + "/v1/status", headers=auth("paid"))[0] == 403
+    status, _, body = http("GET", stack.url + "/v1/status", headers=auth("admin"))
     assert status == 200
     assert body["workers_alive"] == 4
     assert len(body["workers"]) == 4
@@ -153,7 +156,19 @@ def test_health_ready_and_status(stack: Stack) -> None:
     assert set(body["queue_depth"]) == {"enterprise", "paid", "free"}
     assert body["batches_formed"] >= 1
     assert body["mean_batch_size"] >= 1
-    assert all(w["capacity_rps"] > 0 for w in body["workers"])
+    assert all(w["capacity_rps"] > 0 and w["batch_ms"] > 0 for w in body["workers"])
+    assert not any(w["draining"] for w in body["workers"])
+    assert set(body["counters"]) >= {
+        "batches_formed",
+        "requests_batched",
+        "expired_dropped",
+        "cancelled_dropped",
+        "malformed_dropped",
+        "requeued",
+        "batches_retried",
+        "batches_dead_lettered",
+    }
+    assert body["policy_error"] is None
 
 
 def test_openapi_document_describes_the_api(stack: Stack) -> None:
@@ -161,10 +176,11 @@ def test_openapi_document_describes_the_api(stack: Stack) -> None:
     assert status == 200
     op = doc["paths"]["/v1/inference"]["post"]
     assert set(op["responses"]) >= {"200", "400", "401", "403", "413", "500", "503", "504"}
-    schemas = doc["components"]["schemas"]
-    assert set(schemas["InferenceRequest"]["properties"]) == {"input", "timeout_ms"}
-    assert schemas["InferenceRequest"]["required"] == ["input"]
-    assert set(schemas["InferenceResponse"]["required"]) >= {
+    body = op["requestBody"]["content"]["application/json"]["schema"]
+    assert set(body["properties"]) == {"input", "timeout_ms"}
+    assert body["required"] == ["input"]
+    assert body["additionalProperties"] is False
+    assert set(doc["components"]["schemas"]["InferenceResponse"]["required"]) >= {
         "request_id",
         "output",
         "latency_ms",

@@ -23,6 +23,7 @@ from tests.helpers import (
     Cluster,
     Stack,
     assert_redis_clean,
+    auth,
     busy_worker,
     children_of,
     cmdline,
@@ -43,7 +44,9 @@ def client(own_redis: RedisServer) -> Iterator[redis.Redis]:
 
 
 def make_worker(url: str) -> Worker:
-    return Worker(WorkerSettings("unit-worker", url), SimulatedBackend(latency_ms=0))
+    return Worker(
+        WorkerSettings("unit-worker", url), SimulatedBackend(latency_ms=0, fail_marker="__fail__")
+    )
 
 
 async def test_one_poisoned_input_in_a_batch_of_100_fails_alone(own_redis: RedisServer) -> None:
@@ -410,7 +413,9 @@ def test_up_restarts_a_worker_that_dies(tmp_path: Path, own_redis: RedisServer) 
         wait_for(replaced, 10, "up to start a new worker")
         assert "up.child_restarted" in s.proc.output()
         wait_for(
-            lambda: http("GET", s.url + "/v1/status")[2]["workers_alive"] == 2,
+            lambda: (
+                http("GET", s.url + "/v1/status", headers=auth("admin"))[2]["workers_alive"] == 2
+            ),
             10,
             "two live workers",
         )

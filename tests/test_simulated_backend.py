@@ -44,10 +44,12 @@ def test_runs_one_batch_at_a_time() -> None:
     assert "one batch at a time" in str(errors[0])
 
 
-def test_fail_marker_fails_the_call() -> None:
-    backend = SimulatedBackend(latency_ms=0)
+def test_fail_marker_fails_the_call_only_when_turned_on() -> None:
+    backend = SimulatedBackend(latency_ms=0, fail_marker="__fail__")
     with pytest.raises(BackendError):
         backend.infer(["ok", "bad __fail__ input"])
-    assert SimulatedBackend(latency_ms=0, fail_marker=None).infer(["__fail__"]) == [
-        sim_output("__fail__")
+    # Off by default: in a running stack any key could fail a worker at will.
+    assert SimulatedBackend(latency_ms=0).infer(["__fail__", "__hang__"]) == [
+        sim_output("__fail__"),
+        sim_output("__hang__"),
     ]

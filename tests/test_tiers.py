@@ -221,9 +221,9 @@ def test_an_invalid_edit_keeps_the_old_policy_and_shows_the_error(cluster_factor
     wait_for(lambda: c.status()["policy_error"], 3, "the error to show")
     status = c.status()
     assert status["policy_version"] == version
-    assert re.search(
-        r"policy\.yaml:\d+: keys\[1\]\.tier: unknown tier 'gold'", status["policy_error"]
-    )
+    # Where and what, without echoing the file's content.
+    assert re.search(r"^policy\.yaml:\d+: keys\[1\]\.tier: unknown tier", status["policy_error"])
+    assert "gold" not in status["policy_error"]
     assert c.infer("paid", "still served")[0] == 200
     write_policy(c.policy_path, policy(max_batch_size=50))
     wait_for(lambda: c.status()["policy_error"] is None, 3, "the error to clear")
