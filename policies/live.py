@@ -1,8 +1,8 @@
 """A policy that follows its file.
 
-Every ``interval_s`` the file is read and, when its text changed and then
-stayed the same for one more interval (so a file written in place is never
-taken half-written), parsed and validated off the event loop, in a thread:
+Every ``interval_s`` the file is read and, when it changed and then stayed
+the same for one more interval, untouched (same text, same modification
+time: a file written in place is never taken half-written), parsed and validated off the event loop, in a thread:
 a 2 MB policy costs the gateway's requests nothing. A valid edit is swapped
 in whole and kept in Redis as the fleet's last valid policy, which a
 process that starts while the file is invalid comes up on. An invalid or
@@ -19,7 +19,13 @@ from pathlib import Path
 from infergate.base import logs
 from infergate.base.loops import Supervised
 from infergate.policies.errors import PolicyError
-from infergate.policies.loader import MAX_POLICY_BYTES, parse_policy, public_error, read_policy_text
+from infergate.policies.loader import (
+    MAX_POLICY_BYTES,
+    PolicyFile,
+    parse_policy,
+    public_error,
+    read_policy_file,
+)
 from infergate.policies.schema import Policy
 
 log = logs.get(__name__)
@@ -45,7 +51,8 @@ class LivePolicy:
         self.error = error
         self.max_bytes = max_bytes
         self._active_text = text
-        self._candidate: str | None = None  # a changed text, waiting to be read again
+        # A changed file, waiting to be read again unchanged (same text, same mtime).
+        self._candidate: PolicyFile | None = None
         self._verdicts: dict[str, str | None] = {} if text is None else {text: None}
         self._listeners: list[Callable[[Policy], None]] = []
         self._keeper: Keeper | None = None
@@ -72,19 +79,20 @@ class LivePolicy:
             return False
         async with self._lock:
             try:
-                text = await asyncio.to_thread(read_policy_text, self.path, self.max_bytes)
+                read = await asyncio.to_thread(read_policy_file, self.path, self.max_bytes)
             except PolicyError as exc:
+                self._candidate = None
                 self._fail(public_error(exc))
                 return False
-            if text == self._active_text:
+            if read.text == self._active_text:
                 self._candidate = None
                 self._ok()
                 return False
-            if settle and text != self._candidate:
-                self._candidate = text  # changed: take it once it reads the same again
+            if settle and read != self._candidate:
+                self._candidate = read  # changed: take it once it reads the same again
                 return False
             self._candidate = None
-            return await self._apply(text)
+            return await self._apply(read.text)
 
     async def _apply(self, text: str) -> bool:
         if text in self._verdicts:  # seen before: same verdict, no second parse

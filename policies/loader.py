@@ -6,9 +6,10 @@ carries the line of the YAML node it is about.
 """
 
 import hashlib
+import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import yaml
@@ -56,20 +57,45 @@ def public_error(exc: PolicyError) -> str:
     return exc.public(SCHEMA_NAMES)
 
 
-def read_policy_text(path: str | Path, max_bytes: int = MAX_POLICY_BYTES) -> str:
-    """The file's text, refused (PolicyError) if unreadable or over ``max_bytes``."""
+class PolicyFile(NamedTuple):
+    text: str
+    # (mtime ns, size, inode) as read: a file rewritten between two reads
+    # differs here even when it says the same.
+    signature: tuple[int, int, int]
+
+
+def read_policy_file(path: str | Path, max_bytes: int = MAX_POLICY_BYTES) -> PolicyFile:
+    """The file's text, refused (PolicyError) if unreadable or over
+    ``max_bytes`` (checked before it is read), or if it changed while read."""
     p = Path(path)
     try:
         with p.open("rb") as f:
+            before = os.fstat(f.fileno())
+            if before.st_size > max_bytes:
+                raise PolicyError(
+                    [Problem(str(p), None, "", f"the file is over {max_bytes} bytes; not read")]
+                )
             data = f.read(max_bytes + 1)
-        if len(data) > max_bytes:
-            raise PolicyError(
-                [Problem(str(p), None, "", f"the file is over {max_bytes} bytes; not read")]
-            )
-        return data.decode("utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = type(exc).__name__ if isinstance(exc, UnicodeDecodeError) else exc.strerror
-        raise PolicyError([Problem(str(p), None, "", f"cannot read the policy: {reason}")]) from exc
+            after = os.fstat(f.fileno())
+    except OSError as exc:
+        raise PolicyError(
+            [Problem(str(p), None, "", f"cannot read the policy: {exc.strerror}")]
+        ) from exc
+    if len(data) > max_bytes:
+        raise PolicyError(
+            [Problem(str(p), None, "", f"the file is over {max_bytes} bytes; not read")]
+        )
+    signature = (after.st_mtime_ns, after.st_size, after.st_ino)
+    if (before.st_mtime_ns, before.st_size) != signature[:2]:
+        raise PolicyError([Problem(str(p), None, "", "the file changed while it was read")])
+    try:
+        return PolicyFile(data.decode("utf-8"), signature)
+    except UnicodeDecodeError as exc:
+        raise PolicyError([Problem(str(p), None, "", "the file is not UTF-8 text")]) from exc
+
+
+def read_policy_text(path: str | Path, max_bytes: int = MAX_POLICY_BYTES) -> str:
+    return read_policy_file(path, max_bytes).text
 
 
 def load_policy(path: str | Path, max_bytes: int = MAX_POLICY_BYTES) -> Policy:

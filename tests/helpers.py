@@ -175,7 +175,8 @@ class Proc:
         self.log.close()
 
     def output(self) -> str:
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         return self.log_path.read_text(errors="replace")
 
 
@@ -300,15 +301,8 @@ class Cluster:
             for _ in range(workers):
                 self.add_worker()
             self.gateways: list[Proc] = []
-            for i in range(gateways):
-                port = free_port()
-                gateway = self._start(
-                    ["gateway", "--port", str(port), "--policy", str(self.policy_path)],
-                    f"gateway{i}",
-                )
-                self.procs.append(gateway)
-                self.gateways.append(gateway)
-                self.urls.append(f"http://127.0.0.1:{port}")
+            for _ in range(gateways):
+                self.add_gateway()
             for url in self.urls:
                 wait_for(lambda u=url: self._ready(u), 60, f"{url} to be ready")
         except BaseException:
@@ -337,6 +331,18 @@ class Cluster:
         )
         self.workers.append(worker)
         return worker
+
+    def add_gateway(self) -> str:
+        """Start one more gateway on its own port; returns its URL (not waited on)."""
+        port = free_port()
+        gateway = self._start(
+            ["gateway", "--port", str(port), "--policy", str(self.policy_path)],
+            f"gateway{len(self.gateways)}",
+        )
+        self.procs.append(gateway)
+        self.gateways.append(gateway)
+        self.urls.append(f"http://127.0.0.1:{port}")
+        return self.urls[-1]
 
     def kill_worker(self) -> None:
         self.kill(next(w for w in self.workers if w.alive()))

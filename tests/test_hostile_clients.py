@@ -1,0 +1,266 @@
+"""Hostile clients over real sockets against a real stack: for each attack,
+the documented status, a gateway whose memory stays bounded (read from
+/proc), a normal request still answered meanwhile, and no traceback in the
+gateway's log."""
+
+import contextlib
+import json
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from infergate.redis_server import RedisServer
+
+from tests.helpers import Cluster, as_yaml, auth, http, policy, wait_for, write_policy
+
+HEAD_TIMEOUT_S = 1.0
+EDGE = {
+    "INFERGATE_HEAD_TIMEOUT_S": str(HEAD_TIMEOUT_S),
+    "INFERGATE_BODY_TIMEOUT_S": "1",
+    "INFERGATE_MAX_CONNECTIONS": "800",
+}
+MB = 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    tmp_path_factory: pytest.TempPathFactory, module_redis: RedisServer
+) -> Iterator[Cluster]:
+    c = Cluster(
+        tmp_path_factory.mktemp("hostile"),
+        module_redis.url,
+        policy_yaml_text(),
+        workers=2,
+        latency_ms=20,
+        env=EDGE,
+    )
+    yield c
+    c.stop()
+    log = c.gateways[0].output()
+    assert "Traceback" not in log
+    assert not [line for line in log.splitlines() if '"level": "error"' in line]
+
+
+def policy_yaml_text() -> str:
+    return as_yaml(policy())
+
+
+def rss(c: Cluster) -> int:
+    status = Path(f"/proc/{c.gateways[0].proc.pid}/status").read_text()
+    return (
+        int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS")))
+        * 1024
+    )
+
+
+def served(c: Cluster) -> bool:
+    """A normal request, from a normal client, gets its answer."""
+    status, _, body = c.infer("paid", "a normal request")
+    return status == 200 and body["output"].endswith("a normal request")
+
+
+def connect(c: Cluster) -> socket.socket:
+    port = int(c.urls[0].rsplit(":", 1)[1])
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    return sock
+
+
+def response(sock: socket.socket) -> tuple[int, dict[str, str], dict]:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError(f"closed without a response: {data[:200]!r}")
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    while len(body) < int(headers.get("content-length", "0")):
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return int(lines[0].split()[1]), headers, json.loads(body) if body else {}
+
+
+def assert_error_shape(status: int, headers: dict[str, str], body: dict, code: str) -> None:
+    assert body["error"]["code"] == code, (status, body)
+    assert headers["x-request-id"] == body["error"]["request_id"]
+    assert set(body["error"]) >= {"code", "type", "message", "request_id"}
+
+
+def test_an_endless_header_gets_431_in_bounded_memory(cluster: Cluster) -> None:
+    before = rss(cluster)
+    sock = connect(cluster)
+    sock.sendall(b"POST /v1/inference HTTP/1.1\r\nHost: x\r\nX-Endless: ")
+    sent = 0
+    try:
+        while sent < 100 * MB:
+            sock.sendall(b"a" * 65536)
+            sent += 65536
+    except OSError:
+        pass  # the gateway closed the connection: what it should do
+    assert sent < 100 * MB, "the gateway kept reading an endless header"
+    status, headers, body = response(sock)
+    sock.close()
+    assert status == 431
+    assert_error_shape(status, headers, body, "HEADERS_TOO_LARGE")
+    assert rss(cluster) - before < 20 * MB
+    assert served(cluster)
+
+
+def test_too_many_headers_and_one_huge_header_get_431(cluster: Cluster) -> None:
+    many = "".join(f"X-H{i}: v\r\n" for i in range(100)).encode()
+    huge = b"X-Huge: " + b"a" * 9000 + b"\r\n"
+    for extra in (many, huge):
+        sock = connect(cluster)
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + extra + b"\r\n")
+        status, headers, body = response(sock)
+        sock.close()
+        assert status == 431
+        assert_error_shape(status, headers, body, "HEADERS_TOO_LARGE")
+    assert served(cluster)
+
+
+def test_a_slow_header_gets_408_at_the_head_timeout(cluster: Cluster) -> None:
+    sock = connect(cluster)
+    started = time.monotonic()
+    sock.sendall(b"GET /healthz HTTP/1.1\r\n")
+    for byte in b"Host: slowly-slowly-slowly":
+        if time.monotonic() - started > HEAD_TIMEOUT_S + 0.5:
+            break
+        try:
+            sock.sendall(bytes([byte]))
+        except OSError:
+            break
+        time.sleep(0.1)  # pacing: one byte every 100 ms, as a slowloris does
+    status, headers, body = response(sock)
+    took = time.monotonic() - started
+    sock.close()
+    assert status == 408
+    assert_error_shape(status, headers, body, "REQUEST_TIMEOUT")
+    assert HEAD_TIMEOUT_S <= took < HEAD_TIMEOUT_S + 3
+    assert served(cluster)
+
+
+def test_idle_connections_are_capped_and_closed(cluster: Cluster) -> None:
+    before = rss(cluster)
+    idle = [connect(cluster) for _ in range(600)]
+    # Under the cap: everyone else is still served while they sit there.
+    assert served(cluster)
+    over = [connect(cluster) for _ in range(300)]
+
+    def closed(sock: socket.socket) -> bool:
+        sock.settimeout(0.01)
+        try:
+            return sock.recv(1) == b""
+        except TimeoutError:
+            return False
+        except OSError:
+            return True
+
+    # Past the cap of 800 connections: the extra ones are closed as they come.
+    wait_for(lambda: sum(map(closed, over)) >= 100, 5, "connections over the cap to be closed")
+    # And every idle connection is closed at the head timeout.
+    wait_for(lambda: all(map(closed, idle)), HEAD_TIMEOUT_S + 5, "idle connections to be closed")
+    for sock in idle + over:
+        sock.close()
+    assert rss(cluster) - before < 30 * MB
+    assert served(cluster)
+
+
+def _post_raw(cluster: Cluster, body: bytes, secret_tier: str = "paid") -> tuple[int, dict, dict]:
+    headers = {**auth(secret_tier), "Content-Type": "application/json"}
+    return http("POST", cluster.urls[0] + "/v1/inference", raw=body, headers=headers)
+
+
+def test_malformed_bodies_are_400_without_a_traceback(cluster: Cluster) -> None:
+    cases = [
+        b'{"input": "\xff\xfe"}',  # invalid UTF-8 inside a JSON string
+        b'{"input": '
+        + b"[" * 50_000
+        + b"]" * 50_000
+        + b"}",  # 100 KB of nesting: over the body limit
+        b'{"input": ' + b"[" * 4_000 + b"]" * 4_000 + b"}",  # deep nesting within the limit
+        b"[" * 8_000,
+        b'{"input": "a", "timeout_ms": "500"}',  # wrong types
+        b'{"input": "a", "timeout_ms": 1e3}',
+        b'{"input": 5}',
+        b'{"input": "a", "extra": 1}',
+        b"",
+        b"not json",
+    ]
+    for raw in cases:
+        status, headers, body = _post_raw(cluster, raw)
+        want = "PAYLOAD_TOO_LARGE" if len(raw) > 8192 else "INVALID_INPUT"
+        assert status == (413 if len(raw) > 8192 else 400), (raw[:40], status, body)
+        assert body["error"]["code"] == want
+        assert headers["x-request-id"] == body["error"]["request_id"]
+    # Without a key the body is never parsed: 401 whatever it holds.
+    status, _, body = http(
+        "POST", cluster.urls[0] + "/v1/inference", raw=b'{"input": "\xff"}', headers={}
+    )
+    assert (status, body["error"]["code"]) == (401, "UNAUTHENTICATED")
+    assert served(cluster)
+
+
+def _chunked(cluster: Cluster, size: int) -> tuple[int, dict[str, str], dict]:
+    sock = connect(cluster)
+    secret = auth("paid")["Authorization"]
+    payload = json.dumps({"input": "c" * (size - 13)}).encode()
+    head = (
+        "POST /v1/inference HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Authorization: {secret}\r\nTransfer-Encoding: chunked\r\n\r\n"
+    ).encode()
+    chunks = b"".join(
+        f"{len(payload[i : i + 256]):x}\r\n".encode() + payload[i : i + 256] + b"\r\n"
+        for i in range(0, len(payload), 256)
+    )
+    with contextlib.suppress(OSError):
+        sock.sendall(head + chunks + b"0\r\n\r\n")
+    try:
+        return response(sock)
+    finally:
+        sock.close()
+
+
+def test_a_chunked_body_obeys_a_live_edited_limit(cluster: Cluster) -> None:
+    assert _chunked(cluster, 1900)[0] == 200  # the limit is 8192
+    edited = policy(limits={"max_body_bytes": 1024})
+    write_policy(cluster.policy_path, edited)
+    admin = cluster.urls[0] + "/v1/admin/policy"
+    wait_for(
+        lambda: (
+            http("GET", admin, headers=auth("admin"))[2]["policy"]["limits"]["max_body_bytes"]
+            == 1024
+        ),
+        5,
+        "the edit to apply",
+    )
+    try:
+        status, headers, body = _chunked(cluster, 1900)
+        assert status == 413
+        assert_error_shape(status, headers, body, "PAYLOAD_TOO_LARGE")
+        assert _chunked(cluster, 600)[0] == 200
+    finally:
+        write_policy(cluster.policy_path, policy())
+    assert served(cluster)
+
+
+def test_a_slow_body_gets_408(cluster: Cluster) -> None:
+    sock = connect(cluster)
+    secret = auth("paid")["Authorization"]
+    sock.sendall(
+        (
+            "POST /v1/inference HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Authorization: {secret}\r\nContent-Length: 100\r\n\r\n"
+            '{"input": "'
+        ).encode()
+    )
+    status, headers, body = response(sock)  # nothing more is sent
+    sock.close()
+    assert status == 408
+    assert_error_shape(status, headers, body, "REQUEST_TIMEOUT")
+    assert served(cluster)
