@@ -57,6 +57,7 @@ class Supervised:
         self.backoff = backoff or Backoff()
         self.healthy = False
         self.errors = 0
+        self._stopping = False
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -68,21 +69,27 @@ class Supervised:
         self._task.add_done_callback(self._ended)
 
     async def stop(self) -> None:
+        """Cancel the loop and wait until it has ended. A cancellation can be
+        lost inside a library (seen: redis-py under Python 3.11 returning a
+        result to a task cancelled while it waited), so the loop also checks a
+        flag, and the task is cancelled again until it ends."""
         task, self._task = self._task, None
         if task is None:
             return
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        self._stopping = True
+        while not task.done():
+            task.cancel()
+            await asyncio.wait([task], timeout=0.5)
 
     def _ended(self, task: asyncio.Task[None]) -> None:
-        if not task.cancelled():
+        if not task.cancelled() and not self._stopping:
             # Only a BaseException other than cancellation gets here (the
-            # loop itself never returns): say so loudly, never silently.
+            # loop never returns unless stopped): say so loudly, never silently.
             log.error("loop.ended", loop=self.name, error=repr(task.exception()))
             self.healthy = False
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping:
             try:
                 await self.step()
             except UNAVAILABLE as exc:

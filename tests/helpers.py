@@ -386,7 +386,14 @@ def assert_redis_clean(client: redis.Redis, keys: Keys = KEYS) -> None:
     lists += [k.decode() for k in client.scan_iter(keys.prefix + "processing:*")]
     assert {name: client.llen(name) for name in lists if client.llen(name)} == {}
     # Fleet structure, bounded by the number of processes, not of requests.
-    structural = (keys.stats, keys.ready, keys.dead_letter, keys.cancelled, keys.doorbell)
+    structural = (
+        keys.stats,
+        keys.ready,
+        keys.dead_letter,
+        keys.cancelled,
+        keys.doorbell,
+        keys.policy,
+    )
     per_process = (keys.prefix + "members:", keys.prefix + "credits:")
     assert client.llen(keys.doorbell) <= 1
     for key in client.scan_iter("*"):
