@@ -26,7 +26,11 @@ def worker_capacity_rps(worker: wire.Heartbeat, max_batch_size: int) -> float:
 class FleetView:
     def __init__(self, store: Store, refresh_ms: int = 200) -> None:
         self.store = store
-        self.snapshot: FleetSnapshot | None = None
+        self._snapshot: FleetSnapshot | None = None
+        # Derived once per snapshot (a few times a second), read per request.
+        self._serving: list[wire.Heartbeat] = []
+        self._batch_ms = 0.0
+        self._capacity: dict[int, float] = {}
         self.refreshed = asyncio.Event()
         refresh_s = refresh_ms / 1000.0
         self.loop = Supervised(
@@ -38,21 +42,36 @@ class FleetView:
         """The last refresh succeeded (so the view is fresh)."""
         return self.loop.healthy and self.snapshot is not None
 
+    @property
+    def snapshot(self) -> FleetSnapshot | None:
+        return self._snapshot
+
+    @snapshot.setter
+    def snapshot(self, snapshot: FleetSnapshot | None) -> None:
+        self._snapshot = snapshot
+        self._serving = [] if snapshot is None else [w for w in snapshot.workers if not w.draining]
+        times = [w.batch_ms for w in self._serving if w.batch_ms > 0]
+        self._batch_ms = sum(times) / len(times) if times else 0.0
+        self._capacity = {}
+
     def serving(self) -> list[wire.Heartbeat]:
         """The workers that take work: alive and not draining."""
-        return [] if self.snapshot is None else [w for w in self.snapshot.workers if not w.draining]
+        return self._serving
 
     @property
     def workers_alive(self) -> int:
-        return len(self.serving())
+        return len(self._serving)
 
     def capacity_rps(self, max_batch_size: int) -> float:
-        return sum(worker_capacity_rps(w, max_batch_size) for w in self.serving())
+        capacity = self._capacity.get(max_batch_size)
+        if capacity is None:
+            capacity = sum(worker_capacity_rps(w, max_batch_size) for w in self._serving)
+            self._capacity[max_batch_size] = capacity
+        return capacity
 
     def batch_ms(self) -> float:
         """Mean measured batch time of the serving workers (0 if unknown)."""
-        times = [w.batch_ms for w in self.serving() if w.batch_ms > 0]
-        return sum(times) / len(times) if times else 0.0
+        return self._batch_ms
 
     def mark_unreachable(self) -> None:
         """A request just failed to reach Redis: say not ready until a refresh succeeds."""

@@ -252,10 +252,8 @@ def create_app(gateway: Gateway) -> Litestar:
     return app
 
 
-def create_asgi(gateway: Gateway, body_timeout_s: float = 10.0) -> Any:
+def create_asgi(gateway: Gateway) -> Any:
     """The Litestar app wrapped in the request-id and body-limit middleware."""
     return RequestIdAndLimits(
-        create_app(gateway),
-        lambda: gateway.policy.current.document.limits.max_body_bytes,
-        body_timeout_s,
+        create_app(gateway), lambda: gateway.policy.current.document.limits.max_body_bytes
     )

@@ -11,13 +11,14 @@ forever. This protocol adds, per connection:
   each header at most ``max_header_bytes``, at most ``max_headers`` of them:
   431, connection closed;
 - the head received within ``head_timeout_s`` of the connection opening or
-  of the request's first byte: 408, connection closed (a connection that
-  sent nothing is just closed);
+  of the request's first byte, and the body within ``body_timeout_s`` of the
+  head: 408, connection closed (a connection that sent nothing is just
+  closed);
 - at most ``max_connections`` open connections per process: one more is
   closed as soon as it is accepted.
 
 The idle keep-alive time is uvicorn's ``timeout_keep_alive``; the body's
-size and time limits are in ``middleware.py``. Each refusal is one info log
+size limit, which follows the live policy, is in ``middleware.py``. Each refusal is one info log
 line (rate-limited), never a traceback, and costs O(limit) memory: what a
 chunk of the socket can bring beyond the limit is never kept.
 """
@@ -52,22 +53,32 @@ def error_response(error: ApiError, request_id: str) -> bytes:
 _REASONS = {408: "Request Timeout", 431: "Request Header Fields Too Large"}
 
 
+# Where a connection is in its request: the limits that apply.
+_IDLE, _HEAD, _BODY, _APP = 0, 1, 2, 3
+
+
 class EdgeProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with the limits above."""
+    """uvicorn's httptools protocol with the limits above.
+
+    Time limits cost no timer per request: each connection notes when it
+    entered its head or body, and one sweep per process (``_Sweeper``,
+    several times per timeout) refuses those that stayed too long.
+    """
 
     limits = EdgeLimits()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._in_head = True
+        self._phase = _HEAD
+        self._since = 0.0
         self._refused = False
         self._head_bytes = 0
-        self._headers = 0
-        self._head_timer: asyncio.TimerHandle | None = None
 
     @classmethod
     def with_limits(cls, limits: EdgeLimits) -> type["EdgeProtocol"]:
-        return type("EdgeProtocol", (cls,), {"limits": limits})
+        return type("EdgeProtocol", (cls,), {"limits": limits, "sweeper": None})
+
+    sweeper: "_Sweeper | None" = None
 
     # -- connection --------------------------------------------------------
 
@@ -77,19 +88,18 @@ class EdgeProtocol(HttpToolsProtocol):
             logs.limited(log, "edge.too_many_connections", limit=self.limits.max_connections)
             transport.abort()
             return
-        self._arm_head_timer()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm_head_timer()
-        super().connection_lost(exc)
+        self._since = self.loop.time()
+        cls = type(self)
+        if cls.sweeper is None:
+            cls.sweeper = _Sweeper(self.loop, self.connections, self.limits)
 
     def data_received(self, data: bytes) -> None:
-        if self._in_head:
+        if self._phase == _HEAD:
             self._head_bytes += len(data)
         super().data_received(data)
         # Still inside the head after this chunk, and past the limit: the
         # parser holds at most the limit plus one chunk.
-        if self._in_head and self._head_bytes > self.limits.max_head_bytes:
+        if self._phase == _HEAD and self._head_bytes > self.limits.max_head_bytes:
             self._refuse(431, f"the request head is over {self.limits.max_head_bytes} bytes")
 
     # -- parser callbacks ----------------------------------------------------
@@ -97,67 +107,68 @@ class EdgeProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         if self._refused:
             return
-        super().on_message_begin()
-        if not self._in_head:  # the next request on a kept-alive connection
-            self._in_head = True
+        if self._phase != _HEAD:  # the next request on a kept-alive connection
+            self._phase = _HEAD
             self._head_bytes = 0
-            self._arm_head_timer()
-        self._headers = 0
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        if self._refused:
-            return
-        self._headers += 1
-        if self._headers > self.limits.max_headers:
-            self._refuse(431, f"more than {self.limits.max_headers} headers")
-            return
-        if len(name) + len(value) > self.limits.max_header_bytes:
-            self._refuse(431, f"a header is over {self.limits.max_header_bytes} bytes")
-            return
-        super().on_header(name, value)
+            self._since = self.loop.time()
+        super().on_message_begin()
 
     def on_headers_complete(self) -> None:
-        self._in_head = False
-        self._disarm_head_timer()
-        if not self._refused:
-            super().on_headers_complete()
+        # Counted here, once, not per header: the head's byte limit already
+        # bounds what the parser can hold before it gets here.
+        if self._refused:
+            return
+        if len(self.headers) > self.limits.max_headers:
+            self._refuse(431, f"more than {self.limits.max_headers} headers")
+            return
+        if (
+            max((len(n) + len(v) for n, v in self.headers), default=0)
+            > self.limits.max_header_bytes
+        ):
+            self._refuse(431, f"a header is over {self.limits.max_header_bytes} bytes")
+            return
+        self._phase = _BODY
+        self._since = self.loop.time()
+        super().on_headers_complete()
 
     def on_body(self, body: bytes) -> None:
         if not self._refused:
             super().on_body(body)
 
     def on_message_complete(self) -> None:
-        if not self._refused:
-            super().on_message_complete()
+        if self._refused:
+            return
+        self._phase = _APP  # the app has the whole request: no edge time limit
+        super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        if self._phase == _APP:  # (a pipelined next request may already be in its head)
+            self._phase = _IDLE  # uvicorn's keep-alive timeout applies until the next request
+        super().on_response_complete()
 
     # -- limits ----------------------------------------------------------------
 
-    def _arm_head_timer(self) -> None:
-        self._disarm_head_timer()
-        self._head_timer = self.loop.call_later(self.limits.head_timeout_s, self._head_timed_out)
-
-    def _disarm_head_timer(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
-
-    def _head_timed_out(self) -> None:
-        self._head_timer = None
-        if not self._in_head or self.transport is None or self.transport.is_closing():
+    def overdue(self, now: float) -> None:
+        """Called by the sweep: refuse a head or body that is taking too long."""
+        if self._refused or self.transport is None or self.transport.is_closing():
             return
-        if self._head_bytes == 0:
-            logs.limited(log, "edge.idle_connection_closed", after_s=self.limits.head_timeout_s)
-            self.transport.close()
-            return
-        self._refuse(
-            408, f"the request head did not arrive within {self.limits.head_timeout_s:g} s"
-        )
+        if self._phase == _HEAD and now - self._since > self.limits.head_timeout_s:
+            if self._head_bytes == 0:
+                logs.limited(log, "edge.idle_connection_closed")
+                self._refused = True
+                self.transport.close()
+                return
+            self._refuse(
+                408, f"the request head did not arrive within {self.limits.head_timeout_s:g} s"
+            )
+        elif self._phase == _BODY and now - self._since > self.limits.body_timeout_s:
+            self._refuse(
+                408, f"the request body did not arrive within {self.limits.body_timeout_s:g} s"
+            )
 
     def _refuse(self, status: int, message: str) -> None:
         code = "REQUEST_TIMEOUT" if status == 408 else "HEADERS_TOO_LARGE"
         logs.limited(log, "edge.refused", status=status, code=code)
-        self._disarm_head_timer()
-        self._in_head = False
         self._refused = True
         transport = self.transport
         if transport is None or transport.is_closing():
@@ -166,6 +177,25 @@ class EdgeProtocol(HttpToolsProtocol):
         transport.close()
         # Nothing more is parsed from this connection.
         self.parser = _Closed()  # type: ignore[assignment]
+
+
+class _Sweeper:
+    """One timer per process that checks every connection's time limits."""
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, connections: set[Any], limits: EdgeLimits
+    ) -> None:
+        self.loop = loop
+        self.connections = connections
+        self.interval_s = max(0.05, min(1.0, limits.head_timeout_s / 4, limits.body_timeout_s / 4))
+        self.loop.call_later(self.interval_s, self.sweep)
+
+    def sweep(self) -> None:
+        now = self.loop.time()
+        for conn in list(self.connections):
+            if isinstance(conn, EdgeProtocol):
+                conn.overdue(now)
+        self.loop.call_later(self.interval_s, self.sweep)
 
 
 class _Closed:

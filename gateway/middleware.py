@@ -3,12 +3,12 @@ response, and the body's limits, live.
 
 The body is read here, whole, before the app sees it: at most the policy's
 ``limits.max_body_bytes`` (re-read for every request, so a live edit
-applies at once, whether the body comes with a Content-Length or chunked),
-within ``body_timeout_s``. Over the size: 413; too slow: 408; in the one
-error shape, connection closed. The app then reads the same bytes back.
+applies at once, whether the body comes with a Content-Length or chunked).
+Over it: 413 in the one error shape, connection closed. (How long a body
+may take is the HTTP protocol's limit: ``edge.py``.) The app then reads the
+same bytes back.
 """
 
-import asyncio
 import os
 from collections.abc import Callable
 from typing import Any
@@ -42,12 +42,9 @@ class ClientLeft(Exception):
 
 
 class RequestIdAndLimits:
-    def __init__(
-        self, app: ASGIApp, max_body_bytes: Callable[[], int], body_timeout_s: float = 10.0
-    ) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: Callable[[], int]) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
-        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -82,26 +79,17 @@ class RequestIdAndLimits:
                 break
         chunks: list[bytes] = []
         size = 0
-        try:
-            async with asyncio.timeout(self.body_timeout_s):
-                while True:
-                    message = await receive()
-                    if message["type"] == "http.disconnect":
-                        raise ClientLeft()
-                    chunk = message.get("body", b"")
-                    size += len(chunk)
-                    if size > limit:
-                        raise BodyRefused(too_large)
-                    chunks.append(chunk)
-                    if not message.get("more_body", False):
-                        return b"".join(chunks)
-        except TimeoutError:
-            raise BodyRefused(
-                ApiError(
-                    "REQUEST_TIMEOUT",
-                    f"the request body did not arrive within {self.body_timeout_s:g} s",
-                )
-            ) from None
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientLeft()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise BodyRefused(too_large)
+            if not message.get("more_body", False):
+                return chunk if not chunks else b"".join([*chunks, chunk])
+            chunks.append(chunk)
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -42,7 +42,7 @@ async def serve(
     limits = limits or EdgeLimits()
     sock = reuseport_socket(host, port)
     config = uvicorn.Config(
-        create_asgi(gateway, limits.body_timeout_s),
+        create_asgi(gateway),
         loop="uvloop",
         http=EdgeProtocol.with_limits(limits),
         timeout_keep_alive=max(1, round(limits.keep_alive_s)),

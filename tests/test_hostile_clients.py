@@ -121,6 +121,11 @@ def test_too_many_headers_and_one_huge_header_get_431(cluster: Cluster) -> None:
         sock.close()
         assert status == 431
         assert_error_shape(status, headers, body, "HEADERS_TOO_LARGE")
+    # ...while a request with no headers at all is fine.
+    sock = connect(cluster)
+    sock.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+    assert response(sock)[0] == 200
+    sock.close()
     assert served(cluster)
 
 
