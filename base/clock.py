@@ -20,3 +20,8 @@ def monotonic_s() -> float:
 def elapsed_ms(since_monotonic_s: float) -> float:
     """Milliseconds since a ``monotonic_s()`` reading."""
     return (time.monotonic() - since_monotonic_s) * 1000.0
+
+
+def elapsed_s(since_monotonic_s: float) -> float:
+    """Seconds since a ``monotonic_s()`` reading."""
+    return time.monotonic() - since_monotonic_s

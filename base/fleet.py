@@ -13,6 +13,7 @@ import asyncio
 
 from infergate.base import clock, logs, wire
 from infergate.base.loops import Backoff, Supervised
+from infergate.base.metrics import FleetReading
 from infergate.base.queue.store import FleetSnapshot, Store
 
 log = logs.get(__name__)
@@ -97,3 +98,27 @@ class FleetView:
 
     async def stop(self) -> None:
         await self.loop.stop()
+
+
+def fleet_reading(
+    view: FleetView,
+    max_batch_size: int,
+    target_utilization: float,
+    policy_version: str,
+    latency_budget_s: dict[str, float],
+) -> FleetReading | None:
+    """What the fleet gauges say now (None before the first view)."""
+    snapshot = view.snapshot
+    if snapshot is None:
+        return None
+    states = {"idle": 0, "busy": 0, "draining": 0}
+    for w in snapshot.workers:
+        states["draining" if w.draining else "busy" if w.busy else "idle"] += 1
+    return FleetReading(
+        queue_depth=dict(snapshot.queue_depth),
+        workers=states,
+        capacity_rps=view.capacity_rps(max_batch_size) * target_utilization,
+        estimated_wait_s={},
+        policy_version=policy_version,
+        latency_budget_s=latency_budget_s,
+    )

@@ -15,7 +15,8 @@ import sys
 from collections.abc import Sequence
 
 from opentelemetry import trace
-from opentelemetry.trace import Link, Tracer
+from opentelemetry.context import Context
+from opentelemetry.trace import Link, Span, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 _propagator = TraceContextTextMapPropagator()
@@ -74,3 +75,22 @@ def links(traceparents: Sequence[str | None]) -> list[Link]:
         if ctx.is_valid:
             out.append(Link(ctx))
     return out
+
+
+def context_from(traceparent: str | None, tracestate: str | None) -> Context | None:
+    """The caller's trace context, from its W3C headers: the trace id, the
+    parent span id, the sampled flag and tracestate, nothing else (baggage
+    is not read). A malformed traceparent is ignored: a new trace starts."""
+    if not traceparent or len(traceparent) > 256 or (tracestate and len(tracestate) > 512):
+        return None
+    carrier = {"traceparent": traceparent}
+    if tracestate:
+        carrier["tracestate"] = tracestate
+    ctx = _propagator.extract(carrier)
+    return ctx if trace.get_current_span(ctx).get_span_context().is_valid else None
+
+
+def trace_id(span: Span) -> str | None:
+    """A span's trace id as 32 hex digits (None if it has none)."""
+    context = span.get_span_context()
+    return format(context.trace_id, "032x") if context.is_valid else None

@@ -13,13 +13,16 @@ the Redis of every component.
 """
 
 import argparse
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from infergate.gpu.backend import Backend
     from infergate.policies.live import LivePolicy
+    from prometheus_client import CollectorRegistry
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -48,6 +51,8 @@ def _common(p: argparse.ArgumentParser, role: str) -> None:
     _add(p, "--namespace", "infergate", "key namespace (Redis Cluster hash tag) of this deployment")
     _add(p, "--id", None, f"this {role}'s id (default: {role}-<random>)")
     _add(p, "--heartbeat-interval-ms", 250, "how often to beat", int)
+    _add(p, "--metrics-port", 0, "serve Prometheus metrics on this port (0: off)", int)
+    _add(p, "--metrics-host", "0.0.0.0", "address of the metrics port")
     _add(
         p,
         "--max-policy-bytes",
@@ -93,6 +98,13 @@ def _up_parser(sub: Any) -> None:
     _add(up, "--namespace", "infergate", "key namespace of this deployment")
     _add(up, "--backend", "simulated", "worker backend: simulated or transformers")
     _add(up, "--model", None, "model path for the transformers backend")
+    _add(
+        up,
+        "--metrics-port",
+        0,
+        "serve each child's Prometheus metrics, on this port and the next ones (0: off)",
+        int,
+    )
 
 
 def _gateway_parser(sub: Any) -> None:
@@ -203,6 +215,21 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+@contextlib.contextmanager
+def _metrics(args: argparse.Namespace, registry: "CollectorRegistry") -> Iterator[None]:
+    """This process's /metrics on its own port, for as long as it runs."""
+    if not args.metrics_port:
+        yield
+        return
+    from infergate.base import metrics
+
+    stop = metrics.serve(registry, args.metrics_port, args.metrics_host)
+    try:
+        yield
+    finally:
+        stop()
+
+
 def _live_policy(args: argparse.Namespace, required: bool) -> "LivePolicy":
     """The policy this process starts on: its file, or, while the file is
     invalid or unreadable, the fleet's last valid policy kept in Redis (the
@@ -258,7 +285,8 @@ def _gateway(args: argparse.Namespace) -> int:
         keep_alive_s=args.keep_alive_s,
         max_connections=args.max_connections,
     )
-    return uvloop.run(serve(gateway, args.host, args.port, args.drain_timeout_s, limits))
+    with _metrics(args, gateway.registry):
+        return uvloop.run(serve(gateway, args.host, args.port, args.drain_timeout_s, limits))
 
 
 def _dispatcher(args: argparse.Namespace) -> int:
@@ -266,7 +294,9 @@ def _dispatcher(args: argparse.Namespace) -> int:
     from infergate.dispatcher.service import Dispatcher, DispatcherSettings
 
     settings = DispatcherSettings(**_process(args, "dispatcher"))
-    return runtime.run(Dispatcher(settings, _live_policy(args, required=False)).serve)
+    dispatcher = Dispatcher(settings, _live_policy(args, required=False))
+    with _metrics(args, dispatcher.registry):
+        return runtime.run(dispatcher.serve)
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -284,7 +314,8 @@ def _worker(args: argparse.Namespace) -> int:
         max_attempts=workers.max_attempts,
     )
     worker = Worker(settings, backend)
-    return runtime.run(worker.serve, shutdown_grace_s=settings.hang_timeout_ms / 1000.0 + 10.0)
+    with _metrics(args, worker.registry):
+        return runtime.run(worker.serve, shutdown_grace_s=settings.hang_timeout_ms / 1000.0 + 10.0)
 
 
 def _backend(args: argparse.Namespace) -> "Backend | None":

@@ -163,14 +163,18 @@ def _children(args: argparse.Namespace, policy_path: str) -> list[Child]:
     if args.model:
         worker_args += ["--model", args.model]
     gateway_args = ["--policy", policy_path, "--host", args.host, "--port", str(args.port)]
-    return [
-        *(Child(f"worker-{i + 1}", "worker", worker_args) for i in range(args.workers)),
+    children = [
+        *(Child(f"worker-{i + 1}", "worker", list(worker_args)) for i in range(args.workers)),
         *(
             Child(f"dispatcher-{i + 1}", "dispatcher", ["--policy", policy_path])
             for i in range(args.dispatchers)
         ),
-        *(Child(f"gateway-{i + 1}", "gateway", gateway_args) for i in range(args.gateways)),
+        *(Child(f"gateway-{i + 1}", "gateway", list(gateway_args)) for i in range(args.gateways)),
     ]
+    if args.metrics_port:
+        for i, child in enumerate(children):
+            child.argv += ["--metrics-port", str(args.metrics_port + i)]
+    return children
 
 
 def _wait_ready(stack: Stack, url: str, stop_requested: list[int]) -> int | None:
@@ -235,6 +239,11 @@ def _run(args: argparse.Namespace, policy_path: str, redis_url: str, stop: list[
         code = _wait_ready(stack, f"http://{host}:{args.port}/readyz", stop)
         if code is not None:
             return code
+        if args.metrics_port:
+            ports = ", ".join(
+                f"{c.name} :{args.metrics_port + i}" for i, c in enumerate(stack.children)
+            )
+            print(f"infergate up: metrics at {ports}", file=sys.stderr)
         print(
             f"infergate up: ready at http://{args.host}:{args.port} "
             f"({args.gateways} gateway, {args.dispatchers} dispatcher, {args.workers} workers; Redis {redis_url})",

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from infergate.base import logs
 from infergate.base.errors import STORE_ERRORS
 from infergate.base.loops import Supervised
+from infergate.base.metrics import DispatcherMetrics
 from infergate.base.queue.recovery import RecoveryQueue
 from infergate.base.tiers import ROLES
 
@@ -34,11 +35,13 @@ class Reaper:
         self,
         recovery: RecoveryQueue,
         max_attempts: Callable[[], int],
+        metrics: DispatcherMetrics | None = None,
         interval_ms: int = 500,
         lock_ttl_ms: int = 3_000,
     ) -> None:
         self.recovery = recovery
         self.max_attempts = max_attempts
+        self.metrics = metrics
         self.lock_ttl_ms = lock_ttl_ms
         self.loop = Supervised("reaper", self.run_once, interval_ms / 1000.0)
 
@@ -47,6 +50,14 @@ class Reaper:
             recovered = await self.sweep()
             if recovered:
                 log.info("reaper.sweep", **recovered)
+                self._count(recovered)
+
+    def _count(self, recovered: dict[str, int]) -> None:
+        if self.metrics is None:
+            return
+        self.metrics.batches_retried.inc(recovered.get("batches_retried", 0))
+        self.metrics.batches_dead_lettered.inc(recovered.get("batches_dead_lettered", 0))
+        self.metrics.envelopes_requeued.inc(recovered.get("envelopes_requeued", 0))
 
     async def sweep(self) -> dict[str, int]:
         """One pass over every role; returns what it recovered."""

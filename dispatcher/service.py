@@ -23,10 +23,16 @@ import asyncio
 import os
 from dataclasses import dataclass
 
-from infergate.base import clock, logs, wire
-from infergate.base.fleet import FleetView
+from infergate.base import clock, logs, tracing, wire
+from infergate.base.fleet import FleetView, fleet_reading
 from infergate.base.heartbeat import Heartbeater
 from infergate.base.loops import Supervised, retry_until_done
+from infergate.base.metrics import (
+    DispatcherMetrics,
+    FleetCollector,
+    FleetReading,
+    watch_policy_and_redis,
+)
 from infergate.base.queue.dispatcher import DispatcherQueue
 from infergate.base.queue.policy_copy import keep_policy
 from infergate.base.queue.recovery import RecoveryQueue
@@ -36,8 +42,18 @@ from infergate.base.tiers import TIERS
 from infergate.dispatcher.reaper import Reaper
 from infergate.policies import Policy
 from infergate.policies.live import LivePolicy
+import msgspec
+from prometheus_client import CollectorRegistry
 
 log = logs.get(__name__)
+_tracer = tracing.tracer(__name__)
+
+
+def _trace_of(envelope: bytes) -> str | None:
+    try:
+        return wire.decode_envelope(envelope).trace
+    except msgspec.DecodeError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -77,13 +93,18 @@ class Dispatcher:
             name="dispatcher:" + self.id,
         )
         self.queue = DispatcherQueue(self.store, self.id)
+        self.registry = CollectorRegistry()
+        self.metrics = DispatcherMetrics(self.registry)
         self.started_ms = clock.now_ms()
         self.batches_formed = 0
         self.fleet = FleetView(self.store, refresh_ms=200)
         self.reaper = Reaper(
             RecoveryQueue(self.store, self.id),
             lambda: self.policy.current.document.workers.max_attempts,
+            self.metrics,
         )
+        watch_policy_and_redis(self.metrics, policy, lambda: self.fleet.redis_ok)
+        self.registry.register(FleetCollector(self._fleet_reading))
         self.heartbeat = Heartbeater(
             self.store, self.status, settings.heartbeat_interval_ms, settings.heartbeat_ttl_ms
         )
@@ -96,6 +117,17 @@ class Dispatcher:
             started_ms=self.started_ms,
             beat_ms=clock.now_ms(),
             batches_done=self.batches_formed,
+        )
+
+    def _fleet_reading(self) -> FleetReading | None:
+        policy = self.policy.current
+        doc = policy.document
+        return fleet_reading(
+            self.fleet,
+            doc.batching.max_batch_size,
+            doc.capacity.target_utilization,
+            policy.version,
+            policy.latency_budgets_s(),
         )
 
     def _policy_changed(self, policy: Policy) -> None:
@@ -128,6 +160,9 @@ class Dispatcher:
                 await asyncio.sleep(taken.wait_ms / 1000.0)
                 continue
             if taken.expired or taken.cancelled or taken.malformed:
+                self.metrics.dropped.labels("expired").inc(taken.expired)
+                self.metrics.dropped.labels("cancelled").inc(taken.cancelled)
+                self.metrics.dropped.labels("malformed").inc(taken.malformed)
                 log.info(
                     "take.dropped",
                     expired=taken.expired,
@@ -143,8 +178,21 @@ class Dispatcher:
         batch_id = os.urandom(6).hex()
         now_ms = clock.now_ms()
         batch = wire.encode_batch(batch_id, self.id, now_ms, envelopes)
-        await self.queue.handoff(credit, batch, len(envelopes), now_ms)
+        if tracing.enabled:
+            # The batch-forming step as a span, linked to every request it carries.
+            traces = [_trace_of(e) for e in envelopes]
+            with _tracer.start_as_current_span(
+                "dispatcher.batch", links=tracing.links(traces)
+            ) as span:
+                span.set_attribute("infergate.batch_id", batch_id)
+                span.set_attribute("infergate.batch_size", len(envelopes))
+                span.set_attribute("infergate.credit", credit)
+                await self.queue.handoff(credit, batch, len(envelopes), now_ms)
+        else:
+            await self.queue.handoff(credit, batch, len(envelopes), now_ms)
         self.batches_formed += 1
+        self.metrics.batches_formed.inc()
+        self.metrics.requests_batched.inc(len(envelopes))
         log.debug("batch.formed", batch_id=batch_id, size=len(envelopes), credit=credit)
 
     async def _register(self) -> None:

@@ -16,7 +16,7 @@ from infergate.gateway.api import (
 )
 from infergate.gateway.errors import ERRORS, ApiError, ErrorBody
 from infergate.gateway.middleware import REQUEST_ID, RequestIdAndLimits
-from infergate.gateway.service import Gateway
+from infergate.gateway.service import Call, Gateway
 from litestar import Litestar, Request, Response, get, post
 from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import OpenAPIConfig
@@ -93,13 +93,17 @@ class _InferenceOperation(Operation):
     operation_class=_InferenceOperation,
 )
 async def inference(request: Request[Any, Any, Any]) -> Response[InferenceResponse]:
-    result, headers = await _gateway(request).infer(
+    headers = request.headers
+    call = Call(
         _request_id(request),
-        request.headers.get("authorization"),
+        headers.get("authorization"),
         await request.body(),
         request.receive,
+        headers.get("traceparent"),
+        headers.get("tracestate"),
     )
-    return Response(result, headers=headers)
+    result, response_headers = await _gateway(request).infer(call)
+    return Response(result, headers=response_headers)
 
 
 ADMIN_ERRORS = {

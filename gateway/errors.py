@@ -58,6 +58,8 @@ class ApiError(Exception):
         self.message = message
         self.retry_after_ms = retry_after_ms
         self.headers = headers or {}
+        # The caller's tier once its key is known (for the metrics).
+        self.tier: str | None = None
 
     @property
     def status(self) -> int:

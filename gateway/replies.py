@@ -7,6 +7,7 @@ first resolves the future and the rest find nothing to resolve.
 """
 
 import asyncio
+from collections.abc import Callable
 
 import msgspec
 from infergate.base import logs, wire
@@ -17,8 +18,9 @@ log = logs.get(__name__)
 
 
 class ReplyRouter:
-    def __init__(self, queue: GatewayQueue) -> None:
+    def __init__(self, queue: GatewayQueue, on_ignored: Callable[[], None] = lambda: None) -> None:
         self.queue = queue
+        self.on_ignored = on_ignored
         self.pending: dict[str, asyncio.Future[wire.Result]] = {}
         self.subscribed = asyncio.Event()
         self.duplicates = 0
@@ -38,6 +40,7 @@ class ReplyRouter:
             fut = self.pending.pop(result.id, None)
             if fut is None:
                 self.duplicates += 1
+                self.on_ignored()
             elif not fut.done():
                 fut.set_result(result)
 

@@ -5,6 +5,7 @@ the fleet view and the active policy.
 """
 
 import asyncio
+import dataclasses
 import hashlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -14,8 +15,15 @@ from typing import Any
 import msgspec
 from infergate.base import clock, logs, tracing, wire
 from infergate.base.errors import STORE_ERRORS
-from infergate.base.fleet import FleetView, worker_capacity_rps
+from infergate.base.fleet import FleetView, fleet_reading, worker_capacity_rps
 from infergate.base.heartbeat import Heartbeater
+from infergate.base.metrics import (
+    NO_TIER,
+    FleetCollector,
+    FleetReading,
+    GatewayMetrics,
+    watch_policy_and_redis,
+)
 from infergate.base.queue.gateway import GatewayQueue
 from infergate.base.queue.policy_copy import keep_policy
 from infergate.base.queue.store import Store
@@ -36,6 +44,7 @@ from infergate.gateway.quota import Quota
 from infergate.gateway.replies import ReplyRouter
 from infergate.policies import KeyEntry, Policy, Tier
 from infergate.policies.live import LivePolicy
+from prometheus_client import CollectorRegistry
 
 log = logs.get(__name__)
 _tracer = tracing.tracer(__name__)
@@ -62,6 +71,19 @@ def redis_unreachable() -> ApiError:
 
 
 Receive = Callable[[], Awaitable[Any]]
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call of /v1/inference, as the HTTP layer hands it over."""
+
+    request_id: str
+    authorization: str | None
+    body: bytes
+    receive: Receive | None = None
+    # W3C trace context from the caller (used only when tracing is on).
+    traceparent: str | None = None
+    tracestate: str | None = None
 
 
 class ClientGone(Exception):
@@ -95,11 +117,15 @@ class Gateway:
             settings.redis_url, settings.namespace, name="gateway:" + self.id
         )
         self.queue = GatewayQueue(self.store, self.id)
-        self.replies = ReplyRouter(self.queue)
+        self.registry = CollectorRegistry()
+        self.metrics = GatewayMetrics(self.registry)
+        self.replies = ReplyRouter(self.queue, on_ignored=self.metrics.replies_ignored.inc)
         self.fleet = FleetView(self.store, settings.fleet_refresh_ms)
         self.quota = Quota(self.queue.quota_storage())
         self.admission = Admission(self.fleet)
         policy.keep_with(self._keep_policy)
+        watch_policy_and_redis(self.metrics, policy, lambda: self.fleet.redis_ok)
+        self.registry.register(FleetCollector(self._fleet_reading))
         self.started_ms = clock.now_ms()
         self.served = 0
         self.draining = False
@@ -111,6 +137,21 @@ class Gateway:
             settings.heartbeat_interval_ms,
             settings.heartbeat_ttl_ms,
         )
+
+    def _fleet_reading(self) -> FleetReading | None:
+        policy = self.policy.current
+        doc = policy.document
+        reading = fleet_reading(
+            self.fleet,
+            doc.batching.max_batch_size,
+            doc.capacity.target_utilization,
+            policy.version,
+            policy.latency_budgets_s(),
+        )
+        if reading is None:
+            return None
+        waits = {t: self.admission.estimate_wait_ms(policy, t) / 1000.0 for t in TIERS}
+        return dataclasses.replace(reading, estimated_wait_s=waits)
 
     def ready_for_replies(self) -> bool:
         """Redis answers, the fleet view is fresh, AND this gateway listens on
@@ -166,21 +207,35 @@ class Gateway:
             raise ApiError("KEY_DISABLED", "this API key is disabled")
         return key
 
-    async def infer(
-        self,
-        request_id: str,
-        authorization: str | None,
-        raw_body: bytes,
-        receive: Receive | None = None,
-    ) -> tuple[InferenceResponse, dict[str, str]]:
-        """Who, capacity, quota (see README: how admission decides), then enqueue and wait.
-        Returns the response and the headers it carries."""
-        if not tracing.enabled:
-            return await self._infer(request_id, authorization, raw_body, receive)
-        with _tracer.start_as_current_span("gateway.inference") as span:
-            span.set_attribute("infergate.request_id", request_id)
+    async def infer(self, call: Call) -> tuple[InferenceResponse, dict[str, str]]:
+        """Who, capacity, quota (see README: how admission decides), then enqueue
+        and wait. Returns the response and the headers it carries; counts it."""
+        started = clock.monotonic_s()
+        trace_id = None
+        try:
+            if tracing.enabled:
+                response, headers, trace_id = await self._infer_traced(call, started)
+            else:
+                response, headers = await self._infer(call, started)
+        except ApiError as exc:
+            self.metrics.requests.labels(exc.tier or NO_TIER, str(exc.status)).inc()
+            raise
+        m = self.metrics
+        m.requests.labels(response.tier, "200").inc()
+        exemplar = {"trace_id": trace_id} if trace_id else None
+        m.request_duration.labels(response.tier).observe(clock.elapsed_s(started), exemplar)
+        m.queue_wait.labels(response.tier).observe(response.queue_ms / 1000.0)
+        return response, headers
+
+    async def _infer_traced(
+        self, call: Call, started: float
+    ) -> tuple[InferenceResponse, dict[str, str], str | None]:
+        """``_infer`` inside a span that joins the caller's trace when it sent one."""
+        parent = tracing.context_from(call.traceparent, call.tracestate)
+        with _tracer.start_as_current_span("gateway.inference", context=parent) as span:
+            span.set_attribute("infergate.request_id", call.request_id)
             try:
-                response, headers = await self._infer(request_id, authorization, raw_body, receive)
+                response, headers = await self._infer(call, started)
             except ApiError as exc:
                 span.set_attribute("http.response.status_code", exc.status)
                 span.set_attribute("infergate.error_code", exc.code)
@@ -189,24 +244,27 @@ class Gateway:
             span.set_attribute("infergate.tier", response.tier)
             span.set_attribute("infergate.batch_size", response.batch_size)
             span.set_attribute("infergate.queue_ms", response.queue_ms)
-            return response, headers
+            return response, headers, tracing.trace_id(span)
 
-    async def _infer(
-        self,
-        request_id: str,
-        authorization: str | None,
-        raw_body: bytes,
-        receive: Receive | None,
-    ) -> tuple[InferenceResponse, dict[str, str]]:
-        started = clock.monotonic_s()
+    async def _infer(self, call: Call, started: float) -> tuple[InferenceResponse, dict[str, str]]:
         if self.draining:
+            self.metrics.refusals.labels(NO_TIER, "draining").inc()
             raise ApiError(
                 "SERVICE_OVERLOADED", "this gateway is shutting down; retry", RETRY_DRAINING_MS
             )
         policy = self.policy.current
-        key = self.authenticate(authorization, policy)  # before the body is parsed
+        key = self.authenticate(call.authorization, policy)  # before the body is parsed
         try:
-            body = decode_inference_request(raw_body)
+            return await self._serve(call, started, policy, key)
+        except ApiError as exc:
+            exc.tier = key.tier
+            raise
+
+    async def _serve(
+        self, call: Call, started: float, policy: Policy, key: KeyEntry
+    ) -> tuple[InferenceResponse, dict[str, str]]:
+        try:
+            body = decode_inference_request(call.body)
         except BadRequestBody as exc:
             raise ApiError("INVALID_INPUT", str(exc)) from None
         tier = policy.tiers[key.tier]
@@ -218,13 +276,15 @@ class Gateway:
             tier.deadline_ms if body.timeout_ms is None else min(tier.deadline_ms, body.timeout_ms)
         )
         try:
-            result = await self._run(request_id, key, body.input, deadline_ms, started, receive)
+            result = await self._run(
+                call.request_id, key, body.input, deadline_ms, started, call.receive
+            )
         except ApiError as exc:
             exc.headers.update(headers)
             raise
         self.served += 1
         response = InferenceResponse(
-            request_id=request_id,
+            request_id=call.request_id,
             output=result.output or "",
             latency_ms=round(clock.elapsed_ms(started), 2),
             tier=key.tier,
@@ -237,14 +297,18 @@ class Gateway:
         """Redis and a worker are there, and the tier's queue fits its budget.
         A local estimate with no Redis round trip, made before the quota is
         charged, so under overload a refusal costs next to nothing."""
+        refused = self.metrics.refusals
         if not self.ready_for_replies():
+            refused.labels(tier_name, "redis").inc()
             raise redis_unreachable()
         if self.fleet.workers_alive == 0:
+            refused.labels(tier_name, "no_worker").inc()
             raise ApiError(
                 "SERVICE_OVERLOADED", "no healthy worker is available", RETRY_NO_WORKER_MS
             )
         decision = self.admission.decide(policy, tier_name)
         if not decision.admitted:
+            refused.labels(tier_name, "capacity").inc()
             budget_ms = policy.tiers[tier_name].latency_budget_ms
             raise ApiError(
                 "SERVICE_OVERLOADED",
@@ -258,10 +322,12 @@ class Gateway:
         try:
             quota = await self.quota.charge(key, tier, input_chars)
         except STORE_ERRORS as exc:
+            self.metrics.refusals.labels(key.tier, "redis").inc()
             self.fleet.mark_unreachable()
             raise redis_unreachable() from exc
         headers = quota.headers()
         if not quota.allowed:
+            self.metrics.refusals.labels(key.tier, "quota").inc()
             raise ApiError(
                 "RATE_LIMITED",
                 f"rate limit {quota.refused_by} exceeded for this key",

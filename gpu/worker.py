@@ -23,12 +23,14 @@ from infergate.base import clock, logs, tracing, wire
 from infergate.base.errors import UNAVAILABLE
 from infergate.base.heartbeat import Heartbeater
 from infergate.base.loops import Backoff, retry_until_done
+from infergate.base.metrics import WorkerMetrics
 from infergate.base.queue.recovery import RecoveryQueue
 from infergate.base.queue.replies import failure_replies, group_by_gateway
 from infergate.base.queue.store import Store
 from infergate.base.queue.worker import WorkerQueue
 from infergate.base.settings import ProcessSettings
 from infergate.gpu.backend import Backend, BackendError
+from prometheus_client import CollectorRegistry
 
 log = logs.get(__name__)
 _tracer = tracing.tracer(__name__)
@@ -58,6 +60,10 @@ class Worker:
             name="worker:" + self.id,
         )
         self.queue = WorkerQueue(self.store, self.id)
+        self.registry = CollectorRegistry()
+        self.metrics = WorkerMetrics(self.registry)
+        self.metrics.busy.set_function(lambda: 1.0 if self.busy else 0.0)
+        self.metrics.redis_up.set_function(lambda: 1.0 if self.heartbeat.healthy else 0.0)
         self.recovery = RecoveryQueue(self.store, self.id)
         self.started_ms = clock.now_ms()
         self.busy = False
@@ -111,6 +117,7 @@ class Worker:
             sys.stderr.flush()
             os._exit(EXIT_HUNG)
         took_ms = clock.elapsed_ms(started)
+        self.metrics.batch_duration.observe(took_ms / 1000.0)
         self.batch_ms_ewma = (
             took_ms if self.batch_ms_ewma is None else 0.8 * self.batch_ms_ewma + 0.2 * took_ms
         )
@@ -161,6 +168,9 @@ class Worker:
             (env.gateway, _result(env, outcome, batch.id, len(live), self.id, started_ms, infer_ms))
             for env, outcome in zip(live, outcomes, strict=True)
         ]
+        failed = sum(isinstance(o, BackendError) for o in outcomes)
+        self.metrics.batch_size.observe(len(live))
+        self.metrics.inference_failures.inc(failed)
         self.batches_done += 1
         self.requests_done += len(live)
         self._recent.append((clock.monotonic_s(), len(live)))
@@ -170,7 +180,7 @@ class Worker:
             size=len(live),
             attempt=batch.attempt,
             infer_ms=infer_ms,
-            failed=sum(isinstance(o, BackendError) for o in outcomes),
+            failed=failed,
         )
         return group_by_gateway(results)
 
@@ -183,6 +193,7 @@ class Worker:
             batch, unreadable = wire.decode_batch(data)
         except msgspec.DecodeError:
             log.error("batch.unreadable", size=len(data))
+            self.metrics.batches_failed.inc()
             await self.recovery.dead_letter_unreadable(self.id, data)
             return {}
         if unreadable:
@@ -191,6 +202,7 @@ class Worker:
             return await self.run_batch(batch)
         except Exception:
             log.exception("batch.failed", batch_id=batch.id, size=len(batch.envelopes))
+            self.metrics.batches_failed.inc()
             return failure_replies(
                 batch,
                 "INFERENCE_FAILED",

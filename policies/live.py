@@ -55,12 +55,17 @@ class LivePolicy:
         self._candidate: PolicyFile | None = None
         self._verdicts: dict[str, str | None] = {} if text is None else {text: None}
         self._listeners: list[Callable[[Policy], None]] = []
+        self._refused: list[Callable[[], None]] = []
         self._keeper: Keeper | None = None
         self._lock = asyncio.Lock()
         self.loop = Supervised("policy-watcher", self.check_file, interval_s)
 
     def on_change(self, listener: Callable[[Policy], None]) -> None:
         self._listeners.append(listener)
+
+    def on_refused(self, callback: Callable[[], None]) -> None:
+        """Called each time a changed file is refused (for the metrics)."""
+        self._refused.append(callback)
 
     def keep_with(self, keeper: Keeper) -> None:
         """Where to keep each newly valid policy (and the one in force at start)."""
@@ -137,6 +142,8 @@ class LivePolicy:
     def _fail(self, message: str) -> None:
         if message != self.error:
             log.error("policy.invalid", error=message, active_version=self.current.version)
+            for callback in self._refused:
+                callback()
         self.error = message
 
     def start(self) -> None:

@@ -85,6 +85,9 @@ class Policy(msgspec.Struct, frozen=True):
     def key_for_digest(self, digest: str) -> KeyEntry | None:
         return self.keys_by_digest.get(digest)
 
+    def latency_budgets_s(self) -> dict[str, float]:
+        return {name: tier.latency_budget_ms / 1000.0 for name, tier in self.tiers.items()}
+
     def reserved_slots(self, tier: str) -> int:
         """Slots of every batch reserved for a tier: at least one for any share."""
         share = self.document.tiers[tier].min_batch_share

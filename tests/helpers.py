@@ -281,8 +281,11 @@ class Cluster:
         latency_ms: int = 100,
         dispatchers: int = 1,
         env: dict[str, str] | None = None,
+        metrics: bool = False,
     ) -> None:
         self.tmp = tmp
+        # With metrics, each process serves /metrics on its own port: name -> port.
+        self.metrics_ports: dict[str, int] | None = {} if metrics else None
         self.redis_url = redis_url
         self.latency_ms = latency_ms
         self.policy_path = tmp / "policy.yaml"
@@ -311,6 +314,10 @@ class Cluster:
 
     def _start(self, args: list[str], name: str) -> Proc:
         self._n += 1
+        if self.metrics_ports is not None:
+            port = free_port()
+            self.metrics_ports[f"{name}-{self._n}"] = port
+            args = [*args, "--metrics-port", str(port), "--metrics-host", "127.0.0.1"]
         return Proc(args, self.env, self.tmp / f"{name}-{self._n}.log")
 
     def _ready(self, url: str) -> bool:

@@ -1,0 +1,276 @@
+"""Prometheus metrics: every name infergate exports, in one place.
+
+Each process serves its own metrics on its own port (``--metrics-port``;
+``up`` gives each child the next port): a scrape sees each process once,
+whatever shares the HTTP port, and sums over processes are exact. That is
+simpler and truer than prometheus-client's multiprocess mode, which keeps
+files per pid and cannot say a dead process's gauges are gone. Every process
+registers only its own role's metrics, in a registry of its own.
+
+Units are base units (seconds, requests); labels are bounded: tier (three,
+or ``none`` before a key is known), HTTP status code, a refusal reason, a
+worker state. Never a key, a request or a process id.
+"""
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+from infergate.base.tiers import TIERS
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    start_http_server,
+)
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+# No `_created` series beside every counter and histogram: they double what a
+# scrape carries and no query of ours reads them.
+disable_created_metrics()  # type: ignore[no-untyped-call]
+
+# Resolve the 100 ms floor, the pacing interval above it and every tier's budget.
+LATENCY_BUCKETS_S = (
+    0.05, 0.1, 0.11, 0.125, 0.15, 0.175, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0,
+)  # fmt: skip
+QUEUE_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0)
+BATCH_TIME_BUCKETS_S = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.11,
+    0.125,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    1.0,
+    2.0,
+    5.0,
+)
+BATCH_SIZE_BUCKETS = (1, 2, 5, 10, 20, 30, 50, 75, 100)
+
+NO_TIER = "none"
+
+
+class LivePolicyLike(Protocol):
+    """What the metrics read of a live policy (``policies.live.LivePolicy``)."""
+
+    error: str | None
+
+    def on_refused(self, callback: Callable[[], None]) -> None: ...
+
+
+REFUSAL_REASONS = ("capacity", "quota", "no_worker", "redis", "draining")
+DROP_REASONS = ("expired", "cancelled", "malformed")
+WORKER_STATES = ("idle", "busy", "draining")
+
+
+class Common:
+    """What every process exports."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.redis_up = Gauge(
+            "infergate_redis_up", "1 while this process reaches Redis", registry=registry
+        )
+
+
+class PolicyWatching(Common):
+    """What the processes that follow the policy file export (gateways, dispatchers)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        super().__init__(registry)
+        self.policy_reload_errors = Counter(
+            "infergate_policy_reload_errors",
+            "Policy files refused (invalid, unreadable, too big) since start",
+            registry=registry,
+        )
+        self.policy_file_ok = Gauge(
+            "infergate_policy_file_ok",
+            "1 while the policy file is valid (or is the policy in force)",
+            registry=registry,
+        )
+
+
+class GatewayMetrics(PolicyWatching):
+    def __init__(self, registry: CollectorRegistry) -> None:
+        super().__init__(registry)
+        self.requests = Counter(
+            "infergate_requests",
+            "Requests answered, by tier and HTTP status code",
+            ["tier", "code"],
+            registry=registry,
+        )
+        self.request_duration = Histogram(
+            "infergate_request_duration_seconds",
+            "Time from a request's arrival to its answer (200s), by tier",
+            ["tier"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=registry,
+        )
+        self.queue_wait = Histogram(
+            "infergate_queue_wait_seconds",
+            "Time a request waited in Redis before its batch started, by tier",
+            ["tier"],
+            buckets=QUEUE_BUCKETS_S,
+            registry=registry,
+        )
+        self.refusals = Counter(
+            "infergate_admission_refusals",
+            "Requests refused at admission, by tier and reason",
+            ["tier", "reason"],
+            registry=registry,
+        )
+        self.replies_ignored = Counter(
+            "infergate_replies_ignored",
+            "Replies for requests no longer waiting here (a retried batch's duplicate, or late)",
+            registry=registry,
+        )
+        for tier in TIERS:
+            for reason in REFUSAL_REASONS:
+                self.refusals.labels(tier, reason)
+
+
+class DispatcherMetrics(PolicyWatching):
+    def __init__(self, registry: CollectorRegistry) -> None:
+        super().__init__(registry)
+        self.batches_formed = Counter(
+            "infergate_batches_formed", "Batches handed to workers", registry=registry
+        )
+        self.requests_batched = Counter(
+            "infergate_requests_batched", "Requests handed to workers in batches", registry=registry
+        )
+        self.dropped = Counter(
+            "infergate_dropped",
+            "Envelopes dropped before any worker saw them, by reason",
+            ["reason"],
+            registry=registry,
+        )
+        self.batches_retried = Counter(
+            "infergate_batches_retried",
+            "Batches of dead or hung workers run again",
+            registry=registry,
+        )
+        self.batches_dead_lettered = Counter(
+            "infergate_batches_dead_lettered",
+            "Batches given up on after workers.max_attempts runs (their requests get 500)",
+            registry=registry,
+        )
+        self.envelopes_requeued = Counter(
+            "infergate_envelopes_requeued",
+            "Envelopes of dead dispatchers returned to their queues",
+            registry=registry,
+        )
+        for reason in DROP_REASONS:
+            self.dropped.labels(reason)
+
+
+class WorkerMetrics(Common):
+    def __init__(self, registry: CollectorRegistry) -> None:
+        super().__init__(registry)
+        self.batch_size = Histogram(
+            "infergate_batch_size",
+            "Requests per batch run by the backend",
+            buckets=BATCH_SIZE_BUCKETS,
+            registry=registry,
+        )
+        self.batch_duration = Histogram(
+            "infergate_batch_duration_seconds",
+            "Backend time per call",
+            buckets=BATCH_TIME_BUCKETS_S,
+            registry=registry,
+        )
+        self.batches_failed = Counter(
+            "infergate_batches_failed",
+            "Batches answered INFERENCE_FAILED as a whole (unreadable, or failed outside the backend)",
+            registry=registry,
+        )
+        self.inference_failures = Counter(
+            "infergate_inference_failures",
+            "Requests the backend failed on, after isolating the input",
+            registry=registry,
+        )
+        self.busy = Gauge("infergate_worker_busy", "1 while running a batch", registry=registry)
+
+
+@dataclass(frozen=True)
+class FleetReading:
+    """The fleet as one process sees it, read at scrape time."""
+
+    queue_depth: dict[str, int]
+    workers: dict[str, int]  # by state
+    capacity_rps: float  # planned: measured x target utilization
+    estimated_wait_s: dict[str, float]  # +Inf when the tier would be refused
+    policy_version: str
+    latency_budget_s: dict[str, float]  # each tier's, from the policy (for the alerts)
+
+
+class FleetCollector(Collector):
+    """Gauges computed when scraped, from a process's fleet view."""
+
+    def __init__(self, read: Callable[[], FleetReading | None]) -> None:
+        self.read = read
+
+    def collect(self) -> Iterable[Metric]:
+        reading = self.read()
+        if reading is None:
+            return
+        depth = GaugeMetricFamily(
+            "infergate_queue_depth", "Requests queued, by tier", labels=["tier"]
+        )
+        for tier, n in reading.queue_depth.items():
+            depth.add_metric([tier], n)
+        workers = GaugeMetricFamily("infergate_workers", "Live workers, by state", labels=["state"])
+        for state in WORKER_STATES:
+            workers.add_metric([state], reading.workers.get(state, 0))
+        capacity = GaugeMetricFamily(
+            "infergate_capacity_requests_per_second",
+            "Planned capacity: the serving workers' measured rate x target utilization",
+            value=reading.capacity_rps,
+        )
+        wait = GaugeMetricFamily(
+            "infergate_estimated_wait_seconds",
+            "Admission's estimate of the queueing delay a new request would see, by tier",
+            labels=["tier"],
+        )
+        for tier, seconds in reading.estimated_wait_s.items():
+            wait.add_metric([tier], seconds)
+        info = GaugeMetricFamily(
+            "infergate_policy_info", "The policy in force (its version)", labels=["version"]
+        )
+        info.add_metric([reading.policy_version], 1)
+        budget = GaugeMetricFamily(
+            "infergate_latency_budget_seconds",
+            "Each tier's admission budget for queueing delay, from the policy",
+            labels=["tier"],
+        )
+        for tier, seconds in reading.latency_budget_s.items():
+            budget.add_metric([tier], seconds)
+        yield from (depth, workers, capacity, wait, info, budget)
+
+
+def serve(registry: CollectorRegistry, port: int, host: str = "0.0.0.0") -> Callable[[], None]:
+    """Serve ``/metrics`` (text or OpenMetrics, by the scraper's Accept) on its
+    own thread; returns the function that stops it."""
+    server, thread = start_http_server(port, host, registry)
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=2)
+
+    return stop
+
+
+def watch_policy_and_redis(
+    metrics: PolicyWatching, policy: LivePolicyLike, redis_ok: Callable[[], bool]
+) -> None:
+    """The gauges every process reads at scrape time, and the reload-error count."""
+    metrics.redis_up.set_function(lambda: 1.0 if redis_ok() else 0.0)
+    metrics.policy_file_ok.set_function(lambda: 1.0 if policy.error is None else 0.0)
+    policy.on_refused(metrics.policy_reload_errors.inc)
