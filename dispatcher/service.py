@@ -23,6 +23,7 @@ import asyncio
 import os
 from dataclasses import dataclass
 
+import msgspec
 from infergate.base import clock, logs, tracing, wire
 from infergate.base.fleet import FleetView, fleet_reading
 from infergate.base.heartbeat import Heartbeater
@@ -42,7 +43,6 @@ from infergate.base.tiers import TIERS
 from infergate.dispatcher.reaper import Reaper
 from infergate.policies import Policy
 from infergate.policies.live import LivePolicy
-import msgspec
 from prometheus_client import CollectorRegistry
 
 log = logs.get(__name__)

@@ -6,6 +6,7 @@ from importlib.metadata import version
 from typing import Any
 
 from infergate.base import logs
+from infergate.base.metrics import NO_TIER
 from infergate.gateway.api import (
     AdminPolicy,
     InferenceResponse,
@@ -258,6 +259,13 @@ def create_app(gateway: Gateway) -> Litestar:
 
 def create_asgi(gateway: Gateway) -> Any:
     """The Litestar app wrapped in the request-id and body-limit middleware."""
+
+    def count_refused(scope: dict[str, Any], status: int) -> None:
+        if scope.get("path") == "/v1/inference":  # refused before its key was read
+            gateway.metrics.requests.labels(NO_TIER, str(status)).inc()
+
     return RequestIdAndLimits(
-        create_app(gateway), lambda: gateway.policy.current.document.limits.max_body_bytes
+        create_app(gateway),
+        lambda: gateway.policy.current.document.limits.max_body_bytes,
+        count_refused,
     )

@@ -42,9 +42,15 @@ class ClientLeft(Exception):
 
 
 class RequestIdAndLimits:
-    def __init__(self, app: ASGIApp, max_body_bytes: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_body_bytes: Callable[[], int],
+        on_refused: Callable[[Scope, int], None] = lambda scope, status: None,
+    ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.on_refused = on_refused
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -63,6 +69,7 @@ class RequestIdAndLimits:
             body = await self._read_body(scope, receive)
         except BodyRefused as exc:
             logs.limited(log, "request.refused", status=exc.error.status, code=exc.error.code)
+            self.on_refused(scope, exc.error.status)
             await _send_error(send_with_id, exc.error, request_id)
             return
         except ClientLeft:

@@ -128,6 +128,12 @@ def _send_known_load(c: Cluster) -> Counter[tuple[str, str]]:
         )[0]
         assert status == 400
         sent[("paid", "400")] += 1
+    for i in range(2):  # over the body limit: refused before the key is read
+        status = http(
+            "POST", c.urls[i % 2] + "/v1/inference", raw=b'{"input": "' + b"x" * 9000 + b'"}'
+        )[0]
+        assert status == 413
+        sent[("none", "413")] += 1
     return sent
 
 
