@@ -1,9 +1,10 @@
 """infergate: a priority-tiered inference gateway.
 
-The architecture lives in the sibling packages: ``gateway`` (HTTP),
-``dispatcher`` (the Redis data model and batch forming), ``gpu`` (workers and
-backends) and ``policies`` (the YAML policy). This package holds what every
-process shares: the clock, logging, settings and the ``infergate`` command.
+This package is the composition root: the ``infergate`` command
+(``infergate.main``) and ``infergate up`` (``infergate.up``). The layers and
+roles live in its subpackages: ``base`` (what every process shares),
+``policies``, ``gateway``, ``dispatcher`` and ``gpu`` (docs/architecture.md).
+Nothing imports this package's modules.
 """
 
 __version__ = "0.1.0"

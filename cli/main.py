@@ -52,7 +52,7 @@ def _common(p: argparse.ArgumentParser, role: str) -> None:
     _add(p, "--id", None, f"this {role}'s id (default: {role}-<random>)")
     _add(p, "--heartbeat-interval-ms", 250, "how often to beat", int)
     _add(p, "--metrics-port", 0, "serve Prometheus metrics on this port (0: off)", int)
-    _add(p, "--metrics-host", "0.0.0.0", "address of the metrics port")
+    _add(p, "--metrics-host", "127.0.0.1", "address of the metrics port (0.0.0.0: every interface)")
     _add(
         p,
         "--max-policy-bytes",
@@ -256,7 +256,8 @@ def _live_policy(args: argparse.Namespace, required: bool) -> "LivePolicy":
         copy = fetch_policy(args.redis_url, args.namespace)
         if copy is None:
             print(
-                f"infergate: the policy is not valid, and Redis holds no last valid one:\n{exc}",
+                "infergate: the policy is not valid, and Redis holds no last valid one:\n"
+                + public_error(exc),
                 file=sys.stderr,
             )
             sys.exit(2)

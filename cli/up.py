@@ -25,6 +25,7 @@ from infergate.base import logs
 from infergate.base.loops import Backoff
 from infergate.policies import PolicyError, load_policy
 from infergate.policies.demo import demo_policy
+from infergate.policies.loader import public_error
 from infergate.redis_server import RedisServer
 
 log = logs.get(__name__)
@@ -50,7 +51,11 @@ class Child:
         process_id = f"{self.name}-{os.urandom(3).hex()}"
         self.ids.append(process_id)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "infergate", self.role, "--id", process_id, *self.argv], env=env
+            [sys.executable, "-m", "infergate", self.role, "--id", process_id, *self.argv],
+            env=env,
+            # Its own session: Ctrl-C reaches `up` alone, which then stops each
+            # child once, with SIGTERM (a second signal would end it unclean).
+            start_new_session=True,
         )
         self.started_at = time.monotonic()
 
@@ -124,7 +129,7 @@ def _policy_path(args: argparse.Namespace, tmp: Path) -> str | None:
         try:
             load_policy(args.policy)
         except PolicyError as exc:
-            print(f"infergate up: the policy is not valid:\n{exc}", file=sys.stderr)
+            print(f"infergate up: the policy is not valid:\n{public_error(exc)}", file=sys.stderr)
             return None
         if args.keys_out:
             print(

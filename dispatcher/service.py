@@ -104,11 +104,15 @@ class Dispatcher:
             self.metrics,
         )
         watch_policy_and_redis(self.metrics, policy, lambda: self.fleet.redis_ok)
-        self.registry.register(FleetCollector(self._fleet_reading))
+        # Read on the event loop once a second; the scrape thread only reads the result.
+        self._reading: FleetReading | None = None
+        self.registry.register(FleetCollector(lambda: self._reading))
+        self.metrics_reading = Supervised("metrics-reading", self._refresh_reading, 1.0)
         self.heartbeat = Heartbeater(
             self.store, self.status, settings.heartbeat_interval_ms, settings.heartbeat_ttl_ms
         )
         self.dispatching = Supervised("dispatch", self.dispatch_once, 0)
+        self._unsure = False
 
     def status(self) -> wire.Heartbeat:
         return wire.Heartbeat(
@@ -118,6 +122,9 @@ class Dispatcher:
             beat_ms=clock.now_ms(),
             batches_done=self.batches_formed,
         )
+
+    async def _refresh_reading(self) -> None:
+        self._reading = self._fleet_reading()
 
     def _fleet_reading(self) -> FleetReading | None:
         policy = self.policy.current
@@ -144,10 +151,20 @@ class Dispatcher:
         return int(batch_ms / workers)
 
     async def dispatch_once(self) -> None:
-        """Wait (bounded) for an idle worker's credit; holding one, form a batch."""
+        """Wait (bounded) for an idle worker's credit; holding one, form a batch.
+
+        After any failure, what this dispatcher may hold in Redis (a credit
+        whose BLMOVE reply was lost, envelopes a lost ``take`` reply moved) is
+        returned first, so nothing is held by no one, and a later take cannot
+        pile envelopes onto forgotten ones."""
+        if self._unsure:
+            await self.queue.requeue_own()
+            self._unsure = False
+        self._unsure = True
         credit = await self.queue.wait_credit(self.settings.block_timeout_s)
         if credit is not None:
             await self.form_one(credit)
+        self._unsure = False
 
     async def form_one(self, credit: str) -> None:
         """Holding ``credit``, wait for work and hand off one batch."""
@@ -187,9 +204,12 @@ class Dispatcher:
                 span.set_attribute("infergate.batch_id", batch_id)
                 span.set_attribute("infergate.batch_size", len(envelopes))
                 span.set_attribute("infergate.credit", credit)
-                await self.queue.handoff(credit, batch, len(envelopes), now_ms)
+                handed = await self.queue.handoff(credit, batch, len(envelopes), now_ms)
         else:
-            await self.queue.handoff(credit, batch, len(envelopes), now_ms)
+            handed = await self.queue.handoff(credit, batch, len(envelopes), now_ms)
+        if not handed:
+            log.warning("batch.taken_back", batch_id=batch_id, size=len(envelopes))
+            return
         self.batches_formed += 1
         self.metrics.batches_formed.inc()
         self.metrics.requests_batched.inc(len(envelopes))
@@ -211,11 +231,13 @@ class Dispatcher:
         await self.fleet.start()
         self.reaper.start()
         self.dispatching.start()
+        self.metrics_reading.start()
         log.info("dispatcher.started", dispatcher_id=self.id)
         try:
             await stop.wait()
         finally:
             await self.dispatching.stop()
+            await self.metrics_reading.stop()
             await self.reaper.stop()
             await self.heartbeat.stop()
             await self.policy.stop()

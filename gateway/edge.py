@@ -94,6 +94,10 @@ class EdgeProtocol(HttpToolsProtocol):
             cls.sweeper = _Sweeper(self.loop, self.connections, self.limits)
 
     def data_received(self, data: bytes) -> None:
+        if self._phase == _IDLE:  # the first bytes of the next request on this connection
+            self._phase = _HEAD
+            self._head_bytes = 0
+            self._since = self.loop.time()
         if self._phase == _HEAD:
             self._head_bytes += len(data)
         super().data_received(data)
@@ -107,7 +111,7 @@ class EdgeProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         if self._refused:
             return
-        if self._phase != _HEAD:  # the next request on a kept-alive connection
+        if self._phase != _HEAD:  # a pipelined request, already in this chunk
             self._phase = _HEAD
             self._head_bytes = 0
             self._since = self.loop.time()
@@ -120,6 +124,11 @@ class EdgeProtocol(HttpToolsProtocol):
             return
         if len(self.headers) > self.limits.max_headers:
             self._refuse(431, f"more than {self.limits.max_headers} headers")
+            return
+        # The whole head may have come in one chunk, past data_received's check.
+        head = len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers)
+        if head > self.limits.max_head_bytes:
+            self._refuse(431, f"the request head is over {self.limits.max_head_bytes} bytes")
             return
         if (
             max((len(n) + len(v) for n, v in self.headers), default=0)
@@ -191,11 +200,16 @@ class _Sweeper:
         self.loop.call_later(self.interval_s, self.sweep)
 
     def sweep(self) -> None:
-        now = self.loop.time()
-        for conn in list(self.connections):
-            if isinstance(conn, EdgeProtocol):
-                conn.overdue(now)
-        self.loop.call_later(self.interval_s, self.sweep)
+        try:
+            now = self.loop.time()
+            for conn in list(self.connections):
+                if isinstance(conn, EdgeProtocol):
+                    try:
+                        conn.overdue(now)
+                    except Exception:  # one connection's trouble must not end the sweep
+                        log.exception("edge.sweep_failed")
+        finally:
+            self.loop.call_later(self.interval_s, self.sweep)
 
 
 class _Closed:

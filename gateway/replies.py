@@ -7,6 +7,7 @@ first resolves the future and the rest find nothing to resolve.
 """
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 
 import msgspec
@@ -48,8 +49,11 @@ class ReplyRouter:
         return self.subscribed.is_set() and self.loop.running
 
     async def start(self, timeout_s: float = 5.0) -> None:
+        """Start listening; wait a little for the subscription, but start
+        anyway while Redis is away (``/readyz`` says not ready until it is up)."""
         self.loop.start()
-        await asyncio.wait_for(self.subscribed.wait(), timeout_s)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.subscribed.wait(), timeout_s)
 
     async def stop(self) -> None:
         await self.loop.stop()

@@ -6,7 +6,6 @@ the fleet view and the active policy.
 
 import asyncio
 import dataclasses
-import hashlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ from infergate.base import clock, logs, tracing, wire
 from infergate.base.errors import STORE_ERRORS
 from infergate.base.fleet import FleetView, fleet_reading, worker_capacity_rps
 from infergate.base.heartbeat import Heartbeater
+from infergate.base.loops import Supervised
 from infergate.base.metrics import (
     NO_TIER,
     FleetCollector,
@@ -44,6 +44,7 @@ from infergate.gateway.quota import Quota
 from infergate.gateway.replies import ReplyRouter
 from infergate.policies import KeyEntry, Policy, Tier
 from infergate.policies.live import LivePolicy
+from infergate.policies.loader import digest
 from prometheus_client import CollectorRegistry
 
 log = logs.get(__name__)
@@ -125,7 +126,10 @@ class Gateway:
         self.admission = Admission(self.fleet)
         policy.keep_with(self._keep_policy)
         watch_policy_and_redis(self.metrics, policy, lambda: self.fleet.redis_ok)
-        self.registry.register(FleetCollector(self._fleet_reading))
+        # Read on the event loop once a second; the scrape thread only reads the result.
+        self._reading: FleetReading | None = None
+        self.registry.register(FleetCollector(lambda: self._reading))
+        self.metrics_reading = Supervised("metrics-reading", self._refresh_reading, 1.0)
         self.started_ms = clock.now_ms()
         self.served = 0
         self.draining = False
@@ -137,6 +141,9 @@ class Gateway:
             settings.heartbeat_interval_ms,
             settings.heartbeat_ttl_ms,
         )
+
+    async def _refresh_reading(self) -> None:
+        self._reading = self._fleet_reading()
 
     def _fleet_reading(self) -> FleetReading | None:
         policy = self.policy.current
@@ -172,9 +179,11 @@ class Gateway:
         await self.fleet.start()
         await self.replies.start()
         self.heartbeat.start()
+        self.metrics_reading.start()
         log.info("gateway.started", gateway_id=self.id, policy_version=self.policy.current.version)
 
     async def stop(self) -> None:
+        await self.metrics_reading.stop()
         await self.policy.stop()
         await self.heartbeat.stop()
         await self.replies.stop()
@@ -198,9 +207,7 @@ class Gateway:
                 "UNAUTHENTICATED",
                 "malformed Authorization header; send 'Authorization: Bearer <key>'",
             )
-        key = policy.key_for_digest(
-            hashlib.sha256(secret.encode("utf-8", "surrogateescape")).hexdigest()
-        )
+        key = policy.key_for_digest(digest(secret))
         if key is None:
             raise ApiError("UNAUTHENTICATED", "unknown API key")
         if key.disabled:

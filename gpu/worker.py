@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import msgspec
 from infergate.base import clock, logs, tracing, wire
-from infergate.base.errors import UNAVAILABLE
+from infergate.base.errors import STORE_ERRORS, UNAVAILABLE
 from infergate.base.heartbeat import Heartbeater
 from infergate.base.loops import Backoff, retry_until_done
 from infergate.base.metrics import WorkerMetrics
@@ -101,16 +101,15 @@ class Worker:
 
     # -- running the backend -------------------------------------------------
 
-    async def _call(self, inputs: list[str]) -> list[str]:
+    async def _call(self, inputs: list[str], timeout_ms: int | None = None) -> list[str]:
         """One backend call in a thread, bounded by the hang timeout."""
+        timeout_ms = timeout_ms or self.settings.hang_timeout_ms
         started = clock.monotonic_s()
         call = asyncio.to_thread(self.backend.infer, inputs)
         try:
-            outputs = await asyncio.wait_for(call, self.settings.hang_timeout_ms / 1000.0)
+            outputs = await asyncio.wait_for(call, timeout_ms / 1000.0)
         except TimeoutError:
-            log.error(
-                "worker.hung", hang_timeout_ms=self.settings.hang_timeout_ms, size=len(inputs)
-            )
+            log.error("worker.hung", hang_timeout_ms=timeout_ms, size=len(inputs))
             await self.heartbeat.stop()
             # The backend thread cannot be interrupted: leave at once, without
             # acking, so the batch stays in processing for the reaper.
@@ -194,7 +193,10 @@ class Worker:
         except msgspec.DecodeError:
             log.error("batch.unreadable", size=len(data))
             self.metrics.batches_failed.inc()
-            await self.recovery.dead_letter_unreadable(self.id, data)
+            try:
+                await self.recovery.dead_letter_unreadable(self.id, data)
+            except STORE_ERRORS as exc:  # unreadable: there is no one to answer anyway
+                log.error("batch.unreadable_not_kept", error=type(exc).__name__)
             return {}
         if unreadable:
             log.error("batch.envelopes_unreadable", batch_id=batch.id, count=unreadable)
@@ -214,8 +216,9 @@ class Worker:
     # -- the loop ----------------------------------------------------------------
 
     async def warm_up(self) -> None:
-        """One real call before taking work: loads the model and measures the batch time."""
-        await self._call(["warm-up"])
+        """One real call before taking work: loads the model and measures the
+        batch time. A first call can be slow (weights, kernels): its own bound."""
+        await self._call(["warm-up"], timeout_ms=max(60_000, self.settings.hang_timeout_ms))
         log.info(
             "worker.warm", batch_ms=round(self.batch_ms_ewma or 0.0, 1), backend=self.backend.name
         )
@@ -256,9 +259,15 @@ class Worker:
 
     async def _loop(self, stop: asyncio.Event) -> None:
         backoff = Backoff(base_s=0.1, cap_s=2.0)
+        unsure = False  # a pull failed: its batch may be in processing anyway
         while not stop.is_set():
             try:
-                data = await self.queue.pull_batch(self.settings.pull_timeout_s)
+                data = await self.queue.batch_in_hand() if unsure else None
+                unsure = False
+                if data is None:
+                    unsure = True
+                    data = await self.queue.pull_batch(self.settings.pull_timeout_s)
+                    unsure = False
                 if data is None:
                     await self._keep_credit_offered()
                     continue

@@ -54,6 +54,10 @@ class PolicyError(Exception):
         self.problems = problems
         super().__init__("\n".join(str(p) for p in problems))
 
+    def __reduce__(self) -> tuple[type["PolicyError"], tuple[list[Problem]]]:
+        # Parsed in another process (live reload): it travels back pickled.
+        return (PolicyError, (self.problems,))
+
     def public(self, known_names: frozenset[str] = frozenset()) -> str:
         """Every problem, with nothing copied from the file (see ``Problem.public``)."""
         lines = [p.public(known_names) for p in self.problems[:20]]

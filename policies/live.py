@@ -13,7 +13,9 @@ force.
 """
 
 import asyncio
+import multiprocessing
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from infergate.base import logs
@@ -29,6 +31,11 @@ from infergate.policies.loader import (
 from infergate.policies.schema import Policy
 
 log = logs.get(__name__)
+
+# A policy up to this size is parsed in a thread; a bigger one in a process
+# of its own, so the parse never holds the GIL that the event loop needs
+# (a thread parsing a 2 MB file stalled requests for seconds on a busy host).
+IN_THREAD_BYTES = 64 * 1024
 
 # Keeps a newly valid policy where every process can read it (Redis).
 Keeper = Callable[[Policy, str], Awaitable[None]]
@@ -58,6 +65,8 @@ class LivePolicy:
         self._refused: list[Callable[[], None]] = []
         self._keeper: Keeper | None = None
         self._lock = asyncio.Lock()
+        self._pool: ProcessPoolExecutor | None = None
+        self._kept = False
         self.loop = Supervised("policy-watcher", self.check_file, interval_s)
 
     def on_change(self, listener: Callable[[Policy], None]) -> None:
@@ -73,6 +82,8 @@ class LivePolicy:
 
     async def check_file(self) -> bool:
         """One poll: True if a new valid policy was swapped in."""
+        if not self._kept and self.error is None:
+            await self.keep()  # a keep that failed earlier (Redis away) is tried again
         return await self._reload(settle=True)
 
     async def reload(self) -> bool:
@@ -106,7 +117,7 @@ class LivePolicy:
                 self._fail(error)
                 return False
         try:
-            policy = await asyncio.to_thread(parse_policy, text, str(self.path))
+            policy = await self._parse(text)
         except PolicyError as exc:
             self._verdicts = {text: public_error(exc)}
             self._fail(self._verdicts[text] or "")
@@ -126,13 +137,31 @@ class LivePolicy:
         )
         for listener in self._listeners:
             listener(policy)
+        self._kept = False
         await self.keep()
         return True
 
+    async def _parse(self, text: str) -> Policy:
+        if len(text) <= IN_THREAD_BYTES:
+            return await asyncio.to_thread(parse_policy, text, str(self.path))
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._pool, parse_policy, text, str(self.path))
+        except PolicyError:
+            raise
+        except Exception:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None  # a broken pool is made anew next time
+            raise
+
     async def keep(self) -> None:
-        """Keep the policy in force where every process can read it."""
-        if self._keeper is not None and self._active_text is not None:
+        """Keep the policy in force where every process can read it: only a
+        policy read from a file (the built-in example is never kept)."""
+        if self._keeper is not None and self._active_text is not None and self.path is not None:
             await self._keeper(self.current, self._active_text)
+        self._kept = True
 
     def _ok(self) -> None:
         if self.error is not None:
@@ -152,3 +181,6 @@ class LivePolicy:
 
     async def stop(self) -> None:
         await self.loop.stop()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None

@@ -181,6 +181,14 @@ def _construct(root: yaml.Node | None, filename: str) -> Any:
         return loader.construct_document(root)
     except RecursionError:
         raise PolicyError([Problem(filename, None, "", "the YAML nests too deeply")]) from None
+    except yaml.YAMLError as exc:  # a tag it cannot build (!!python/..., !!binary, ...)
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+        line = mark.line + 1 if mark is not None else None
+        raise PolicyError([Problem(filename, line, "", f"not valid YAML: {exc}")]) from None
+    except (ValueError, TypeError, OverflowError) as exc:  # !!int 0xZZ, !!timestamp 2020-13-45
+        raise PolicyError(
+            [Problem(filename, None, "", f"a value YAML cannot read: {type(exc).__name__}")]
+        ) from None
     finally:
         loader.dispose()
 
@@ -390,5 +398,6 @@ def _render(path: list[str | int]) -> str:
 
 
 def digest(secret: str) -> str:
-    """The digest a policy stores for a secret key."""
-    return hashlib.sha256(secret.encode("utf-8")).hexdigest()
+    """The digest a policy stores for a secret key (and the gateway computes
+    for the key a client sends; undecodable header bytes stay as they came)."""
+    return hashlib.sha256(secret.encode("utf-8", "surrogateescape")).hexdigest()

@@ -114,7 +114,9 @@ def test_an_endless_header_gets_431_in_bounded_memory(cluster: Cluster) -> None:
 def test_too_many_headers_and_one_huge_header_get_431(cluster: Cluster) -> None:
     many = "".join(f"X-H{i}: v\r\n" for i in range(100)).encode()
     huge = b"X-Huge: " + b"a" * 9000 + b"\r\n"
-    for extra in (many, huge):
+    # Each header and their count within limits, the head over 16 KB, in one chunk.
+    wide = "".join(f"X-W{i}: {'w' * 1000}\r\n" for i in range(30)).encode()
+    for extra in (many, huge, wide):
         sock = connect(cluster)
         sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + extra + b"\r\n")
         status, headers, body = response(sock)

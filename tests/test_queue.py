@@ -203,14 +203,30 @@ async def test_the_reaper_lock_is_held_by_one_owner_and_released_only_by_it(q: F
 
 
 async def _batch_in_processing(q: Faces, attempt: int = 0) -> bytes:
+    await q.worker.offer_credit()
+    assert await q.dispatcher.wait_credit(1) == "w1"
     for i in range(3):
         await q.gateway.enqueue("free", env(i, "free"))
     taken = await q.dispatcher.take(10, clock.now_ms(), [0, 0, 0])
     batch = wire.encode_batch("b1", "d1", clock.now_ms(), taken.envelopes, attempt=attempt)
-    await q.dispatcher.handoff("w1", batch, 3, clock.now_ms())
+    assert await q.dispatcher.handoff("w1", batch, 3, clock.now_ms())
     data = await q.worker.pull_batch(1)
     assert data is not None
     return data
+
+
+async def test_a_stalled_dispatcher_cannot_hand_off_what_the_reaper_took_back(q: Faces) -> None:
+    await q.worker.offer_credit()
+    assert await q.dispatcher.wait_credit(1) == "w1"
+    await q.gateway.enqueue("paid", env(1, "paid"))
+    taken = await q.dispatcher.take(10, clock.now_ms(), [0, 0, 0])
+    # The dispatcher stalls past its heartbeat: the reaper returns what it held.
+    assert await q.recovery.requeue_dispatcher("d1") == (1, 1)
+    batch = wire.encode_batch("b1", "d1", clock.now_ms(), taken.envelopes)
+    assert not await q.dispatcher.handoff("w1", batch, 1, clock.now_ms())
+    assert await q.redis.llen(q.keys.batches) == 0  # nothing runs twice
+    assert await q.redis.llen(q.keys.queue("paid")) == 1
+    assert await q.redis.lrange(q.keys.ready, 0, -1) == [b"w1"]
 
 
 async def test_a_dead_workers_batch_is_retried_then_dead_lettered_and_answered(q: Faces) -> None:

@@ -73,8 +73,10 @@ class DispatcherQueue:
     async def wait_doorbell(self, timeout_s: float) -> bool:
         return await self.store.redis.blpop([self.keys.doorbell], timeout_s) is not None
 
-    async def handoff(self, credit: str, batch: bytes, size: int, now_ms: int) -> None:
-        await self.store.scripts.handoff(
+    async def handoff(self, credit: str, batch: bytes, size: int, now_ms: int) -> bool:
+        """True if handed off; False if what this dispatcher held was taken back
+        (by the reaper, while it stalled): then nothing changed."""
+        handed = await self.store.scripts.handoff(
             keys=[
                 self.keys.inflight(self.dispatcher_id),
                 self.keys.batches,
@@ -84,6 +86,7 @@ class DispatcherQueue:
             ],
             args=[batch, credit, size, now_ms],
         )
+        return bool(handed)
 
     async def requeue_own(self) -> tuple[int, int]:
         return await requeue(self.store, self.dispatcher_id)

@@ -83,11 +83,9 @@ class RecoveryQueue:
                 "recovery.batch_retried", worker_id=worker_id, batch_id=batch.id, attempt=attempt
             )
             return "retried"
-        if not await self._move(worker_id, raw, b""):
-            return "moved_already"
-        log.error(
-            "recovery.batch_dead_lettered", worker_id=worker_id, batch_id=batch.id, attempts=attempt
-        )
+        # Answer first, then move: if the answer cannot be published the batch
+        # stays where it is and the next sweep tries again (a duplicate answer
+        # is ignored by its gateway; a lost one would leave clients to time out).
         replies = failure_replies(
             batch,
             "INFERENCE_FAILED",
@@ -98,6 +96,11 @@ class RecoveryQueue:
         async with self.store.redis.pipeline(transaction=False) as pipe:
             publish_replies(pipe, self.keys, replies)
             await pipe.execute()
+        if not await self._move(worker_id, raw, b""):
+            return "moved_already"
+        log.error(
+            "recovery.batch_dead_lettered", worker_id=worker_id, batch_id=batch.id, attempts=attempt
+        )
         return "dead_lettered"
 
     async def dead_letter_unreadable(self, worker_id: str, raw: bytes) -> None:

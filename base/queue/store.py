@@ -20,7 +20,7 @@ from infergate.base.queue.scripts import Scripts
 from infergate.base.tiers import ROLES, TIERS
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialWithJitterBackoff
+from redis.backoff import NoBackoff
 
 log = logs.get(__name__)
 
@@ -39,8 +39,10 @@ def connect(
         socket_connect_timeout=1.0,
         socket_timeout=block_s + 2.0,
         client_name=name,
-        # Fail fast when Redis is away: callers answer 503 or back off themselves.
-        retry=Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.1), retries=2),
+        # No automatic re-send: a script whose reply was lost may have run, and
+        # running take, enqueue or a quota charge twice is not harmless. Callers
+        # answer 503, or recover what they may hold and back off themselves.
+        retry=Retry(NoBackoff(), retries=0),
     )
     return Redis.from_pool(pool)  # the client owns (and closes) its pool
 

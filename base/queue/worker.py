@@ -40,6 +40,14 @@ class WorkerQueue:
             self.keys.batches, self.keys.processing(self.worker_id), timeout_s
         )
 
+    async def batch_in_hand(self) -> bytes | None:
+        """The batch already in this worker's processing list, if any (a pull
+        whose reply was lost still moved it there)."""
+        data: bytes | None = await self.store.redis.lindex(  # type: ignore[assignment]
+            self.keys.processing(self.worker_id), -1
+        )
+        return data
+
     async def answer_batch(self, replies: Mapping[str, wire.Reply], offer_credit: bool) -> None:
         """Publish one reply per gateway, then ack the batch (and offer a credit).
         A crash between the two re-runs the batch; gateways ignore the duplicate."""

@@ -1,9 +1,15 @@
 -- handoff: this dispatcher's inflight envelopes become one batch on the
 -- batches list, and the credit that paid for it is spent, in one step.
--- Records the hand-off time for pacing (see take.lua).
+-- Only if the inflight list still holds exactly the batch's envelopes and the
+-- credit is still held: a dispatcher that stalled past its heartbeat has had
+-- both returned by the reaper, and must not hand off copies (they would run
+-- twice). Records the hand-off time for pacing (see take.lua).
 -- KEYS[1] inflight:{dispatcher}  KEYS[2] batches  KEYS[3] credits:{dispatcher}  KEYS[4] stats
 -- KEYS[5] last-dispatch
 -- ARGV[1] the batch (JSON)  ARGV[2] the credit (worker id)  ARGV[3] batch size  ARGV[4] now (epoch ms)
+-- Returns 1 if handed off, 0 if refused (nothing changed).
+if redis.call('LLEN', KEYS[1]) ~= tonumber(ARGV[3]) then return 0 end
+if redis.call('LPOS', KEYS[3], ARGV[2]) == false then return 0 end
 redis.call('LPUSH', KEYS[2], ARGV[1])
 redis.call('DEL', KEYS[1])
 redis.call('LREM', KEYS[3], 1, ARGV[2])
