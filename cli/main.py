@@ -14,6 +14,7 @@ the Redis of every component.
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import sys
 from collections.abc import Iterator
@@ -277,15 +278,8 @@ def _gateway(args: argparse.Namespace) -> int:
 
     settings = GatewaySettings(**_process(args, "gateway"))
     gateway = Gateway(settings, _live_policy(args, required=True))
-    limits = EdgeLimits(
-        max_head_bytes=args.max_head_bytes,
-        max_header_bytes=args.max_header_bytes,
-        max_headers=args.max_headers,
-        head_timeout_s=args.head_timeout_s,
-        body_timeout_s=args.body_timeout_s,
-        keep_alive_s=args.keep_alive_s,
-        max_connections=args.max_connections,
-    )
+    # Each edge limit has a flag of the same name.
+    limits = EdgeLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EdgeLimits)})
     with _metrics(args, gateway.registry):
         return uvloop.run(serve(gateway, args.host, args.port, args.drain_timeout_s, limits))
 
