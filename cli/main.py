@@ -101,6 +101,12 @@ def _up_parser(sub: Any) -> None:
     _add(up, "--model", None, "model path for the transformers backend")
     _add(
         up,
+        "--gpus",
+        None,
+        "GPU ids to share among the workers, one per worker (default: every GPU nvidia-smi lists)",
+    )
+    _add(
+        up,
         "--metrics-port",
         0,
         "serve each child's Prometheus metrics, on this port and the next ones (0: off)",
@@ -165,6 +171,12 @@ def _worker_parser(sub: Any) -> None:
     _add(wk, "--model", None, "transformers backend: model directory")
     _add(wk, "--gguf-file", None, "transformers backend: GGUF file inside the model directory")
     _add(wk, "--max-new-tokens", 16, "transformers backend: tokens to generate per input", int)
+    _add(
+        wk,
+        "--device",
+        None,
+        "transformers backend: torch device, e.g. cuda:0 or cpu (default: cuda when present)",
+    )
     _add(wk, "--policy", None, "policy file for the worker settings (default: built-in)")
     _add(
         wk,
@@ -328,7 +340,10 @@ def _backend(args: argparse.Namespace) -> "Backend | None":
         from infergate.gpu.transformers_backend import TransformersBackend
 
         return TransformersBackend(
-            args.model, gguf_file=args.gguf_file, max_new_tokens=args.max_new_tokens
+            args.model,
+            gguf_file=args.gguf_file,
+            max_new_tokens=args.max_new_tokens,
+            device=args.device,
         )
     print(
         f"infergate worker: unknown backend {args.backend!r}; use simulated or transformers",

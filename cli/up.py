@@ -45,6 +45,8 @@ class Child:
     next_start: float = 0.0
     started_at: float = 0.0
     ids: list[str] = field(default_factory=list)
+    # Extra environment for this child alone (a worker's CUDA_VISIBLE_DEVICES).
+    env: dict[str, str] = field(default_factory=dict)
     backoff: Backoff = field(default_factory=lambda: Backoff(base_s=0.5, cap_s=10.0))
 
     def start(self, env: dict[str, str]) -> None:
@@ -52,7 +54,7 @@ class Child:
         self.ids.append(process_id)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "infergate", self.role, "--id", process_id, *self.argv],
-            env=env,
+            env={**env, **self.env},
             # Its own session: Ctrl-C reaches `up` alone, which then stops each
             # child once, with SIGTERM (a second signal would end it unclean).
             start_new_session=True,
@@ -176,10 +178,39 @@ def _children(args: argparse.Namespace, policy_path: str) -> list[Child]:
         ),
         *(Child(f"gateway-{i + 1}", "gateway", list(gateway_args)) for i in range(args.gateways)),
     ]
+    if args.backend == "transformers":
+        gpus = _gpus(args.gpus)
+        workers = [c for c in children if c.role == "worker"]
+        for i, worker in enumerate(workers):
+            # One GPU per worker (each sees it as cuda:0); CPU when there are none.
+            worker.env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)] if gpus else ""
+        if gpus and len(workers) > len(gpus):
+            print(
+                f"infergate up: {len(workers)} workers share {len(gpus)} GPUs; "
+                "each runs one batch at a time, so they take turns on a GPU",
+                file=sys.stderr,
+            )
     if args.metrics_port:
         for i, child in enumerate(children):
             child.argv += ["--metrics-port", str(args.metrics_port + i)]
     return children
+
+
+def _gpus(flag: str | None) -> list[str]:
+    """The GPU ids to give workers: the flag's list, else what nvidia-smi lists."""
+    if flag is not None:
+        return [g.strip() for g in flag.split(",") if g.strip()]
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.splitlines() if line.strip()]
 
 
 def _wait_ready(stack: Stack, url: str, stop_requested: list[int]) -> int | None:

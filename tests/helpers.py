@@ -193,6 +193,7 @@ class Stack:
         latency_ms: int = 100,
         policy: str | None = None,
         namespace: str = "infergate",
+        extra_args: list[str] | None = None,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -209,6 +210,7 @@ class Stack:
             str(latency_ms),
             "--namespace",
             namespace,
+            *(extra_args or []),
         ]
         if policy is not None:
             policy_path = tmp / f"policy-{self.port}.yaml"

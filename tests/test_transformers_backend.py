@@ -141,3 +141,42 @@ def test_a_transformers_worker_serves_http_end_to_end(
     finally:
         for p in procs:
             p.stop()
+
+
+def test_up_gives_each_transformers_worker_its_own_gpu(
+    tiny_model: Path, tmp_path: Path, redis_url: str
+) -> None:
+    """No GPU here: the check is the environment `up` gives each worker (each
+    sees one device as cuda:0), and that the stack serves (on the CPU)."""
+    from tests.helpers import Stack, children_of, cmdline, wait_for
+
+    s = Stack(
+        tmp_path,
+        redis_url,
+        workers=3,
+        policy=None,
+        extra_args=[
+            "--backend",
+            "transformers",
+            "--model",
+            str(tiny_model),
+            "--gpus",
+            "0,1,2",
+        ],
+    )
+    try:
+
+        def worker_envs() -> list[str]:
+            envs = []
+            for pid in children_of(s.proc.proc.pid):
+                if "infergate worker" in cmdline(pid):
+                    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                    envs += [e.decode() for e in environ if e.startswith(b"CUDA_VISIBLE_DEVICES=")]
+            return envs
+
+        envs = wait_for(lambda: len(worker_envs()) == 3 and worker_envs(), 10, "three workers")
+        assert sorted(envs) == [f"CUDA_VISIBLE_DEVICES={i}" for i in range(3)]
+        status, _, body = s.infer("paid", "hello gpus")
+        assert status == 200, body
+    finally:
+        s.stop()
