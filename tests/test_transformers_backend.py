@@ -148,13 +148,13 @@ def test_up_gives_each_transformers_worker_its_own_gpu(
 ) -> None:
     """No GPU here: the check is the environment `up` gives each worker (each
     sees one device as cuda:0), and that the stack serves (on the CPU)."""
-    from tests.helpers import Stack, children_of, cmdline, wait_for
+    from tests.helpers import Stack, children_of, cmdline, policy_yaml, wait_for
 
     s = Stack(
         tmp_path,
         redis_url,
         workers=3,
-        policy=None,
+        policy=policy_yaml(),
         extra_args=[
             "--backend",
             "transformers",
