@@ -134,6 +134,15 @@ class GatewayMetrics(PolicyWatching):
         for tier in TIERS:
             for reason in REFUSAL_REASONS:
                 self.refusals.labels(tier, reason)
+        # The success path's three series per tier, resolved once (not per request).
+        self.answered = {
+            tier: (
+                self.requests.labels(tier, "200"),
+                self.request_duration.labels(tier),
+                self.queue_wait.labels(tier),
+            )
+            for tier in TIERS
+        }
 
 
 class DispatcherMetrics(PolicyWatching):

@@ -227,11 +227,11 @@ class Gateway:
         except ApiError as exc:
             self.metrics.requests.labels(exc.tier or NO_TIER, str(exc.status)).inc()
             raise
-        m = self.metrics
-        m.requests.labels(response.tier, "200").inc()
+        answered, duration, queue_wait = self.metrics.answered[response.tier]
+        answered.inc()
         exemplar = {"trace_id": trace_id} if trace_id else None
-        m.request_duration.labels(response.tier).observe(clock.elapsed_s(started), exemplar)
-        m.queue_wait.labels(response.tier).observe(response.queue_ms / 1000.0)
+        duration.observe(clock.elapsed_s(started), exemplar)
+        queue_wait.observe(response.queue_ms / 1000.0)
         return response, headers
 
     async def _infer_traced(
