@@ -391,13 +391,13 @@ async def test_a_refused_request_is_refunded_on_every_limit(store: Store) -> Non
         assert r.refused_by is not None
         assert "1 per 1 second" in r.refused_by
     # Had those 4 refusals been counted, the 3/minute limit would refuse now.
-    await asyncio.sleep(1.1)
+    await asyncio.sleep(1.1)  # pacing: into the next 1/second window
     second = (await charge_n(quota, pol, "fre", 1))[0]
     assert second.allowed, second
-    await asyncio.sleep(1.1)
+    await asyncio.sleep(1.1)  # pacing: into the next 1/second window
     third = (await charge_n(quota, pol, "fre", 1))[0]
     assert third.allowed, third
-    await asyncio.sleep(1.1)
+    await asyncio.sleep(1.1)  # pacing: into the next 1/second window
     fourth = (await charge_n(quota, pol, "fre", 1))[0]
     assert not fourth.allowed
     assert fourth.refused_by is not None
