@@ -31,8 +31,9 @@ def free_port() -> int:
 class RedisServer:
     """A redis-server child process that keeps nothing on disk."""
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, args: tuple[str, ...] = ()) -> None:
         self.port = port or free_port()
+        self.args = args  # more redis-server options (a replica's --replicaof, auth, TLS)
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.dir = tempfile.mkdtemp(prefix="infergate-redis-")
         self.proc: subprocess.Popen[bytes] | None = None
@@ -55,6 +56,7 @@ class RedisServer:
                 "no",
                 "--loglevel",
                 "warning",
+                *self.args,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,

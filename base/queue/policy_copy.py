@@ -11,6 +11,7 @@ from typing import NamedTuple
 import redis
 from infergate.base import clock
 from infergate.base.keys import Keys
+from infergate.base.queue import redis_url
 from infergate.base.queue.store import Store
 
 
@@ -30,7 +31,7 @@ async def keep_policy(store: Store, version: str, text: str) -> None:
 def fetch_policy(url: str, namespace: str, timeout_s: float = 2.0) -> PolicyCopy | None:
     """The last valid policy, read once at start-up (before any event loop runs).
     None if there is none, or Redis cannot be reached within ``timeout_s``."""
-    client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+    client = redis_url.sync_client(url, timeout_s)
     try:
         raw: dict[bytes, bytes] = client.hgetall(Keys(namespace).policy)  # type: ignore[assignment]
     except (redis.exceptions.RedisError, OSError):

@@ -16,9 +16,10 @@ from typing import Any
 import msgspec
 from infergate.base import logs, wire
 from infergate.base.keys import Keys
+from infergate.base.queue import redis_url
 from infergate.base.queue.scripts import Scripts
 from infergate.base.tiers import ROLES, TIERS
-from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
@@ -32,7 +33,7 @@ def connect(
     will issue; the socket timeout leaves room for it, so a dead Redis is
     noticed instead of hanging. Under a burst, commands wait (up to 2 s) for
     one of ``max_connections`` connections instead of failing."""
-    pool = BlockingConnectionPool.from_url(
+    return redis_url.async_client(
         url,
         max_connections=max_connections,
         timeout=2.0,
@@ -44,7 +45,6 @@ def connect(
         # answer 503, or recover what they may hold and back off themselves.
         retry=Retry(NoBackoff(), retries=0),
     )
-    return Redis.from_pool(pool)  # the client owns (and closes) its pool
 
 
 class FleetSnapshot(msgspec.Struct, frozen=True):
