@@ -28,6 +28,7 @@ class Keys:
         self.reaper_lock = self.prefix + "reaper-lock"
         self.ratelimit_prefix = self.prefix + "ratelimit"
         self.policy = self.prefix + "policy"
+        self.scale_signal = self.prefix + "scale-signal"
         self.queues = tuple(self.queue(t) for t in TIERS)
 
     def queue(self, tier: str) -> str:

@@ -177,6 +177,23 @@ class DispatcherMetrics(PolicyWatching):
         )
         for reason in DROP_REASONS:
             self.dropped.labels(reason)
+        # The autoscaling signal (base/autoscale.py): what an HPA or KEDA scales on.
+        self.desired_workers = Gauge(
+            "infergate_autoscale_desired_workers",
+            "Workers the fleet needs: demand / (per-worker capacity x target utilization), "
+            "held at its peak over autoscale.scale_down_after_s",
+            registry=registry,
+        )
+        self.demand_rps = Gauge(
+            "infergate_autoscale_demand_rps",
+            "Requests per second asked of the gateways (admitted + refused for capacity)",
+            registry=registry,
+        )
+        self.worker_capacity_rps = Gauge(
+            "infergate_autoscale_worker_capacity_rps",
+            "Measured requests per second one worker can serve at the policy's batch size",
+            registry=registry,
+        )
 
 
 class WorkerMetrics(Common):

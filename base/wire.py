@@ -81,6 +81,21 @@ class Heartbeat(msgspec.Struct, frozen=True, omit_defaults=True):
     delivered_rps: float = 0.0
     batch_ms: float = 0.0
     draining: bool = False
+    # A gateway's demand since it started: requests admitted, and refused for
+    # capacity (503), which the fleet would have served had it been bigger.
+    admitted: int = 0
+    refused: int = 0
+
+
+class ScaleSignal(msgspec.Struct, frozen=True):
+    """How many workers the fleet needs, and what that was computed from."""
+
+    desired_workers: int
+    demand_rps: float
+    worker_capacity_rps: float
+    target_utilization: float
+    workers: int
+    at_ms: int
 
 
 _json_encoder = msgspec.json.Encoder()
@@ -88,9 +103,10 @@ _envelope_decoder = msgspec.json.Decoder(Envelope)
 _raw_batch_decoder = msgspec.json.Decoder(_RawBatch)
 _reply_decoder = msgspec.json.Decoder(Reply)
 _heartbeat_decoder = msgspec.json.Decoder(Heartbeat)
+_scale_signal_decoder = msgspec.json.Decoder(ScaleSignal)
 
 
-def encode(obj: Envelope | Reply | Heartbeat | Batch) -> bytes:
+def encode(obj: Envelope | Reply | Heartbeat | Batch | ScaleSignal) -> bytes:
     return _json_encoder.encode(obj)
 
 
@@ -133,3 +149,7 @@ def decode_reply(data: bytes) -> Reply:
 
 def decode_heartbeat(data: bytes) -> Heartbeat:
     return _heartbeat_decoder.decode(data)
+
+
+def decode_scale_signal(data: bytes) -> ScaleSignal:
+    return _scale_signal_decoder.decode(data)

@@ -74,6 +74,7 @@ def _process(args: argparse.Namespace, role: str) -> dict[str, Any]:
     """Set up logging for this process and return its common settings."""
     from infergate.base import logs, tracing
 
+    _check_redis_url(args.redis_url)
     process_id = args.id or f"{role}-{os.urandom(4).hex()}"
     logs.configure(role, process_id)
     tracing.setup(role, process_id)
@@ -86,11 +87,30 @@ def _process(args: argparse.Namespace, role: str) -> dict[str, Any]:
     }
 
 
+def _check_redis_url(url: str) -> None:
+    """Exit with a message (never the password) if the Redis URL cannot work."""
+    from infergate.base.queue import redis_url
+
+    try:
+        redis_url.check(url)
+    except ValueError as exc:
+        print(f"infergate: REDIS_URL / --redis-url: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
 def _up_parser(sub: Any) -> None:
     up = sub.add_parser("up", help="run a whole local stack")
     _add(up, "--host", "127.0.0.1", "address the gateway listens on")
     _add(up, "--port", 8000, "port the gateway listens on", int)
-    _add(up, "--workers", 4, "simulated GPU workers", int)
+    from infergate.scaling import worker_range
+
+    _add(
+        up,
+        "--workers",
+        "4",
+        "workers: a count, or MIN:MAX to follow the autoscaling signal",
+        worker_range,
+    )
     _add(up, "--dispatchers", 1, "dispatcher processes", int)
     _add(up, "--gateways", 1, "gateway processes (sharing the port)", int)
     _add(up, "--sim-latency-ms", 100, "simulated batch time", float)

@@ -23,10 +23,13 @@ from types import FrameType
 
 from infergate.base import logs
 from infergate.base.loops import Backoff
+from infergate.base.queue import redis_url
+from infergate.base.queue.scale_signal import SignalReader
 from infergate.policies import PolicyError, load_policy
 from infergate.policies.demo import demo_policy
 from infergate.policies.loader import public_error
 from infergate.redis_server import RedisServer
+from infergate.scaling import WorkerScaler
 
 log = logs.get(__name__)
 
@@ -45,6 +48,8 @@ class Child:
     next_start: float = 0.0
     started_at: float = 0.0
     ids: list[str] = field(default_factory=list)
+    slot: int = 0  # a worker's place: its GPU and metrics port follow from it
+    retiring: bool = False  # stopped on purpose (scaled down): not restarted
     # Extra environment for this child alone (a worker's CUDA_VISIBLE_DEVICES).
     env: dict[str, str] = field(default_factory=dict)
     backoff: Backoff = field(default_factory=lambda: Backoff(base_s=0.5, cap_s=10.0))
@@ -78,11 +83,27 @@ class Stack:
     def failed_child(self) -> Child | None:
         return next((c for c in self.children if not c.alive()), None)
 
+    def workers(self) -> list[Child]:
+        """The workers running or restarting, not those being retired."""
+        return [c for c in self.children if c.role == "worker" and not c.retiring]
+
+    def add(self, child: Child) -> None:
+        self.children.append(child)
+        child.start(self.env)
+
+    def retire(self, child: Child) -> None:
+        """Stop a child for good by SIGTERM (a worker drains its batch first)."""
+        child.retiring = True
+        if child.alive() and child.proc is not None:
+            child.proc.send_signal(signal.SIGTERM)
+
     def supervise_once(self) -> None:
-        """Restart children that died, with backoff (reset after a long life)."""
+        """Restart children that died, with backoff (reset after a long life);
+        forget retired ones once they have exited."""
         now = time.monotonic()
+        self.children = [c for c in self.children if not (c.retiring and not c.alive())]
         for child in self.children:
-            if child.alive() or self.stopping:
+            if child.alive() or self.stopping or child.retiring:
                 continue
             if child.next_start == 0.0:
                 code = child.proc.returncode if child.proc else None
@@ -102,7 +123,7 @@ class Stack:
     def stop_all(self) -> None:
         self.stopping = True
         for child in self.children:
-            if child.alive() and child.proc is not None:
+            if child.alive() and child.proc is not None and not child.retiring:
                 child.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + STOP_TIMEOUT_S
         for child in self.children:
@@ -158,42 +179,43 @@ def _write_private(path: Path, text: str) -> None:
     os.chmod(path, 0o600)  # an existing file keeps its mode through O_CREAT
 
 
-def _children(args: argparse.Namespace, policy_path: str) -> list[Child]:
-    worker_args = [
-        "--backend",
-        args.backend,
-        "--sim-latency-ms",
-        str(args.sim_latency_ms),
-        "--policy",
-        policy_path,
-    ]
-    if args.model:
-        worker_args += ["--model", args.model]
+def _children(args: argparse.Namespace, policy_path: str, gpus: list[str]) -> list[Child]:
+    """The stack at start: the fewest workers asked for, the dispatchers and gateways."""
+    low, high = args.workers
     gateway_args = ["--policy", policy_path, "--host", args.host, "--port", str(args.port)]
-    children = [
-        *(Child(f"worker-{i + 1}", "worker", list(worker_args)) for i in range(args.workers)),
+    others = [
         *(
             Child(f"dispatcher-{i + 1}", "dispatcher", ["--policy", policy_path])
             for i in range(args.dispatchers)
         ),
         *(Child(f"gateway-{i + 1}", "gateway", list(gateway_args)) for i in range(args.gateways)),
     ]
-    if args.backend == "transformers":
-        gpus = _gpus(args.gpus)
-        workers = [c for c in children if c.role == "worker"]
-        for i, worker in enumerate(workers):
-            # One GPU per worker (each sees it as cuda:0); CPU when there are none.
-            worker.env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)] if gpus else ""
-        if gpus and len(workers) > len(gpus):
-            print(
-                f"infergate up: {len(workers)} workers share {len(gpus)} GPUs; "
-                "each runs one batch at a time, so they take turns on a GPU",
-                file=sys.stderr,
-            )
     if args.metrics_port:
-        for i, child in enumerate(children):
-            child.argv += ["--metrics-port", str(args.metrics_port + i)]
-    return children
+        # Worker slots take the first ports (as many as the most workers), the rest follow.
+        for i, child in enumerate(others):
+            child.argv += ["--metrics-port", str(args.metrics_port + high + i)]
+    if gpus and high > len(gpus):
+        print(
+            f"infergate up: up to {high} workers share {len(gpus)} GPUs; "
+            "each runs one batch at a time, so they take turns on a GPU",
+            file=sys.stderr,
+        )
+    return [*(worker_child(args, policy_path, slot, gpus) for slot in range(low)), *others]
+
+
+def worker_child(args: argparse.Namespace, policy_path: str, slot: int, gpus: list[str]) -> Child:
+    """The worker in ``slot``: its name, its GPU and its metrics port follow from the slot."""
+    argv = ["--backend", args.backend, "--sim-latency-ms", str(args.sim_latency_ms)]
+    argv += ["--policy", policy_path]
+    if args.model:
+        argv += ["--model", args.model]
+    if args.metrics_port:
+        argv += ["--metrics-port", str(args.metrics_port + slot)]
+    child = Child(f"worker-{slot + 1}", "worker", argv, slot=slot)
+    if args.backend == "transformers":
+        # One GPU per worker (each sees it as cuda:0); CPU when there are none.
+        child.env["CUDA_VISIBLE_DEVICES"] = gpus[slot % len(gpus)] if gpus else ""
+    return child
 
 
 def _gpus(flag: str | None) -> list[str]:
@@ -250,9 +272,9 @@ def run_stack(args: argparse.Namespace) -> int:
         policy_path = _policy_path(args, Path(tmp))
         if policy_path is None:
             return 2
-        redis_url = os.environ.get("REDIS_URL")
-        if redis_url:
-            return _run(args, policy_path, redis_url, stop_requested)
+        url = os.environ.get("REDIS_URL")
+        if url:
+            return _run(args, policy_path, url, stop_requested)
         try:
             redis_server = RedisServer().start()
         except RuntimeError as exc:
@@ -265,28 +287,24 @@ def run_stack(args: argparse.Namespace) -> int:
             redis_server.close()
 
 
-def _run(args: argparse.Namespace, policy_path: str, redis_url: str, stop: list[int]) -> int:
-    """Start the children, wait until ready, supervise until a signal, stop them."""
-    env = {**os.environ, "REDIS_URL": redis_url, "INFERGATE_NAMESPACE": args.namespace}
-    stack = Stack(_children(args, policy_path), env)
+def _run(args: argparse.Namespace, policy_path: str, url: str, stop: list[int]) -> int:
+    """Start the children, wait until ready, supervise (and scale) until a
+    signal, stop them."""
+    env = {**os.environ, "REDIS_URL": url, "INFERGATE_NAMESPACE": args.namespace}
+    gpus = _gpus(args.gpus) if args.backend == "transformers" else []
+    stack = Stack(_children(args, policy_path, gpus), env)
+    scaler = _scaler(args, policy_path, gpus, stack, url)
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     try:
         stack.start_all()
         code = _wait_ready(stack, f"http://{host}:{args.port}/readyz", stop)
         if code is not None:
             return code
-        if args.metrics_port:
-            ports = ", ".join(
-                f"{c.name} :{args.metrics_port + i}" for i, c in enumerate(stack.children)
-            )
-            print(f"infergate up: metrics at {ports}", file=sys.stderr)
-        print(
-            f"infergate up: ready at http://{args.host}:{args.port} "
-            f"({args.gateways} gateway, {args.dispatchers} dispatcher, {args.workers} workers; Redis {redis_url})",
-            file=sys.stderr,
-        )
+        _say_ready(args, url)
         while not stop:
             stack.supervise_once()
+            if scaler is not None:
+                scaler.step()
             time.sleep(0.2)
         log.info("up.stopping", signal=stop[0])
         return 0
@@ -295,3 +313,45 @@ def _run(args: argparse.Namespace, policy_path: str, redis_url: str, stop: list[
         return 1
     finally:
         stack.stop_all()
+        if scaler is not None:
+            scaler.close()
+
+
+def _scaler(
+    args: argparse.Namespace, policy_path: str, gpus: list[str], stack: Stack, url: str
+) -> WorkerScaler | None:
+    """With ``--workers MIN:MAX``, what keeps the workers at the signal."""
+    low, high = args.workers
+    if low == high:
+        return None
+
+    def add() -> None:
+        taken = {c.slot for c in stack.workers()}
+        slot = min(s for s in range(high) if s not in taken)
+        stack.add(worker_child(args, policy_path, slot, gpus))
+
+    def retire() -> None:
+        stack.retire(max(stack.workers(), key=lambda c: c.slot))
+
+    reader = SignalReader(url, args.namespace)
+    return WorkerScaler(reader, low, high, lambda: len(stack.workers()), add, retire)
+
+
+def _say_ready(args: argparse.Namespace, url: str) -> None:
+    low, high = args.workers
+    workers = f"{low} workers" if low == high else f"{low}-{high} workers (autoscaled)"
+    if args.metrics_port:
+        first_other = args.metrics_port + high
+        print(
+            f"infergate up: metrics at :{args.metrics_port}-{first_other - 1} (worker slots), "
+            f":{first_other}-{first_other + args.dispatchers - 1} (dispatchers), "
+            f":{first_other + args.dispatchers}-{first_other + args.dispatchers + args.gateways - 1}"
+            " (gateways)",
+            file=sys.stderr,
+        )
+    print(
+        f"infergate up: ready at http://{args.host}:{args.port} "
+        f"({args.gateways} gateway, {args.dispatchers} dispatcher, {workers}; "
+        f"Redis {redis_url.redact(url)})",
+        file=sys.stderr,
+    )

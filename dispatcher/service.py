@@ -41,6 +41,7 @@ from infergate.base.queue.store import Store
 from infergate.base.settings import ProcessSettings
 from infergate.base.tiers import TIERS
 from infergate.dispatcher.reaper import Reaper
+from infergate.dispatcher.scaling import ScaleSignalLoop
 from infergate.policies import Policy
 from infergate.policies.live import LivePolicy
 from prometheus_client import CollectorRegistry
@@ -112,6 +113,7 @@ class Dispatcher:
             self.store, self.status, settings.heartbeat_interval_ms, settings.heartbeat_ttl_ms
         )
         self.dispatching = Supervised("dispatch", self.dispatch_once, 0)
+        self.scale_signal = ScaleSignalLoop(self.store, policy, self.metrics)
         self._unsure = False
 
     def status(self) -> wire.Heartbeat:
@@ -232,11 +234,13 @@ class Dispatcher:
         self.reaper.start()
         self.dispatching.start()
         self.metrics_reading.start()
+        self.scale_signal.start()
         log.info("dispatcher.started", dispatcher_id=self.id)
         try:
             await stop.wait()
         finally:
             await self.dispatching.stop()
+            await self.scale_signal.stop()
             await self.metrics_reading.stop()
             await self.reaper.stop()
             await self.heartbeat.stop()

@@ -132,11 +132,21 @@ class Gateway:
         self.metrics_reading = Supervised("metrics-reading", self._refresh_reading, 1.0)
         self.started_ms = clock.now_ms()
         self.served = 0
+        # Demand, for the autoscaling signal (base/autoscale.py): admitted, and
+        # refused for capacity. Carried by the heartbeat, never a command per request.
+        self.admitted = 0
+        self.refused_for_capacity = 0
         self.draining = False
         self.heartbeat = Heartbeater(
             self.store,
             lambda: wire.Heartbeat(
-                "gateway", self.id, self.started_ms, clock.now_ms(), requests_done=self.served
+                "gateway",
+                self.id,
+                self.started_ms,
+                clock.now_ms(),
+                requests_done=self.served,
+                admitted=self.admitted,
+                refused=self.refused_for_capacity,
             ),
             settings.heartbeat_interval_ms,
             settings.heartbeat_ttl_ms,
@@ -279,6 +289,7 @@ class Gateway:
         self._check_capacity(policy, key.tier)
         headers = await self._charge_quota(key, tier, len(body.input))
         self.admission.admitted(key.tier)
+        self.admitted += 1
         deadline_ms = (
             tier.deadline_ms if body.timeout_ms is None else min(tier.deadline_ms, body.timeout_ms)
         )
@@ -310,12 +321,14 @@ class Gateway:
             raise redis_unreachable()
         if self.fleet.workers_alive == 0:
             refused.labels(tier_name, "no_worker").inc()
+            self.refused_for_capacity += 1
             raise ApiError(
                 "SERVICE_OVERLOADED", "no healthy worker is available", RETRY_NO_WORKER_MS
             )
         decision = self.admission.decide(policy, tier_name)
         if not decision.admitted:
             refused.labels(tier_name, "capacity").inc()
+            self.refused_for_capacity += 1
             budget_ms = policy.tiers[tier_name].latency_budget_ms
             raise ApiError(
                 "SERVICE_OVERLOADED",

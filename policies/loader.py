@@ -16,6 +16,7 @@ import yaml
 from infergate.base.tiers import TIERS
 from infergate.policies.errors import PolicyError, Problem
 from infergate.policies.schema import (
+    Autoscale,
     Batching,
     Capacity,
     Document,
@@ -47,7 +48,7 @@ _Loader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 # other name in a problem's path came from the file and is masked.
 SCHEMA_NAMES = frozenset(TIERS) | frozenset(
     field.name
-    for struct in (Document, Tier, KeyEntry, Batching, Capacity, Limits, Workers)
+    for struct in (Document, Tier, KeyEntry, Batching, Capacity, Autoscale, Limits, Workers)
     for field in msgspec.structs.fields(struct)
 )
 
@@ -306,6 +307,14 @@ def _check_settings(doc: Document, at: "_Locator") -> list[Problem]:
     if not 0.05 <= doc.capacity.target_utilization <= 1.0:
         out.append(
             at.problem(["capacity", "target_utilization"], "must be between 0.05 and 1, e.g. 0.85")
+        )
+    if not 0.05 <= doc.autoscale.target_utilization <= 1.0:
+        out.append(
+            at.problem(["autoscale", "target_utilization"], "must be between 0.05 and 1, e.g. 0.7")
+        )
+    if not 0 <= doc.autoscale.scale_down_after_s <= 86_400:
+        out.append(
+            at.problem(["autoscale", "scale_down_after_s"], "must be 0-86400 seconds, e.g. 300")
         )
     if not 256 <= doc.limits.max_body_bytes <= MAX_BODY_BYTES:
         out.append(

@@ -42,6 +42,15 @@ class Capacity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     target_utilization: float = 0.85
 
 
+class Autoscale(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    # The worker count the fleet needs is demand / (per-worker capacity x this):
+    # below admission's target, so workers are added before requests are refused.
+    target_utilization: float = 0.7
+    # The signal falls only after demand has stayed lower this long (GPU cold
+    # starts take minutes: removing a worker too soon costs more than keeping it).
+    scale_down_after_s: float = 300.0
+
+
 class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Request bodies larger than this are refused with 413.
     max_body_bytes: int = 65_536
@@ -65,6 +74,7 @@ class Document(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     keys: list[KeyEntry] = msgspec.field(default_factory=list)
     batching: Batching = msgspec.field(default_factory=Batching)
     capacity: Capacity = msgspec.field(default_factory=Capacity)
+    autoscale: Autoscale = msgspec.field(default_factory=Autoscale)
     limits: Limits = msgspec.field(default_factory=Limits)
     workers: Workers = msgspec.field(default_factory=Workers)
 

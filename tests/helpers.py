@@ -188,7 +188,7 @@ class Stack:
         tmp: Path,
         redis_url: str,
         *,
-        workers: int = 4,
+        workers: int | str = 4,
         gateways: int = 1,
         latency_ms: int = 100,
         policy: str | None = None,

@@ -1,0 +1,79 @@
+"""``infergate up --workers MIN:MAX``: follow the autoscaling signal.
+
+The dispatchers compute how many workers the fleet needs (base/autoscale.py,
+already held at its peak over the policy's quiet period) and keep it in
+Redis; once a second ``up`` reads it, clamps it to MIN..MAX, starts the
+workers missing at once and retires the newest extra ones by SIGTERM, the
+drain that finishes a worker's batch and loses nothing.
+"""
+
+import argparse
+import time
+from collections.abc import Callable
+
+from infergate.base import logs
+from infergate.base.queue.scale_signal import SignalReader
+
+log = logs.get(__name__)
+
+INTERVAL_S = 1.0
+
+
+def worker_range(text: str) -> tuple[int, int]:
+    """``N`` (a fixed count) or ``MIN:MAX`` (autoscaled), for ``--workers``."""
+    low, sep, high = str(text).partition(":")
+    try:
+        bounds = (int(low), int(high) if sep else int(low))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give a count (4) or a range MIN:MAX (1:8)"
+        ) from None
+    if not 1 <= bounds[0] <= bounds[1] <= 256:
+        raise argparse.ArgumentTypeError(f"{text!r}: need 1 <= MIN <= MAX <= 256 (e.g. 1:8)")
+    return bounds
+
+
+class WorkerScaler:
+    """Keeps the number of workers at the signal, within ``low``..``high``.
+
+    ``count`` says how many workers run and are not retiring; ``add`` starts
+    one; ``retire`` stops the newest one by SIGTERM.
+    """
+
+    def __init__(
+        self,
+        reader: SignalReader,
+        low: int,
+        high: int,
+        count: Callable[[], int],
+        add: Callable[[], None],
+        retire: Callable[[], None],
+    ) -> None:
+        self.reader = reader
+        self.low, self.high = low, high
+        self.count, self.add, self.retire = count, add, retire
+        self._next_s = 0.0
+
+    def target(self) -> int | None:
+        """The signal clamped to the range; None while there is no signal."""
+        signal = self.reader.read()
+        if signal is None:
+            return None
+        return max(self.low, min(self.high, signal.desired_workers))
+
+    def step(self) -> None:
+        now = time.monotonic()
+        if now < self._next_s:
+            return
+        self._next_s = now + INTERVAL_S
+        target, running = self.target(), self.count()
+        if target is None or target == running:
+            return
+        log.info("up.scaling", workers=running, target=target)
+        for _ in range(target - running):
+            self.add()
+        for _ in range(running - target):
+            self.retire()
+
+    def close(self) -> None:
+        self.reader.close()

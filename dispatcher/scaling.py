@@ -1,0 +1,49 @@
+"""The dispatcher's share of autoscaling: once a second, compute the signal
+from the fleet's heartbeats (base/autoscale.py), export it as metrics and
+keep it in Redis for ``infergate up``."""
+
+from infergate.base import clock, logs
+from infergate.base.autoscale import Autoscaler
+from infergate.base.loops import Backoff, Supervised
+from infergate.base.metrics import DispatcherMetrics
+from infergate.base.queue import scale_signal
+from infergate.base.queue.store import Store
+from infergate.policies.live import LivePolicy
+
+log = logs.get(__name__)
+
+INTERVAL_S = 1.0
+
+
+class ScaleSignalLoop:
+    def __init__(self, store: Store, policy: LivePolicy, metrics: DispatcherMetrics) -> None:
+        self.store = store
+        self.policy = policy
+        self.metrics = metrics
+        self.autoscaler = Autoscaler()
+        self.loop = Supervised("scale-signal", self.step, INTERVAL_S, Backoff(0.2, INTERVAL_S))
+
+    async def step(self) -> None:
+        beats, _ = await self.store.heartbeats(["gateway", "worker"])
+        doc = self.policy.current.document
+        signal = self.autoscaler.signal(
+            self.store.readable("gateway", beats["gateway"]),
+            self.store.readable("worker", beats["worker"]),
+            doc.batching.max_batch_size,
+            doc.autoscale.target_utilization,
+            doc.autoscale.scale_down_after_s,
+            clock.monotonic_s(),
+            clock.now_ms(),
+        )
+        if signal is None:
+            return
+        self.metrics.desired_workers.set(signal.desired_workers)
+        self.metrics.demand_rps.set(signal.demand_rps)
+        self.metrics.worker_capacity_rps.set(signal.worker_capacity_rps)
+        await scale_signal.publish(self.store, signal)
+
+    def start(self) -> None:
+        self.loop.start()
+
+    async def stop(self) -> None:
+        await self.loop.stop()
