@@ -1,6 +1,7 @@
 """Heartbeats: every process keeps a key with a TTL; the reaper treats an
 owner whose key has expired (or is unreadable) as dead."""
 
+import time
 from collections.abc import Callable
 
 from infergate.base import wire
@@ -27,6 +28,8 @@ class Heartbeater:
         self.status = status
         self.ttl_ms = ttl_ms
         interval_s = interval_ms / 1000.0
+        # Generous: a beat that waits on a dead Redis takes up to its socket timeout.
+        self.max_silence_s = max(10.0, 20 * interval_s)
         self.loop = Supervised(
             "heartbeat", self.beat_once, interval_s, Backoff(base_s=0.05, cap_s=interval_s)
         )
@@ -34,6 +37,12 @@ class Heartbeater:
     @property
     def healthy(self) -> bool:
         return self.loop.healthy
+
+    def alive(self) -> bool:
+        """The loop still ends a beat (failed or not) every few intervals:
+        the event loop is not stuck. Before the first beat: alive."""
+        last = self.loop.last_step_s
+        return last == 0.0 or time.monotonic() - last < self.max_silence_s
 
     async def beat_once(self) -> None:
         await self.store.beat(self.status(), self.ttl_ms)

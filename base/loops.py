@@ -11,6 +11,7 @@ report a loop that keeps failing instead of serving on a frozen view.
 
 import asyncio
 import random
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -57,6 +58,9 @@ class Supervised:
         self.backoff = backoff or Backoff()
         self.healthy = False
         self.errors = 0
+        # When a step last ended, failed or not (monotonic s): a loop that
+        # stops ending steps is stuck, whatever Redis does.
+        self.last_step_s = 0.0
         self._stopping = False
         self._task: asyncio.Task[None] | None = None
 
@@ -93,17 +97,20 @@ class Supervised:
             try:
                 await self.step()
             except UNAVAILABLE as exc:
+                self.last_step_s = time.monotonic()
                 if self.healthy or self.backoff.failures == 0:
                     log.warning("loop.redis_unavailable", loop=self.name, error=type(exc).__name__)
                 self.healthy = False
                 await self.backoff.sleep()
                 continue
             except Exception:
+                self.last_step_s = time.monotonic()
                 self.errors += 1
                 self.healthy = False
                 log.exception("loop.failed", loop=self.name, errors=self.errors)
                 await self.backoff.sleep()
                 continue
+            self.last_step_s = time.monotonic()
             if not self.healthy and self.backoff.failures:
                 log.info("loop.recovered", loop=self.name)
             self.healthy = True

@@ -23,7 +23,6 @@ from prometheus_client import (
     Gauge,
     Histogram,
     disable_created_metrics,
-    start_http_server,
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -278,19 +277,6 @@ class FleetCollector(Collector):
         for tier, seconds in reading.latency_budget_s.items():
             budget.add_metric([tier], seconds)
         yield from (depth, workers, capacity, wait, info, budget)
-
-
-def serve(registry: CollectorRegistry, port: int, host: str = "0.0.0.0") -> Callable[[], None]:
-    """Serve ``/metrics`` (text or OpenMetrics, by the scraper's Accept) on its
-    own thread; returns the function that stops it."""
-    server, thread = start_http_server(port, host, registry)
-
-    def stop() -> None:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=2)
-
-    return stop
 
 
 def watch_policy_and_redis(

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from infergate.base.probes import Probes
     from infergate.gpu.backend import Backend
     from infergate.policies.live import LivePolicy
     from prometheus_client import CollectorRegistry
@@ -249,14 +250,24 @@ def main(argv: list[str] | None = None) -> int:
 
 
 @contextlib.contextmanager
-def _metrics(args: argparse.Namespace, registry: "CollectorRegistry") -> Iterator[None]:
-    """This process's /metrics on its own port, for as long as it runs."""
+def _side_port(
+    args: argparse.Namespace, registry: "CollectorRegistry", probes: "Probes"
+) -> Iterator[None]:
+    """This process's /metrics, /healthz and /readyz on its own port, for as long as it runs."""
     if not args.metrics_port:
         yield
         return
-    from infergate.base import metrics
+    from infergate.base import probes as side_port
 
-    stop = metrics.serve(registry, args.metrics_port, args.metrics_host)
+    try:
+        stop = side_port.serve(registry, probes, args.metrics_port, args.metrics_host)
+    except OSError as exc:
+        print(
+            f"infergate: cannot serve --metrics-port {args.metrics_port} on "
+            f"{args.metrics_host}: {exc.strerror or exc}",
+            file=sys.stderr,
+        )
+        sys.exit(2)
     try:
         yield
     finally:
@@ -312,7 +323,7 @@ def _gateway(args: argparse.Namespace) -> int:
     gateway = Gateway(settings, _live_policy(args, required=True))
     # Each edge limit has a flag of the same name.
     limits = EdgeLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EdgeLimits)})
-    with _metrics(args, gateway.registry):
+    with _side_port(args, gateway.registry, gateway.probes()):
         return uvloop.run(serve(gateway, args.host, args.port, args.drain_timeout_s, limits))
 
 
@@ -322,7 +333,7 @@ def _dispatcher(args: argparse.Namespace) -> int:
 
     settings = DispatcherSettings(**_process(args, "dispatcher"))
     dispatcher = Dispatcher(settings, _live_policy(args, required=False))
-    with _metrics(args, dispatcher.registry):
+    with _side_port(args, dispatcher.registry, dispatcher.probes()):
         return runtime.run(dispatcher.serve)
 
 
@@ -341,7 +352,7 @@ def _worker(args: argparse.Namespace) -> int:
         max_attempts=workers.max_attempts,
     )
     worker = Worker(settings, backend)
-    with _metrics(args, worker.registry):
+    with _side_port(args, worker.registry, worker.probes()):
         return runtime.run(worker.serve, shutdown_grace_s=settings.hang_timeout_ms / 1000.0 + 10.0)
 
 

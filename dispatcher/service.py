@@ -34,6 +34,7 @@ from infergate.base.metrics import (
     FleetReading,
     watch_policy_and_redis,
 )
+from infergate.base.probes import Probes
 from infergate.base.queue.dispatcher import DispatcherQueue
 from infergate.base.queue.policy_copy import keep_policy
 from infergate.base.queue.recovery import RecoveryQueue
@@ -123,6 +124,12 @@ class Dispatcher:
             started_ms=self.started_ms,
             beat_ms=clock.now_ms(),
             batches_done=self.batches_formed,
+        )
+
+    def probes(self) -> Probes:
+        return Probes(
+            alive=self.heartbeat.alive,
+            ready=lambda: self.heartbeat.healthy and self.fleet.redis_ok,
         )
 
     async def _refresh_reading(self) -> None:

@@ -24,6 +24,7 @@ from infergate.base.metrics import (
     GatewayMetrics,
     watch_policy_and_redis,
 )
+from infergate.base.probes import Probes
 from infergate.base.queue.gateway import GatewayQueue
 from infergate.base.queue.policy_copy import keep_policy
 from infergate.base.queue.store import Store
@@ -175,6 +176,13 @@ class Gateway:
         its reply channel: a request admitted while the subscription is down
         (after a Redis restart) would have its reply published to no one."""
         return self.fleet.redis_ok and self.replies.listening()
+
+    def ready(self) -> bool:
+        """Takes requests now: ready for replies, a worker alive, not draining."""
+        return self.ready_for_replies() and self.fleet.workers_alive > 0 and not self.draining
+
+    def probes(self) -> Probes:
+        return Probes(alive=self.heartbeat.alive, ready=self.ready)
 
     async def _keep_policy(self, policy: Policy, text: str) -> None:
         await keep_policy(self.store, policy.version, text)

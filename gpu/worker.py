@@ -24,6 +24,7 @@ from infergate.base.errors import STORE_ERRORS, UNAVAILABLE
 from infergate.base.heartbeat import Heartbeater
 from infergate.base.loops import Backoff, retry_until_done
 from infergate.base.metrics import WorkerMetrics
+from infergate.base.probes import Probes
 from infergate.base.queue.recovery import RecoveryQueue
 from infergate.base.queue.replies import failure_replies, group_by_gateway
 from infergate.base.queue.store import Store
@@ -78,7 +79,13 @@ class Worker:
             self.store, self.status, settings.heartbeat_interval_ms, settings.heartbeat_ttl_ms
         )
 
-    # -- what the heartbeat says ---------------------------------------------
+    # -- what the heartbeat and the probes say ------------------------------
+
+    def probes(self) -> Probes:
+        return Probes(
+            alive=self.heartbeat.alive,
+            ready=lambda: self.heartbeat.healthy and not self.stopping.is_set(),
+        )
 
     def status(self) -> wire.Heartbeat:
         now = clock.monotonic_s()

@@ -1,0 +1,42 @@
+"""Every process's side port answers the orchestrator's probes: /healthz
+while it runs, /readyz only while its heartbeat reaches Redis (dispatchers
+and workers have no other HTTP port to probe)."""
+
+from pathlib import Path
+
+from infergate.redis_server import RedisServer
+
+from tests.helpers import Cluster, http, policy_yaml, wait_for
+
+
+def probe(port: int, path: str) -> int:
+    try:
+        return http("GET", f"http://127.0.0.1:{port}{path}", timeout=2)[0]
+    except OSError:
+        return 0
+
+
+def test_side_port_probes_follow_redis_and_metrics_stay_served(
+    tmp_path: Path, own_redis: RedisServer
+) -> None:
+    cluster = Cluster(tmp_path, own_redis.url, policy_yaml(), workers=1, metrics=True)
+    try:
+        ports = cluster.metrics_ports or {}
+        assert {name.split("-")[0] for name in ports} == {"dispatcher0", "worker", "gateway0"}
+        for port in ports.values():
+            wait_for(lambda p=port: probe(p, "/readyz") == 200, 10, f"port {port} ready")
+            assert probe(port, "/healthz") == 200
+            status, _, body = http("GET", f"http://127.0.0.1:{port}/metrics")
+            assert status == 200
+            assert b"infergate_redis_up" in body
+
+        own_redis.kill()
+        for port in ports.values():
+            wait_for(lambda p=port: probe(p, "/readyz") == 503, 15, f"port {port} not ready")
+            assert probe(port, "/healthz") == 200  # alive: a restart would not bring Redis back
+
+        own_redis.start()
+        for port in ports.values():
+            wait_for(lambda p=port: probe(p, "/readyz") == 200, 30, f"port {port} ready again")
+    finally:
+        cluster.stop()
