@@ -50,11 +50,14 @@ def check(url: str) -> None:
         )
     if scheme.endswith("+sentinel"):
         parse_sentinel(url)
-    else:
-        try:
-            BlockingConnectionPool.from_url(url)
-        except ValueError as exc:
-            raise ValueError(f"the Redis URL is not valid: {exc}") from None
+        return
+    try:
+        BlockingConnectionPool.from_url(url)
+    except ValueError as exc:
+        raise ValueError(f"the Redis URL is not valid: {exc}") from None
+    db = urlsplit(url).path.strip("/")
+    if scheme != "unix" and db and not db.isdigit():
+        raise ValueError(f"the Redis URL is not valid: the db must be a number, not {db!r}")
 
 
 def is_sentinel(url: str) -> bool:
