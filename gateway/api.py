@@ -3,6 +3,7 @@
 from typing import Annotated, Any
 
 import msgspec
+from infergate.base.queue.dead_letters import DeadLetter
 from litestar.openapi.spec import OpenAPIMediaType, OpenAPIType, RequestBody, Schema
 
 
@@ -147,3 +148,14 @@ class ReloadResult(msgspec.Struct):
     changed: bool
     version: str
     error: str | None
+
+
+class DeadLetters(msgspec.Struct):
+    """The dead-letter list: its size and its newest batches (no inputs)."""
+
+    total: int
+    batches: list[DeadLetter]
+
+
+class DeadLettersPurged(msgspec.Struct):
+    purged: int

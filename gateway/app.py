@@ -3,12 +3,15 @@ the OpenAPI document."""
 
 from dataclasses import dataclass
 from importlib.metadata import version
-from typing import Any
+from typing import Annotated, Any
 
 from infergate.base import logs
 from infergate.base.metrics import NO_TIER
+from infergate.base.queue.recovery import DEAD_LETTER_CAP
 from infergate.gateway.api import (
     AdminPolicy,
+    DeadLetters,
+    DeadLettersPurged,
     InferenceResponse,
     Readiness,
     ReloadResult,
@@ -18,12 +21,13 @@ from infergate.gateway.api import (
 from infergate.gateway.errors import ERRORS, ApiError, ErrorBody
 from infergate.gateway.middleware import REQUEST_ID, RequestIdAndLimits
 from infergate.gateway.service import Call, Gateway
-from litestar import Litestar, Request, Response, get, post
+from litestar import Litestar, Request, Response, delete, get, post
 from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.openapi.plugins import JsonRenderPlugin, SwaggerRenderPlugin
 from litestar.openapi.spec import Components, Operation, SecurityScheme
+from litestar.params import Parameter
 from litestar.status_codes import HTTP_200_OK, HTTP_503_SERVICE_UNAVAILABLE
 
 log = logs.get(__name__)
@@ -139,6 +143,34 @@ async def reload_policy(request: Request[Any, Any, Any]) -> ReloadResult:
     return await gw.reload_policy()
 
 
+@get(
+    "/v1/admin/dead-letters",
+    summary="Batches given up on: sizes, tiers and why, never their inputs",
+    responses=ADMIN_ERRORS,
+    security=[{"bearer": []}],
+)
+async def dead_letters(
+    request: Request[Any, Any, Any],
+    limit: Annotated[int, Parameter(ge=1, le=DEAD_LETTER_CAP, description="newest first")] = 100,
+) -> DeadLetters:
+    gw = _gateway(request)
+    gw.admin(request.headers.get("authorization"))
+    return await gw.dead_letters(limit)
+
+
+@delete(
+    "/v1/admin/dead-letters",
+    status_code=HTTP_200_OK,
+    summary="Empty the dead-letter list",
+    responses=ADMIN_ERRORS,
+    security=[{"bearer": []}],
+)
+async def purge_dead_letters(request: Request[Any, Any, Any]) -> DeadLettersPurged:
+    gw = _gateway(request)
+    gw.admin(request.headers.get("authorization"))
+    return await gw.purge_dead_letters()
+
+
 @get("/healthz", summary="The process is alive")
 async def healthz() -> dict[str, str]:
     return {"status": "ok"}
@@ -226,7 +258,16 @@ def create_app(gateway: Gateway) -> Litestar:
         await gateway.stop()
 
     app = Litestar(
-        route_handlers=[inference, healthz, readyz, status, admin_policy, reload_policy],
+        route_handlers=[
+            inference,
+            healthz,
+            readyz,
+            status,
+            admin_policy,
+            reload_policy,
+            dead_letters,
+            purge_dead_letters,
+        ],
         on_startup=[on_startup],
         on_shutdown=[on_shutdown],
         exception_handlers={

@@ -34,6 +34,8 @@ from infergate.gateway.admission import Admission
 from infergate.gateway.api import (
     AdminPolicy,
     BadRequestBody,
+    DeadLetters,
+    DeadLettersPurged,
     InferenceResponse,
     ReloadResult,
     StatusResponse,
@@ -463,6 +465,21 @@ class Gateway:
     async def reload_policy(self) -> ReloadResult:
         changed = await self.policy.reload()
         return ReloadResult(changed, self.policy.current.version, self.policy.error)
+
+    async def dead_letters(self, limit: int) -> DeadLetters:
+        try:
+            total, batches = await self.queue.dead_letters(limit)
+        except STORE_ERRORS as exc:
+            raise redis_unreachable() from exc
+        return DeadLetters(total, batches)
+
+    async def purge_dead_letters(self) -> DeadLettersPurged:
+        try:
+            purged = await self.queue.purge_dead_letters()
+        except STORE_ERRORS as exc:
+            raise redis_unreachable() from exc
+        log.info("admin.dead_letters_purged", purged=purged)
+        return DeadLettersPurged(purged)
 
     async def status(self) -> StatusResponse:
         try:

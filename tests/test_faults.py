@@ -3,6 +3,7 @@ real Redis: the reaper, retries and dead letters, poison inputs, hangs,
 cancellation, expiry, Redis outages and graceful drain."""
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -131,6 +132,24 @@ def test_hung_worker_exits_and_the_batch_is_retried_then_dead_lettered(
         assert s["batches_dead_lettered"] == 1
         assert client.llen(KEYS.dead_letter) == 1
         assert c.infer("paid", "fine")[0] == 200  # the surviving worker still serves
+
+        # An operator lists the dead letters: sizes, tiers and why, never the input.
+        url = c.urls[0] + "/v1/admin/dead-letters"
+        assert http("GET", url, headers=auth("paid"))[0] == 403
+        status, _, listing = http("GET", url, headers=auth("admin"))
+        assert status == 200, listing
+        assert listing["total"] == 1
+        (letter,) = listing["batches"]
+        assert letter["runs"] == 2
+        assert letter["requests"] == 1
+        assert letter["tiers"] == {"paid": 1}
+        assert letter["input_chars"] == [len("stuck __hang__")]
+        assert "died or hung" in letter["error"]
+        assert "__hang__" not in json.dumps(listing)
+        assert http("GET", url + "?limit=0", headers=auth("admin"))[0] == 400
+        status, _, purged = http("DELETE", url, headers=auth("admin"))
+        assert (status, purged) == (200, {"purged": 1})
+        assert client.llen(KEYS.dead_letter) == 0
     finally:
         c.stop()
 

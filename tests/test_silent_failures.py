@@ -15,6 +15,7 @@ from pathlib import Path
 import aiohttp
 import redis
 from infergate.base import clock, wire
+from infergate.base.queue import dead_letters
 from infergate.base.queue.store import Store
 from infergate.gpu.simulated import sim_output
 from infergate.gpu.worker import Worker, WorkerSettings
@@ -175,6 +176,8 @@ async def test_an_unreadable_batch_is_dead_lettered_not_dropped(redis_url: str) 
         assert await worker.handle(data) == {}
         assert await store.redis.lrange(store.keys.dead_letter, 0, -1) == [b"{not a batch"]
         assert await store.redis.llen(store.keys.processing("w-1")) == 0
+        total, (letter,) = await dead_letters.read(store, 10)
+        assert (total, letter.error, letter.bytes) == (1, dead_letters.UNREADABLE, 12)
     finally:
         await store.close()
 

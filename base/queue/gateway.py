@@ -6,6 +6,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from infergate.base.errors import STORE_ERRORS
+from infergate.base.queue import dead_letters
 from infergate.base.queue.store import Store
 from limits.aio.storage import RedisStorage
 from redis.asyncio.client import PubSub
@@ -42,6 +43,13 @@ class GatewayQueue:
     async def cancel(self, request_id: str, until_ms: int) -> None:
         """Mark a queued request as abandoned; ``take`` drops it."""
         await self.store.redis.zadd(self.keys.cancelled, {request_id: until_ms})
+
+    async def dead_letters(self, limit: int) -> tuple[int, list[dead_letters.DeadLetter]]:
+        """For operators: the dead-letter list's size and its newest ``limit`` batches."""
+        return await dead_letters.read(self.store, limit)
+
+    async def purge_dead_letters(self) -> int:
+        return await dead_letters.purge(self.store)
 
     def quota_storage(self) -> RedisStorage:
         """``limits``' storage on this process's connection pool, under the namespace."""
