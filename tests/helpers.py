@@ -284,14 +284,17 @@ class Cluster:
         dispatchers: int = 1,
         env: dict[str, str] | None = None,
         metrics: bool = False,
+        policy_file: Path | None = None,
     ) -> None:
         self.tmp = tmp
         # With metrics, each process serves /metrics on its own port: name -> port.
         self.metrics_ports: dict[str, int] | None = {} if metrics else None
         self.redis_url = redis_url
         self.latency_ms = latency_ms
-        self.policy_path = tmp / "policy.yaml"
-        self.policy_path.write_text(policy)
+        # ``policy_file``: the test laid the policy out itself (as Kubernetes mounts it).
+        self.policy_path = policy_file or tmp / "policy.yaml"
+        if policy_file is None:
+            self.policy_path.write_text(policy)
         self.env = {"REDIS_URL": redis_url, **(env or {})}
         self.procs: list[Proc] = []
         self.workers: list[Proc] = []
