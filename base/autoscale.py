@@ -21,7 +21,7 @@ from collections import deque
 from infergate.base import wire
 from infergate.base.fleet import worker_capacity_rps
 
-DEMAND_WINDOW_S = 2.0
+DEMAND_WINDOW_S = 1.0
 
 
 class DemandMeter:
