@@ -316,15 +316,23 @@ def _live_policy(args: argparse.Namespace, required: bool) -> "LivePolicy":
 def _gateway(args: argparse.Namespace) -> int:
     import uvloop
     from infergate.gateway.limits import EdgeLimits
-    from infergate.gateway.server import serve
+    from infergate.gateway.server import reuseport_socket, serve
     from infergate.gateway.service import Gateway, GatewaySettings
 
     settings = GatewaySettings(**_process(args, "gateway"))
+    try:
+        sock = reuseport_socket(args.host, args.port)
+    except OSError as exc:
+        print(
+            f"infergate gateway: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}",
+            file=sys.stderr,
+        )
+        return 2
     gateway = Gateway(settings, _live_policy(args, required=True))
     # Each edge limit has a flag of the same name.
     limits = EdgeLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EdgeLimits)})
     with _side_port(args, gateway.registry, gateway.probes()):
-        return uvloop.run(serve(gateway, args.host, args.port, args.drain_timeout_s, limits))
+        return uvloop.run(serve(gateway, sock, args.drain_timeout_s, limits))
 
 
 def _dispatcher(args: argparse.Namespace) -> int:

@@ -34,13 +34,13 @@ def reuseport_socket(host: str, port: int) -> socket.socket:
 
 async def serve(
     gateway: Gateway,
-    host: str,
-    port: int,
+    sock: socket.socket,
     drain_timeout_s: float = 10.0,
     limits: EdgeLimits | None = None,
 ) -> int:
+    """Serve on ``sock`` (from ``reuseport_socket``, bound before the event
+    loop starts, so a busy port is a message, not a traceback)."""
     limits = limits or EdgeLimits()
-    sock = reuseport_socket(host, port)
     config = uvicorn.Config(
         create_asgi(gateway),
         loop="uvloop",

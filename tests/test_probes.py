@@ -2,8 +2,12 @@
 while it runs, /readyz only while its heartbeat reaches Redis (dispatchers
 and workers have no other HTTP port to probe)."""
 
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 from infergate.redis_server import RedisServer
 
 from tests.helpers import Cluster, http, policy_yaml, wait_for
@@ -40,3 +44,27 @@ def test_side_port_probes_follow_redis_and_metrics_stay_served(
             wait_for(lambda p=port: probe(p, "/readyz") == 200, 30, f"port {port} ready again")
     finally:
         cluster.stop()
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["gateway", "--policy", "loadtest/policy.yaml", "--port", "{port}"], "cannot listen on"),
+        (["worker", "--metrics-port", "{port}"], "cannot serve --metrics-port"),
+    ],
+)
+def test_a_busy_port_is_a_message_not_a_traceback(
+    argv: list[str], says: str, redis_url: str
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        out = subprocess.run(
+            [sys.executable, "-m", "infergate", *(a.replace("{port}", port) for a in argv),
+             "--redis-url", redis_url],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert says in out.stderr
+    assert "Traceback" not in out.stderr
