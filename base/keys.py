@@ -30,9 +30,22 @@ class Keys:
         self.policy = self.prefix + "policy"
         self.scale_signal = self.prefix + "scale-signal"
         self.queues = tuple(self.queue(t) for t in TIERS)
+        # Asynchronous jobs: their own queues (after every synchronous one), one
+        # record per job, the queued count per key, and the channel that says
+        # which jobs just finished (for long polls on any gateway).
+        self.job_queues = tuple(self.job_queue(t) for t in TIERS)
+        self.job_prefix = self.prefix + "job:"
+        self.jobs_queued = self.prefix + "jobs-queued"
+        self.jobs_done = self.prefix + "jobs-done"
 
     def queue(self, tier: str) -> str:
         return self.prefix + "queue:" + tier
+
+    def job_queue(self, tier: str) -> str:
+        return self.prefix + "jobs:" + tier
+
+    def job(self, job_id: str) -> str:
+        return self.job_prefix + job_id
 
     def inflight(self, dispatcher_id: str) -> str:
         return self.prefix + "inflight:" + dispatcher_id

@@ -99,6 +99,12 @@ class PolicyWatching(Common):
 class GatewayMetrics(PolicyWatching):
     def __init__(self, registry: CollectorRegistry) -> None:
         super().__init__(registry)
+        self.jobs_submitted = Counter(
+            "infergate_jobs_submitted",
+            "Asynchronous jobs accepted (POST /v1/jobs), by tier",
+            ["tier"],
+            registry=registry,
+        )
         self.requests = Counter(
             "infergate_requests",
             "Requests answered, by tier and HTTP status code",
@@ -202,6 +208,16 @@ class WorkerMetrics(Common):
             "infergate_batch_size",
             "Requests per batch run by the backend",
             buckets=BATCH_SIZE_BUCKETS,
+            registry=registry,
+        )
+        self.backend_inputs = Counter(
+            "infergate_backend_inputs",
+            "Inputs the backend was given (identical inputs of a batch count once)",
+            registry=registry,
+        )
+        self.requests_collapsed = Counter(
+            "infergate_requests_collapsed",
+            "Requests answered from an identical input's slot in their batch (GPU slots saved)",
             registry=registry,
         )
         self.batch_duration = Histogram(

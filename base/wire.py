@@ -4,6 +4,8 @@ Envelopes are JSON so the Lua scripts can read ``id`` and ``deadline_ms``
 with ``cjson``; a batch embeds its envelopes' bytes unchanged.
 """
 
+import os
+
 import msgspec
 
 
@@ -19,6 +21,8 @@ class Envelope(msgspec.Struct, frozen=True, omit_defaults=True):
     deadline_ms: int
     # W3C traceparent of the request's span, when tracing is on.
     trace: str | None = None
+    # An asynchronous job: its result is stored (job:{id}), not sent to ``gateway``.
+    job: bool = False
 
 
 class Batch(msgspec.Struct, frozen=True):
@@ -58,6 +62,23 @@ class Result(msgspec.Struct, frozen=True, omit_defaults=True):
     infer_ms: int
     output: str | None = None
     error: ErrorInfo | None = None
+    # How it was served: "model" (its own slot of a backend call), "collapsed"
+    # (an identical input's slot), or "cache" (set by the gateway).
+    served_by: str = "model"
+
+
+def new_job_id() -> str:
+    """128 random bits: a job id cannot be guessed (and says nothing)."""
+    return os.urandom(16).hex()
+
+
+# Where a job's result goes instead of a gateway's reply channel (``replies.py``).
+JOBS = "~jobs"
+
+
+def destination(env: Envelope) -> str:
+    """The reply channel's gateway for a request; ``JOBS`` for a job."""
+    return JOBS if env.job else env.gateway
 
 
 class Reply(msgspec.Struct, frozen=True):
@@ -106,7 +127,7 @@ _heartbeat_decoder = msgspec.json.Decoder(Heartbeat)
 _scale_signal_decoder = msgspec.json.Decoder(ScaleSignal)
 
 
-def encode(obj: Envelope | Reply | Heartbeat | Batch | ScaleSignal) -> bytes:
+def encode(obj: Envelope | Reply | Result | Heartbeat | Batch | ScaleSignal) -> bytes:
     return _json_encoder.encode(obj)
 
 

@@ -65,6 +65,7 @@ class BatchRule:
     max_batch_size: int = 100
     min_slots: tuple[int, ...] = (0,) * len(TIERS)
     pacing: bool = True
+    jobs_headroom: int = 1
 
     @classmethod
     def from_policy(cls, policy: Policy) -> "BatchRule":
@@ -72,6 +73,7 @@ class BatchRule:
             max_batch_size=policy.document.batching.max_batch_size,
             min_slots=tuple(policy.reserved_slots(t) for t in TIERS),
             pacing=policy.document.batching.pacing,
+            jobs_headroom=policy.document.jobs.headroom_workers,
         )
 
 
@@ -180,8 +182,17 @@ class Dispatcher:
         while True:
             rule = self.rule
             taken = await self.queue.take(
-                rule.max_batch_size, clock.now_ms(), rule.min_slots, self.pacing_interval_ms(rule)
+                credit,
+                rule.max_batch_size,
+                clock.now_ms(),
+                rule.min_slots,
+                self.pacing_interval_ms(rule),
+                rule.jobs_headroom,
             )
+            if taken.worker_gone:
+                await self.queue.drop_credit(credit)
+                log.info("credit.worker_gone", credit=credit)
+                return
             if taken.wait_ms > 0:
                 await asyncio.sleep(taken.wait_ms / 1000.0)
                 continue
@@ -196,11 +207,13 @@ class Dispatcher:
                     malformed=taken.malformed,
                 )
             if taken.envelopes:
-                await self.hand_off(credit, taken.envelopes)
+                await self.hand_off(
+                    credit, taken.envelopes, paced=taken.jobs < len(taken.envelopes)
+                )
                 return
             await self.queue.wait_doorbell(self.settings.block_timeout_s)
 
-    async def hand_off(self, credit: str, envelopes: list[bytes]) -> None:
+    async def hand_off(self, credit: str, envelopes: list[bytes], paced: bool = True) -> None:
         batch_id = os.urandom(6).hex()
         now_ms = clock.now_ms()
         batch = wire.encode_batch(batch_id, self.id, now_ms, envelopes)
@@ -213,9 +226,9 @@ class Dispatcher:
                 span.set_attribute("infergate.batch_id", batch_id)
                 span.set_attribute("infergate.batch_size", len(envelopes))
                 span.set_attribute("infergate.credit", credit)
-                handed = await self.queue.handoff(credit, batch, len(envelopes), now_ms)
+                handed = await self.queue.handoff(credit, batch, len(envelopes), now_ms, paced)
         else:
-            handed = await self.queue.handoff(credit, batch, len(envelopes), now_ms)
+            handed = await self.queue.handoff(credit, batch, len(envelopes), now_ms, paced)
         if not handed:
             log.warning("batch.taken_back", batch_id=batch_id, size=len(envelopes))
             return

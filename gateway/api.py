@@ -4,6 +4,7 @@ from typing import Annotated, Any
 
 import msgspec
 from infergate.base.queue.dead_letters import DeadLetter
+from infergate.gateway.errors import ErrorDetail
 from litestar.openapi.spec import OpenAPIMediaType, OpenAPIType, RequestBody, Schema
 
 
@@ -87,6 +88,29 @@ class InferenceResponse(msgspec.Struct):
     tier: str
     batch_size: int
     queue_ms: int
+    # "model": its own slot of a backend call; "collapsed": an identical
+    # input's slot in the same batch; "cache": the result cache.
+    served_by: str = "model"
+
+
+class JobAccepted(msgspec.Struct):
+    job_id: str
+    status: str
+    location: str
+
+
+class JobView(msgspec.Struct, omit_defaults=True):
+    """A job as its owner sees it: ``queued``, ``running``, ``succeeded``
+    (with the synchronous reply's fields), ``failed`` (with the error shape),
+    ``cancelled`` or ``expired``."""
+
+    job_id: str
+    status: str
+    tier: str
+    created_ms: int
+    done_ms: int | None = None
+    result: InferenceResponse | None = None
+    error: ErrorDetail | None = None
 
 
 class Readiness(msgspec.Struct):

@@ -13,12 +13,15 @@ from infergate.gateway.api import (
     DeadLetters,
     DeadLettersPurged,
     InferenceResponse,
+    JobAccepted,
+    JobView,
     Readiness,
     ReloadResult,
     StatusResponse,
     inference_request_body,
 )
 from infergate.gateway.errors import ERRORS, ApiError, ErrorBody
+from infergate.gateway.jobs import Jobs
 from infergate.gateway.middleware import REQUEST_ID, RequestIdAndLimits
 from infergate.gateway.service import Call, Gateway
 from litestar import Litestar, Request, Response, delete, get, post
@@ -28,7 +31,7 @@ from litestar.openapi.datastructures import ResponseSpec
 from litestar.openapi.plugins import JsonRenderPlugin, SwaggerRenderPlugin
 from litestar.openapi.spec import Components, Operation, SecurityScheme
 from litestar.params import Parameter
-from litestar.status_codes import HTTP_200_OK, HTTP_503_SERVICE_UNAVAILABLE
+from litestar.status_codes import HTTP_200_OK, HTTP_202_ACCEPTED, HTTP_503_SERVICE_UNAVAILABLE
 
 log = logs.get(__name__)
 
@@ -79,6 +82,11 @@ def _gateway(request: Request[Any, Any, Any]) -> Gateway:
     return gw
 
 
+def _jobs(request: Request[Any, Any, Any]) -> Jobs:
+    jobs: Jobs = request.app.state.jobs
+    return jobs
+
+
 @dataclass
 class _InferenceOperation(Operation):
     """The handler reads its body itself (the key is checked before the body
@@ -109,6 +117,55 @@ async def inference(request: Request[Any, Any, Any]) -> Response[InferenceRespon
     )
     result, response_headers = await _gateway(request).infer(call)
     return Response(result, headers=response_headers)
+
+
+JOB_ERRORS = {
+    404: _error("NOT_FOUND: no such job (or it expired, or it is another key's)"),
+    **{k: v for k, v in INFERENCE_ERRORS.items() if k in (400, 401, 403, 413, 429, 503)},
+}
+
+
+@post(
+    "/v1/jobs",
+    status_code=HTTP_202_ACCEPTED,
+    responses=JOB_ERRORS,
+    summary="Submit an input to run in spare capacity; fetch the result later",
+    description="Returns at once with the job's id and its Location. The same body as "
+    "/v1/inference; timeout_ms can only shorten the tier's job deadline.",
+    security=[{"bearer": []}],
+    operation_class=_InferenceOperation,
+)
+async def submit_job(request: Request[Any, Any, Any]) -> Response[JobAccepted]:
+    call = Call(_request_id(request), request.headers.get("authorization"), await request.body())
+    accepted, headers = await _jobs(request).submit(call)
+    return Response(accepted, status_code=HTTP_202_ACCEPTED, headers=headers)
+
+
+@get(
+    "/v1/jobs/{job_id:str}",
+    responses=JOB_ERRORS,
+    summary="A job: queued, running, succeeded, failed, cancelled or expired",
+    description="With wait_s, answers when the job has finished or after that many seconds "
+    "(at most 20), whichever comes first.",
+    security=[{"bearer": []}],
+)
+async def fetch_job(
+    request: Request[Any, Any, Any],
+    job_id: str,
+    wait_s: Annotated[float, Parameter(ge=0, le=60, description="long poll, seconds")] = 0.0,
+) -> JobView:
+    return await _jobs(request).fetch(request.headers.get("authorization"), job_id, wait_s)
+
+
+@delete(
+    "/v1/jobs/{job_id:str}",
+    status_code=HTTP_200_OK,
+    responses={**JOB_ERRORS, 409: _error("CONFLICT: the job has started or finished")},
+    summary="Cancel a queued job",
+    security=[{"bearer": []}],
+)
+async def cancel_job(request: Request[Any, Any, Any], job_id: str) -> JobView:
+    return await _jobs(request).cancel(request.headers.get("authorization"), job_id)
 
 
 ADMIN_ERRORS = {
@@ -260,6 +317,9 @@ def create_app(gateway: Gateway) -> Litestar:
     app = Litestar(
         route_handlers=[
             inference,
+            submit_job,
+            fetch_job,
+            cancel_job,
             healthz,
             readyz,
             status,
@@ -295,6 +355,7 @@ def create_app(gateway: Gateway) -> Litestar:
         logging_config=None,
     )
     app.state.gateway = gateway
+    app.state.jobs = Jobs(gateway)
     return app
 
 

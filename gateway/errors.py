@@ -17,6 +17,7 @@ ERRORS: dict[str, tuple[int, str]] = {
     "FORBIDDEN": (403, "permission_error"),
     "NOT_FOUND": (404, "invalid_request_error"),
     "METHOD_NOT_ALLOWED": (405, "invalid_request_error"),
+    "CONFLICT": (409, "invalid_request_error"),
     "REQUEST_TIMEOUT": (408, "invalid_request_error"),
     "PAYLOAD_TOO_LARGE": (413, "invalid_request_error"),
     "UNSUPPORTED_MEDIA_TYPE": (415, "invalid_request_error"),

@@ -115,6 +115,14 @@ class Quota:
             retry_after_ms=max(1, math.ceil(retry_s * 1000)),
         )
 
+    async def refund(self, key: KeyEntry, tier: Tier, input_chars: int) -> None:
+        """Give back what ``charge`` took for a request refused after it (a job
+        over its key's queued bound)."""
+        charges = self.charges(key, tier, input_chars)
+        await asyncio.gather(
+            *(self.storage.incr(c.key, c.item.get_expiry(), amount=-c.cost) for c in charges)
+        )
+
     async def _reset_s(self, charge: Charge) -> float:
         now = time.time()
         end = self._window_end.get(charge.key, 0.0)

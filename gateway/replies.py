@@ -23,6 +23,8 @@ class ReplyRouter:
         self.queue = queue
         self.on_ignored = on_ignored
         self.pending: dict[str, asyncio.Future[wire.Result]] = {}
+        # Long polls of jobs: woken when the jobs-done channel names their job.
+        self.job_waiters: dict[str, list[asyncio.Event]] = {}
         self.subscribed = asyncio.Event()
         self.duplicates = 0
         self.unreadable = 0
@@ -44,6 +46,22 @@ class ReplyRouter:
                 self.on_ignored()
             elif not fut.done():
                 fut.set_result(result)
+
+    async def wait_job(self, job_id: str, timeout_s: float) -> None:
+        """Until the jobs-done channel names ``job_id``, or ``timeout_s`` passes."""
+        event = asyncio.Event()
+        self.job_waiters.setdefault(job_id, []).append(event)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await event.wait()
+        except TimeoutError:
+            pass
+        finally:
+            waiters = self.job_waiters.get(job_id)
+            if waiters is not None and event in waiters:
+                waiters.remove(event)
+                if not waiters:
+                    del self.job_waiters[job_id]
 
     def listening(self) -> bool:
         return self.subscribed.is_set() and self.loop.running
@@ -68,9 +86,12 @@ class ReplyRouter:
                 self.loop.backoff.reset()
                 log.info("replies.subscribed")
                 while True:
-                    data = await subscription.next_message(timeout_s=1.0)
+                    data, jobs_done = await subscription.next_message(timeout_s=1.0)
                     if data is not None:
                         self._deliver_raw(data)
+                    for job_id in jobs_done:
+                        for event in self.job_waiters.pop(job_id, ()):
+                            event.set()
         finally:
             self.subscribed.clear()
 

@@ -295,9 +295,9 @@ class Gateway:
         except BadRequestBody as exc:
             raise ApiError("INVALID_INPUT", str(exc)) from None
         tier = policy.tiers[key.tier]
-        _check_input(body.input, key.tier, tier)
+        check_input(body.input, key.tier, tier)
         self._check_capacity(policy, key.tier)
-        headers = await self._charge_quota(key, tier, len(body.input))
+        headers = await self.charge_quota(key, tier, len(body.input))
         self.admission.admitted(key.tier)
         self.admitted += 1
         deadline_ms = (
@@ -318,6 +318,7 @@ class Gateway:
             tier=key.tier,
             batch_size=result.batch_size,
             queue_ms=result.queue_ms,
+            served_by=result.served_by,
         )
         return response, headers
 
@@ -347,7 +348,7 @@ class Gateway:
                 decision.retry_after_ms,
             )
 
-    async def _charge_quota(self, key: KeyEntry, tier: Tier, input_chars: int) -> dict[str, str]:
+    async def charge_quota(self, key: KeyEntry, tier: Tier, input_chars: int) -> dict[str, str]:
         """Charge the key's limits; returns the x-ratelimit-* headers, or raises 429."""
         try:
             quota = await self.quota.charge(key, tier, input_chars)
@@ -531,7 +532,7 @@ class Gateway:
         )
 
 
-def _check_input(text: str, tier_name: str, tier: Tier) -> None:
+def check_input(text: str, tier_name: str, tier: Tier) -> None:
     if not text:
         raise ApiError("INVALID_INPUT", "input must be a non-empty string")
     if len(text) > tier.max_input_chars:

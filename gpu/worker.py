@@ -160,7 +160,9 @@ class Worker:
 
     async def _run_batch(self, batch: wire.Batch) -> dict[str, wire.Reply]:
         started_ms = clock.now_ms()
-        live = [e for e in batch.envelopes if e.deadline_ms > started_ms]
+        # A request past its deadline was answered 504 already; a job was
+        # started when it was taken, so it runs.
+        live = [e for e in batch.envelopes if e.job or e.deadline_ms > started_ms]
         if len(live) < len(batch.envelopes):
             log.info(
                 "batch.expired_skipped", batch_id=batch.id, count=len(batch.envelopes) - len(live)
@@ -168,12 +170,26 @@ class Worker:
         if not live:
             return {}
         started = clock.monotonic_s()
-        outcomes = await self._infer_isolating([e.input for e in live])
+        inputs = [e.input for e in live]
+        # Identical inputs in one batch take one slot of the backend's call:
+        # each distinct input once, its outcome to every request that sent it.
+        distinct = list(dict.fromkeys(inputs))
+        outcome_of = dict(zip(distinct, await self._infer_isolating(distinct), strict=True))
         infer_ms = round(clock.elapsed_ms(started))
-        results = [
-            (env.gateway, _result(env, outcome, batch.id, len(live), self.id, started_ms, infer_ms))
-            for env, outcome in zip(live, outcomes, strict=True)
-        ]
+        first_of: set[str] = set()
+        results = []
+        for env in live:
+            collapsed = env.input in first_of
+            first_of.add(env.input)
+            result = _result(
+                env, outcome_of[env.input], batch.id, len(live), self.id, started_ms, infer_ms
+            )
+            if collapsed:
+                result = msgspec.structs.replace(result, served_by="collapsed")
+            results.append((wire.destination(env), result))
+        outcomes = [outcome_of[i] for i in inputs]
+        self.metrics.backend_inputs.inc(len(distinct))
+        self.metrics.requests_collapsed.inc(len(inputs) - len(distinct))
         failed = sum(isinstance(o, BackendError) for o in outcomes)
         self.metrics.batch_size.observe(len(live))
         self.metrics.inference_failures.inc(failed)
@@ -304,7 +320,7 @@ class Worker:
         offer = not stop.is_set()
 
         async def answer() -> None:
-            await self.queue.answer_batch(replies, offer_credit=offer)
+            await self.queue.answer_batch(replies, offer_credit=offer, now_ms=clock.now_ms())
 
         if not await retry_until_done(
             "batch.publish", answer, stop, grace_after_stop_s=self.settings.publish_grace_s

@@ -20,6 +20,7 @@ from infergate.policies.schema import (
     Batching,
     Capacity,
     Document,
+    Jobs,
     KeyEntry,
     Limits,
     Policy,
@@ -48,7 +49,7 @@ _Loader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 # other name in a problem's path came from the file and is masked.
 SCHEMA_NAMES = frozenset(TIERS) | frozenset(
     field.name
-    for struct in (Document, Tier, KeyEntry, Batching, Capacity, Autoscale, Limits, Workers)
+    for struct in (Document, Tier, KeyEntry, Batching, Capacity, Autoscale, Jobs, Limits, Workers)
     for field in msgspec.structs.fields(struct)
 )
 
@@ -247,6 +248,10 @@ def _check_tier(name: str, tier: Tier, at: "_Locator") -> list[Problem]:
         out.extend(_check_rates([tier.cost_limit], [*here, "cost_limit"], at, single=True))
     if not 0.0 <= tier.min_batch_share <= 1.0:
         out.append(at.problem([*here, "min_batch_share"], "must be between 0 and 1, e.g. 0.1"))
+    if not 1_000 <= tier.job_deadline_ms <= 7 * 86_400_000:
+        out.append(
+            at.problem([*here, "job_deadline_ms"], "must be 1000-604800000 (7 days), e.g. 3600000")
+        )
     return out
 
 
@@ -316,6 +321,12 @@ def _check_settings(doc: Document, at: "_Locator") -> list[Problem]:
         out.append(
             at.problem(["autoscale", "scale_down_after_s"], "must be 0-86400 seconds, e.g. 300")
         )
+    if not 1 <= doc.jobs.result_ttl_s <= 7 * 86_400:
+        out.append(at.problem(["jobs", "result_ttl_s"], "must be 1-604800 seconds, e.g. 600"))
+    if not 1 <= doc.jobs.max_queued_per_key <= 1_000_000:
+        out.append(at.problem(["jobs", "max_queued_per_key"], "must be 1-1000000, e.g. 1000"))
+    if not 0 <= doc.jobs.headroom_workers <= 1_000:
+        out.append(at.problem(["jobs", "headroom_workers"], "must be 0-1000, e.g. 1"))
     if not 256 <= doc.limits.max_body_bytes <= MAX_BODY_BYTES:
         out.append(
             at.problem(["limits", "max_body_bytes"], f"must be 256-{MAX_BODY_BYTES}, e.g. 65536")

@@ -17,6 +17,8 @@ class Tier(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cost_limit: str | None = None
     # The share of every batch reserved for this tier when it has work (0-1).
     min_batch_share: float = 0.0
+    # An asynchronous job (POST /v1/jobs) not started by then is 'expired'.
+    job_deadline_ms: int = 3_600_000
 
 
 class KeyEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -51,6 +53,17 @@ class Autoscale(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     scale_down_after_s: float = 300.0
 
 
+class Jobs(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    # A finished job's result (or error) is kept this long, then gone.
+    result_ttl_s: float = 600.0
+    # More queued jobs than this for one key: 429 until some run.
+    max_queued_per_key: int = 1_000
+    # A batch of jobs alone runs only while this many other workers stay idle
+    # (or no synchronous batch ran for 2 s), so synchronous requests never wait
+    # behind a batch of jobs. Jobs always fill the free slots of other batches.
+    headroom_workers: int = 1
+
+
 class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Request bodies larger than this are refused with 413.
     max_body_bytes: int = 65_536
@@ -75,6 +88,7 @@ class Document(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     batching: Batching = msgspec.field(default_factory=Batching)
     capacity: Capacity = msgspec.field(default_factory=Capacity)
     autoscale: Autoscale = msgspec.field(default_factory=Autoscale)
+    jobs: Jobs = msgspec.field(default_factory=Jobs)
     limits: Limits = msgspec.field(default_factory=Limits)
     workers: Workers = msgspec.field(default_factory=Workers)
 

@@ -356,6 +356,12 @@ class Cluster:
         self.urls.append(f"http://127.0.0.1:{port}")
         return self.urls[-1]
 
+    def stop_workers(self) -> None:
+        """SIGTERM every worker and wait for it: nothing takes work until one is added."""
+        for worker in self.workers:
+            worker.stop()
+        self.killed = [*self.killed, *self.workers]
+
     def kill_worker(self) -> None:
         self.kill(next(w for w in self.workers if w.alive()))
 

@@ -46,6 +46,8 @@ class Faces:
 @pytest.fixture
 async def q(redis_url: str):
     store = Store.connect(redis_url, "t", block_s=1, name="test")
+    # The worker whose credit the dispatchers hold in these tests is alive.
+    await store.redis.set(store.keys.heartbeat("worker", "w1"), b"{}")
     yield Faces(
         store,
         GatewayQueue(store, "gw"),
@@ -63,7 +65,7 @@ def ids(envelopes: list[bytes]) -> list[str]:
 async def test_take_is_priority_ordered_and_fifo_within_a_tier(q: Faces) -> None:
     for i, tier in enumerate(["free", "paid", "free", "enterprise", "paid", "enterprise"]):
         await q.gateway.enqueue(tier, env(i, tier))
-    taken = await q.dispatcher.take(5, clock.now_ms(), [0, 0, 0])
+    taken = await q.dispatcher.take("w1", 5, clock.now_ms(), [0, 0, 0])
     assert ids(taken.envelopes) == ["r3", "r5", "r1", "r4", "r0"]
     assert await q.redis.llen(q.keys.inflight("d1")) == 5
     assert await q.redis.llen(q.keys.queue("free")) == 1
@@ -76,7 +78,7 @@ async def test_min_share_is_served_before_strict_priority(q: Faces) -> None:
         await q.gateway.enqueue("enterprise", env(i, "enterprise"))
     for i in range(10, 15):
         await q.gateway.enqueue("free", env(i, "free"))
-    taken = await q.dispatcher.take(10, clock.now_ms(), [0, 0, 2])
+    taken = await q.dispatcher.take("w1", 10, clock.now_ms(), [0, 0, 2])
     assert ids(taken.envelopes) == ["r10", "r11", *[f"r{i}" for i in range(8)]]
 
 
@@ -85,7 +87,7 @@ async def test_expired_and_cancelled_never_leave_the_queue_for_a_worker(q: Faces
     await q.gateway.enqueue("free", env(2, "free"))
     await q.gateway.enqueue("free", env(3, "free"))
     await q.gateway.cancel("r2", clock.now_ms() + 60_000)
-    taken = await q.dispatcher.take(10, clock.now_ms(), [0, 0, 0])
+    taken = await q.dispatcher.take("w1", 10, clock.now_ms(), [0, 0, 0])
     assert ids(taken.envelopes) == ["r3"]
     assert (taken.expired, taken.cancelled) == (1, 1)
     stats = await q.stats()
@@ -97,7 +99,7 @@ async def test_handoff_and_worker_round_trip(q: Faces) -> None:
     await q.worker.offer_credit()
     assert await q.dispatcher.wait_credit(1) == "w1"
     await q.gateway.enqueue("paid", env(1, "paid"))
-    taken = await q.dispatcher.take(100, clock.now_ms(), [0, 0, 0])
+    taken = await q.dispatcher.take("w1", 100, clock.now_ms(), [0, 0, 0])
     batch = wire.encode_batch("b1", "d1", clock.now_ms(), taken.envelopes)
     await q.dispatcher.handoff("w1", batch, 1, clock.now_ms())
     assert await q.redis.llen(q.keys.inflight("d1")) == 0
@@ -112,7 +114,7 @@ async def test_handoff_and_worker_round_trip(q: Faces) -> None:
     pubsub = q.redis.pubsub()
     await pubsub.subscribe(q.keys.reply_channel("gw"))
     reply = wire.Reply([wire.Result("r1", "b1", 1, "w1", 0, 100, output="out")])
-    await q.worker.answer_batch({"gw": reply}, offer_credit=True)
+    await q.worker.answer_batch({"gw": reply}, offer_credit=True, now_ms=clock.now_ms())
     assert await q.redis.llen(q.keys.processing("w1")) == 0
     assert await q.redis.lrange(q.keys.ready, 0, -1) == [b"w1"]
     msg = None
@@ -130,11 +132,11 @@ async def test_requeue_returns_inflight_to_the_front_in_order(q: Faces) -> None:
         await q.gateway.enqueue("free", env(i, "free"))
     await q.worker.offer_credit()
     await q.dispatcher.wait_credit(1)
-    await q.dispatcher.take(3, clock.now_ms(), [0, 0, 0])
+    await q.dispatcher.take("w1", 3, clock.now_ms(), [0, 0, 0])
     await q.gateway.enqueue("free", env(9, "free"))
     assert await q.dispatcher.requeue_own() == (3, 1)
     assert await q.redis.lrange(q.keys.ready, 0, -1) == [b"w1"]
-    taken = await q.dispatcher_as("d2").take(10, clock.now_ms(), [0, 0, 0])
+    taken = await q.dispatcher_as("d2").take("w1", 10, clock.now_ms(), [0, 0, 0])
     assert ids(taken.envelopes) == ["r0", "r1", "r2", "r3", "r9"]
 
 
@@ -142,12 +144,12 @@ async def test_pacing_holds_a_partial_batch_but_never_a_full_one(q: Faces) -> No
     now = clock.now_ms()
     await q.redis.set(q.keys.last_dispatch, now)
     await q.gateway.enqueue("free", env(1, "free"))
-    held = await q.dispatcher.take(3, now + 5, [0, 0, 0], min_interval_ms=25)
+    held = await q.dispatcher.take("w1", 3, now + 5, [0, 0, 0], min_interval_ms=25)
     assert held.envelopes == []
     assert 0 < held.wait_ms <= 20
     for i in range(2, 4):
         await q.gateway.enqueue("free", env(i, "free"))
-    full = await q.dispatcher.take(3, now + 5, [0, 0, 0], min_interval_ms=25)
+    full = await q.dispatcher.take("w1", 3, now + 5, [0, 0, 0], min_interval_ms=25)
     assert ids(full.envelopes) == ["r1", "r2", "r3"]
 
 
@@ -155,7 +157,7 @@ async def test_concurrent_takes_never_share_an_envelope(q: Faces) -> None:
     for i in range(300):
         await q.gateway.enqueue(TIERS[i % 3], env(i, TIERS[i % 3]))
     results = await asyncio.gather(
-        *(q.dispatcher_as(f"d{j}").take(40, clock.now_ms(), [0, 0, 0]) for j in range(10))
+        *(q.dispatcher_as(f"d{j}").take("w1", 40, clock.now_ms(), [0, 0, 0]) for j in range(10))
     )
     all_ids = [i for r in results for i in ids(r.envelopes)]
     assert len(all_ids) == len(set(all_ids)) == 300
@@ -173,7 +175,7 @@ async def test_malformed_envelopes_are_dropped_by_take_and_survive_requeue(q: Fa
     for raw in junk:
         await q.redis.lpush(q.keys.queue("paid"), raw)
     await q.gateway.enqueue("paid", env(1, "paid"))
-    taken = await q.dispatcher.take(10, clock.now_ms(), [0, 0, 0])
+    taken = await q.dispatcher.take("w1", 10, clock.now_ms(), [0, 0, 0])
     assert ids(taken.envelopes) == ["r1"]
     assert taken.malformed == len(junk)
     assert (await q.stats())["malformed_dropped"] == len(junk)
@@ -181,7 +183,7 @@ async def test_malformed_envelopes_are_dropped_by_take_and_survive_requeue(q: Fa
     # instead of failing the whole script, and take then drops it.
     await q.redis.rpush(q.keys.inflight("d1"), b"\xff garbage")
     assert await q.dispatcher.requeue_own() == (2, 0)
-    again = await q.dispatcher.take(10, clock.now_ms(), [0, 0, 0])
+    again = await q.dispatcher.take("w1", 10, clock.now_ms(), [0, 0, 0])
     assert ids(again.envelopes) == ["r1"]
     assert again.malformed == 1
 
@@ -207,7 +209,7 @@ async def _batch_in_processing(q: Faces, attempt: int = 0) -> bytes:
     assert await q.dispatcher.wait_credit(1) == "w1"
     for i in range(3):
         await q.gateway.enqueue("free", env(i, "free"))
-    taken = await q.dispatcher.take(10, clock.now_ms(), [0, 0, 0])
+    taken = await q.dispatcher.take("w1", 10, clock.now_ms(), [0, 0, 0])
     batch = wire.encode_batch("b1", "d1", clock.now_ms(), taken.envelopes, attempt=attempt)
     assert await q.dispatcher.handoff("w1", batch, 3, clock.now_ms())
     data = await q.worker.pull_batch(1)
@@ -219,7 +221,7 @@ async def test_a_stalled_dispatcher_cannot_hand_off_what_the_reaper_took_back(q:
     await q.worker.offer_credit()
     assert await q.dispatcher.wait_credit(1) == "w1"
     await q.gateway.enqueue("paid", env(1, "paid"))
-    taken = await q.dispatcher.take(10, clock.now_ms(), [0, 0, 0])
+    taken = await q.dispatcher.take("w1", 10, clock.now_ms(), [0, 0, 0])
     # The dispatcher stalls past its heartbeat: the reaper returns what it held.
     assert await q.recovery.requeue_dispatcher("d1") == (1, 1)
     batch = wire.encode_batch("b1", "d1", clock.now_ms(), taken.envelopes)
@@ -284,3 +286,43 @@ def test_a_batch_with_an_unreadable_envelope_keeps_the_readable_ones() -> None:
     assert [e.id for e in batch.envelopes] == ["r1"]
     assert unreadable == 1
     assert wire.decode_batch(wire.retried_batch(data))[0].attempt == 1
+
+
+async def test_take_refuses_for_a_credit_whose_worker_has_gone(q: Faces) -> None:
+    await q.gateway.enqueue("paid", env(1, "paid"))
+    taken = await q.dispatcher.take("w-gone", 10, clock.now_ms(), [0, 0, 0])
+    assert taken.worker_gone
+    assert taken.envelopes == []
+    assert await q.redis.llen(q.keys.queue("paid")) == 1
+
+
+async def test_jobs_come_after_synchronous_work_and_alone_only_with_headroom(q: Faces) -> None:
+    now = clock.now_ms()
+
+    def job(i: int, tier: str) -> wire.Envelope:
+        return wire.Envelope(f"j{i}", "gw", tier, "k", f"job{i}", now, now + 60_000, job=True)
+
+    for i, tier in enumerate(["free", "enterprise"]):
+        assert await q.gateway.enqueue_job(job(i, tier), max_queued=10, result_ttl_ms=60_000)
+    assert not await q.gateway.enqueue_job(job(9, "free"), max_queued=2, result_ttl_ms=60_000)
+    await q.gateway.enqueue("free", env(1, "free"))
+    # Synchronous work first, then jobs (by tier) in the slots it leaves.
+    mixed = await q.dispatcher.take("w1", 10, now, [0, 0, 0], jobs_headroom=1)
+    assert ids(mixed.envelopes) == ["r1", "j1", "j0"]
+    assert mixed.jobs == 2
+    assert (await q.gateway.job("j1"))["status"] == "running"
+    assert await q.redis.hget(q.keys.jobs_queued, "k") is None  # both left their queue
+    # A batch of jobs alone: only with another worker idle (or after a quiet spell).
+    await q.redis.delete(q.keys.inflight("d1"))
+    await q.gateway.enqueue_job(job(3, "paid"), max_queued=10, result_ttl_ms=60_000)
+    await q.redis.set(q.keys.last_dispatch, now)
+    alone = await q.dispatcher.take("w1", 10, now, [0, 0, 0], jobs_headroom=1)
+    assert alone.envelopes == []
+    await q.redis.lpush(q.keys.ready, "w2")
+    alone = await q.dispatcher.take("w1", 10, now, [0, 0, 0], jobs_headroom=1)
+    assert ids(alone.envelopes) == ["j3"]
+    # A dispatcher that dies with a job in hand gives it back, queued again.
+    await q.dispatcher.requeue_own()
+    assert (await q.gateway.job("j3"))["status"] == "queued"
+    assert await q.redis.llen(q.keys.job_queue("paid")) == 1
+    assert await q.redis.hget(q.keys.jobs_queued, "k") == b"1"

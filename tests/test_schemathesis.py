@@ -41,7 +41,22 @@ def no_internal_error(ctx, response, case) -> bool:
     assert response.status_code != 500 or response.json()["error"]["code"] == "INFERENCE_FAILED", (
         response.text
     )
-    assert response.status_code in {200, 400, 401, 403, 404, 405, 413, 415, 429, 500, 503, 504}
+    assert response.status_code in {
+        200,
+        202,
+        400,
+        401,
+        403,
+        404,
+        405,
+        409,
+        413,
+        415,
+        429,
+        500,
+        503,
+        504,
+    }
     assert "x-request-id" in response.headers
     return True
 

@@ -5,6 +5,7 @@ and listen for its own replies."""
 import contextlib
 from collections.abc import AsyncIterator
 
+from infergate.base import wire
 from infergate.base.errors import STORE_ERRORS
 from infergate.base.queue import dead_letters
 from infergate.base.queue.store import Store
@@ -13,18 +14,24 @@ from redis.asyncio.client import PubSub
 
 
 class ReplySubscription:
-    """This gateway's reply channel, subscribed."""
+    """This gateway's reply channel and the jobs-done channel, subscribed."""
 
-    def __init__(self, pubsub: PubSub) -> None:
+    def __init__(self, pubsub: PubSub, jobs_done: bytes, job_prefix: str) -> None:
         self._pubsub = pubsub
+        self._jobs_done = jobs_done
+        self._job_prefix = job_prefix
 
-    async def next_message(self, timeout_s: float) -> bytes | None:
-        """The next reply's raw bytes, or None if none came within ``timeout_s``."""
+    async def next_message(self, timeout_s: float) -> tuple[bytes | None, list[str]]:
+        """The next reply's raw bytes, or the ids of jobs just finished (one
+        of the two), or (None, []) if nothing came within ``timeout_s``."""
         message = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=timeout_s)
         if message is None or message.get("type") != "message":
-            return None
+            return None, []
         data: bytes = message["data"]
-        return data
+        if message.get("channel") == self._jobs_done:
+            keys = data.decode(errors="replace").split()
+            return None, [k.removeprefix(self._job_prefix) for k in keys]
+        return data, []
 
 
 class GatewayQueue:
@@ -39,6 +46,48 @@ class GatewayQueue:
             keys=[self.keys.queue(tier), self.keys.doorbell], args=[envelope]
         )
         return int(depth)
+
+    async def enqueue_job(
+        self, envelope: wire.Envelope, max_queued: int, result_ttl_ms: int
+    ) -> bool:
+        """Accept a job: its record and its envelope, in one step. False (and
+        nothing changed) if its key already has ``max_queued`` jobs queued."""
+        keys = self.keys
+        depth = await self.store.scripts.enqueue_job(
+            keys=[
+                keys.job_queue(envelope.tier),
+                keys.doorbell,
+                keys.job(envelope.id),
+                keys.jobs_queued,
+            ],
+            args=[
+                wire.encode(envelope),
+                envelope.key_id,
+                max_queued,
+                envelope.tier,
+                envelope.enqueued_ms,
+                envelope.deadline_ms,
+                result_ttl_ms,
+            ],
+        )
+        return int(depth) >= 0
+
+    async def job(self, job_id: str) -> dict[str, str]:
+        """A job's record (empty if there is none, or no more)."""
+        raw: dict[bytes, bytes] = await self.store.redis.hgetall(self.keys.job(job_id))  # type: ignore[assignment]
+        return {k.decode(): v.decode(errors="replace") for k, v in raw.items()}
+
+    async def cancel_job(self, job_id: str, key_id: str) -> str | None:
+        """Cancel a queued job of ``key_id``: its status afterwards, or None if
+        it has no such job."""
+        status = await self.store.scripts.cancel_job(
+            keys=[self.keys.job(job_id), self.keys.cancelled], args=[key_id, job_id]
+        )
+        return (
+            None
+            if status is None
+            else (status.decode() if isinstance(status, bytes) else str(status))
+        )
 
     async def cancel(self, request_id: str, until_ms: int) -> None:
         """Mark a queued request as abandoned; ``take`` drops it."""
@@ -65,8 +114,8 @@ class GatewayQueue:
         """Subscribe to this gateway's reply channel for the life of the block."""
         pubsub = self.store.redis.pubsub()
         try:
-            await pubsub.subscribe(self.keys.reply_channel(self.gateway_id))
-            yield ReplySubscription(pubsub)
+            await pubsub.subscribe(self.keys.reply_channel(self.gateway_id), self.keys.jobs_done)
+            yield ReplySubscription(pubsub, self.keys.jobs_done.encode(), self.keys.job_prefix)
         finally:
             with contextlib.suppress(*STORE_ERRORS):
                 await pubsub.aclose()  # type: ignore[no-untyped-call]

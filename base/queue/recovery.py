@@ -7,7 +7,7 @@ the same way."""
 import msgspec
 from infergate.base import clock, logs, wire
 from infergate.base.queue.dispatcher import requeue
-from infergate.base.queue.replies import failure_replies, publish_replies
+from infergate.base.queue.replies import deliver_replies, failure_replies
 from infergate.base.queue.store import Store
 
 log = logs.get(__name__)
@@ -86,15 +86,16 @@ class RecoveryQueue:
         # Answer first, then move: if the answer cannot be published the batch
         # stays where it is and the next sweep tries again (a duplicate answer
         # is ignored by its gateway; a lost one would leave clients to time out).
+        now_ms = clock.now_ms()
         replies = failure_replies(
             batch,
             "INFERENCE_FAILED",
             f"the batch failed {attempt} times (its workers died or hung); not retried again",
             worker_id="",
-            now_ms=clock.now_ms(),
+            now_ms=now_ms,
         )
         async with self.store.redis.pipeline(transaction=False) as pipe:
-            publish_replies(pipe, self.keys, replies)
+            await deliver_replies(pipe, self.store, replies, now_ms)
             await pipe.execute()
         if not await self._move(worker_id, raw, b""):
             return "moved_already"

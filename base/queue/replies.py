@@ -1,15 +1,17 @@
-"""Replies: how a batch's results reach the gateways that wait for them.
+"""Replies: how a batch's results reach those who wait for them.
 
-One message per gateway per batch on ``reply:{gateway}``. Publishing is
-written once, here, for every path that answers a batch: a worker that ran
-it, a worker that could not read it, and the reaper that gave up on it.
+One message per gateway per batch on ``reply:{gateway}``; a job's result is
+stored on its record instead (``finish_jobs.lua``), for its owner to fetch
+from any gateway. Delivering is written once, here, for every path that
+answers a batch: a worker that ran it, a worker that could not read it, and
+the reaper that gave up on it.
 """
 
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 
 from infergate.base import wire
-from infergate.base.keys import Keys
+from infergate.base.queue.store import Store
 from redis.asyncio.client import Pipeline
 
 
@@ -29,7 +31,7 @@ def failure_replies(
     """Every request of ``batch`` answered with the same error."""
     return group_by_gateway(
         (
-            env.gateway,
+            wire.destination(env),
             wire.Result(
                 id=env.id,
                 batch_id=batch.id,
@@ -44,7 +46,24 @@ def failure_replies(
     )
 
 
-def publish_replies(pipe: Pipeline, keys: Keys, replies: Mapping[str, wire.Reply]) -> None:
-    """Queue one PUBLISH per gateway on ``pipe`` (the caller executes it)."""
+async def deliver_replies(
+    pipe: Pipeline, store: Store, replies: Mapping[str, wire.Reply], now_ms: int
+) -> None:
+    """Queue one PUBLISH per gateway, and the storing of the jobs' results,
+    on ``pipe`` (the caller executes it)."""
+    keys = store.keys
     for gateway_id, reply in replies.items():
-        pipe.publish(keys.reply_channel(gateway_id), wire.encode(reply))
+        if gateway_id != wire.JOBS:
+            pipe.publish(keys.reply_channel(gateway_id), wire.encode(reply))
+    jobs = replies.get(wire.JOBS)
+    if jobs is not None and jobs.results:
+        await store.scripts.finish_jobs(
+            keys=[keys.job(r.id) for r in jobs.results],
+            args=[
+                keys.jobs_done,
+                now_ms,
+                *(wire.encode(r) for r in jobs.results),
+                *("failed" if r.error else "succeeded" for r in jobs.results),
+            ],
+            client=pipe,
+        )

@@ -29,3 +29,6 @@ class Scripts:
         self.requeue = load("requeue")
         self.retry = load("retry")
         self.reaper_lock = load("reaper_lock")
+        self.enqueue_job = load("enqueue_job")
+        self.finish_jobs = load("finish_jobs")
+        self.cancel_job = load("cancel_job")

@@ -4,7 +4,7 @@ processing list, and answer the batch (publish its replies, then ack it)."""
 from collections.abc import Mapping
 
 from infergate.base import wire
-from infergate.base.queue.replies import publish_replies
+from infergate.base.queue.replies import deliver_replies
 from infergate.base.queue.store import Store
 
 
@@ -48,13 +48,19 @@ class WorkerQueue:
         )
         return data
 
-    async def answer_batch(self, replies: Mapping[str, wire.Reply], offer_credit: bool) -> None:
-        """Publish one reply per gateway, then ack the batch (and offer a credit).
-        A crash between the two re-runs the batch; gateways ignore the duplicate."""
-        async with self.store.redis.pipeline(transaction=False) as pipe:
-            publish_replies(pipe, self.keys, replies)
+    async def answer_batch(
+        self, replies: Mapping[str, wire.Reply], offer_credit: bool, now_ms: int
+    ) -> None:
+        """Publish one reply per gateway and store the jobs' results, then ack
+        the batch (and offer a credit), in one transaction: a job's result is
+        stored by the same step that finishes its batch. If the reply to the
+        transaction is lost, the batch is run again; gateways ignore the
+        duplicate and a job's result is stored again."""
+        keys = self.keys
+        async with self.store.redis.pipeline(transaction=True) as pipe:
+            await deliver_replies(pipe, self.store, replies, now_ms)
             await self.store.scripts.ack_batch(
-                keys=[self.keys.processing(self.worker_id), self.keys.ready],
+                keys=[keys.processing(self.worker_id), keys.ready, keys.doorbell, *keys.job_queues],
                 args=[self.worker_id, "1" if offer_credit else "0"],
                 client=pipe,
             )

@@ -4,18 +4,30 @@
 -- ready list, in one step. Used on a dispatcher's own shutdown and by the
 -- reaper for a dead dispatcher.
 -- KEYS[1] inflight:{dispatcher}  KEYS[2] credits:{dispatcher}  KEYS[3] ready
--- KEYS[4] doorbell  KEYS[5] stats  KEYS[5+i] queue of tier ARGV[i]
--- ARGV[i] tier names, same order as the queues
+-- KEYS[4] doorbell  KEYS[5] stats  KEYS[6] jobs-queued
+-- KEYS[6+i] the queue ARGV[1+i] names ('free' for queue:free, 'job:free' for jobs:free)
+-- ARGV[1] the job record key prefix  ARGV[1+i] queue names, same order as the queues
+-- A job goes back to its job queue, its record to 'queued' and its key's
+-- count up again.
 -- Returns {envelopes requeued, credits returned}
 local queue_of = {}
-for i, tier in ipairs(ARGV) do queue_of[tier] = KEYS[5 + i] end
+for i = 2, #ARGV do queue_of[ARGV[i]] = KEYS[5 + i] end
 local fallback = KEYS[#KEYS]
 
 local envs = redis.call('LRANGE', KEYS[1], 0, -1)
 for i = #envs, 1, -1 do
   local ok, env = pcall(cjson.decode, envs[i])
   local queue = fallback
-  if ok and type(env) == 'table' and queue_of[env.tier] then queue = queue_of[env.tier] end
+  if ok and type(env) == 'table' then
+    local name = (env.job and 'job:' or '') .. tostring(env.tier)
+    if queue_of[name] then queue = queue_of[name] end
+    if env.job and type(env.id) == 'string' and type(env.key_id) == 'string' then
+      redis.call('HINCRBY', KEYS[6], env.key_id, 1)
+      if redis.call('EXISTS', ARGV[1] .. env.id) == 1 then
+        redis.call('HSET', ARGV[1] .. env.id, 'status', 'queued')
+      end
+    end
+  end
   redis.call('RPUSH', queue, envs[i])
 end
 redis.call('DEL', KEYS[1])

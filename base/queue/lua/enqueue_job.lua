@@ -1,0 +1,20 @@
+-- enqueue_job: accept an asynchronous job, in one step: its record (owner,
+-- status 'queued', when its result may be dropped), its envelope at the back
+-- of its tier's job queue, the owner's queued count, and the doorbell. Refused,
+-- with nothing changed, if the owner already has max_queued jobs queued.
+-- KEYS[1] jobs:{tier}  KEYS[2] doorbell  KEYS[3] job:{id}  KEYS[4] jobs-queued
+-- ARGV[1] envelope (JSON)  ARGV[2] key id  ARGV[3] max queued per key
+-- ARGV[4] tier  ARGV[5] created (epoch ms)  ARGV[6] deadline (epoch ms)
+-- ARGV[7] result ttl (ms)
+-- Returns the job queue's length, or -1 if refused.
+local queued = tonumber(redis.call('HGET', KEYS[4], ARGV[2]) or '0')
+if queued >= tonumber(ARGV[3]) then return -1 end
+local keep_ms = tonumber(ARGV[6]) - tonumber(ARGV[5]) + tonumber(ARGV[7])
+redis.call('HSET', KEYS[3], 'key_id', ARGV[2], 'tier', ARGV[4], 'status', 'queued',
+  'created_ms', ARGV[5], 'deadline_ms', ARGV[6], 'result_ttl_ms', ARGV[7])
+redis.call('PEXPIRE', KEYS[3], keep_ms)
+redis.call('HINCRBY', KEYS[4], ARGV[2], 1)
+local depth = redis.call('LPUSH', KEYS[1], ARGV[1])
+redis.call('LPUSH', KEYS[2], '1')
+redis.call('LTRIM', KEYS[2], 0, 0)
+return depth

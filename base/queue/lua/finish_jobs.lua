@@ -1,0 +1,23 @@
+-- finish_jobs: store the results of finished jobs on their records (kept
+-- for the record's result ttl from now) and say so on the jobs-done channel,
+-- in one step. A record already gone (its owner's time passed) is left
+-- gone. Idempotent: a batch run twice stores the same kind of result again.
+-- Run by the worker in the same transaction that acknowledges the batch,
+-- and by the reaper before it dead-letters one.
+-- KEYS[i] job:{id}
+-- ARGV[1] jobs-done channel  ARGV[2] now (epoch ms)
+-- ARGV[2 + i] the result of KEYS[i] (JSON)  ARGV[2 + #KEYS + i] its status
+-- Returns how many records were written.
+local written, ids = 0, {}
+for i, key in ipairs(KEYS) do
+  if redis.call('EXISTS', key) == 1 then
+    local ttl = tonumber(redis.call('HGET', key, 'result_ttl_ms') or '600000')
+    redis.call('HSET', key, 'status', ARGV[2 + #KEYS + i], 'result', ARGV[2 + i],
+      'done_ms', ARGV[2])
+    redis.call('PEXPIRE', key, ttl)
+    written = written + 1
+    ids[#ids + 1] = key
+  end
+end
+if #ids > 0 then redis.call('PUBLISH', ARGV[1], table.concat(ids, ' ')) end
+return written

@@ -1,0 +1,171 @@
+"""Asynchronous jobs: submit now, fetch later, from any gateway.
+
+A job is an accepted request whose answer is stored instead of sent: its
+envelope waits in its tier's job queue (after every synchronous queue), runs
+in the batch slots synchronous traffic leaves free, and its result is
+written on its record by the same transaction that acknowledges its batch
+(``finish_jobs.lua``), never by a gateway. A gateway that dies after the
+submit changes nothing. Only the key that submitted a job can see it: any
+other key gets 404, exactly as for an id that never existed.
+
+    POST   /v1/jobs             202 {job_id, status: "queued", location}
+    GET    /v1/jobs/{id}?wait_s=N   the job; waits up to N s for it to finish
+    DELETE /v1/jobs/{id}        cancel it while it is queued (409 once started)
+"""
+
+import re
+
+import msgspec
+from infergate.base import clock, logs, wire
+from infergate.base.errors import STORE_ERRORS
+from infergate.gateway.api import (
+    BadRequestBody,
+    InferenceResponse,
+    JobAccepted,
+    JobView,
+    decode_inference_request,
+)
+from infergate.gateway.errors import ERRORS, ApiError, ErrorDetail, error_from_result
+from infergate.gateway.service import Call, Gateway, check_input, redis_unreachable
+
+log = logs.get(__name__)
+
+MAX_WAIT_S = 20.0  # a long poll's bound; clients poll again after it
+RECHECK_S = 1.0  # a long poll re-reads the record this often (a missed notice costs this)
+FINAL = frozenset({"succeeded", "failed", "cancelled", "expired"})
+_JOB_ID = re.compile(r"^[0-9a-f]{32}$")
+RETRY_TOO_MANY_JOBS_MS = 5_000
+
+
+class Jobs:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.queue = gateway.queue
+
+    async def submit(self, call: Call) -> tuple[JobAccepted, dict[str, str]]:
+        """Who, input, quota, then the job is queued: never refused for
+        capacity (it waits for spare capacity), only by the quota and by the
+        bound on jobs queued per key."""
+        gw = self.gateway
+        policy = gw.policy.current
+        key = gw.authenticate(call.authorization, policy)
+        try:
+            body = decode_inference_request(call.body)
+        except BadRequestBody as exc:
+            raise ApiError("INVALID_INPUT", str(exc)) from None
+        tier = policy.tiers[key.tier]
+        check_input(body.input, key.tier, tier)
+        headers = await gw.charge_quota(key, tier, len(body.input))
+        now_ms = clock.now_ms()
+        deadline_ms = tier.job_deadline_ms
+        if body.timeout_ms is not None:
+            deadline_ms = min(deadline_ms, body.timeout_ms)
+        job_id = wire.new_job_id()
+        envelope = wire.Envelope(
+            job_id, gw.id, key.tier, key.id, body.input, now_ms, now_ms + deadline_ms, job=True
+        )
+        jobs = policy.document.jobs
+        try:
+            accepted = await self.queue.enqueue_job(
+                envelope, jobs.max_queued_per_key, round(jobs.result_ttl_s * 1000)
+            )
+            if not accepted:
+                await gw.quota.refund(key, tier, len(body.input))
+        except STORE_ERRORS as exc:
+            gw.fleet.mark_unreachable()
+            raise redis_unreachable() from exc
+        if not accepted:
+            raise ApiError(
+                "RATE_LIMITED",
+                f"this key has {jobs.max_queued_per_key} jobs queued already (the policy's "
+                "jobs.max_queued_per_key); wait for some to start",
+                RETRY_TOO_MANY_JOBS_MS,
+                headers,
+            )
+        gw.metrics.jobs_submitted.labels(key.tier).inc()
+        location = f"/v1/jobs/{job_id}"
+        log.info("job.queued", job_id=job_id, tier=key.tier)
+        return JobAccepted(job_id, "queued", location), {**headers, "location": location}
+
+    async def fetch(self, authorization: str | None, job_id: str, wait_s: float) -> JobView:
+        """The job as its owner sees it; with ``wait_s``, once it has finished
+        or that long has passed (at most ``MAX_WAIT_S``)."""
+        key = self.gateway.authenticate(authorization, self.gateway.policy.current)
+        deadline = clock.monotonic_s() + min(max(0.0, wait_s), MAX_WAIT_S)
+        while True:
+            view = await self._read(job_id, key.id)
+            left = deadline - clock.monotonic_s()
+            if view.status in FINAL or left <= 0 or self.gateway.draining:
+                return view
+            await self.gateway.replies.wait_job(job_id, min(left, RECHECK_S))
+
+    async def cancel(self, authorization: str | None, job_id: str) -> JobView:
+        key = self.gateway.authenticate(authorization, self.gateway.policy.current)
+        if not _JOB_ID.match(job_id):
+            raise _not_found()
+        try:
+            status = await self.queue.cancel_job(job_id, key.id)
+        except STORE_ERRORS as exc:
+            raise redis_unreachable() from exc
+        if status is None:
+            raise _not_found()
+        if status != "cancelled":
+            raise ApiError("CONFLICT", f"the job is {status}; only a queued job can be cancelled")
+        log.info("job.cancelled", job_id=job_id)
+        return await self._read(job_id, key.id)
+
+    async def _read(self, job_id: str, key_id: str) -> JobView:
+        if not _JOB_ID.match(job_id):
+            raise _not_found()
+        try:
+            record = await self.queue.job(job_id)
+        except STORE_ERRORS as exc:
+            raise redis_unreachable() from exc
+        if record.get("key_id") != key_id:
+            raise _not_found()  # another key's job reads exactly as no job
+        return _view(job_id, record)
+
+
+def _not_found() -> ApiError:
+    return ApiError("NOT_FOUND", "no such job (or it expired, or it is another key's)")
+
+
+def _view(job_id: str, record: dict[str, str]) -> JobView:
+    created_ms = _int(record.get("created_ms"))
+    status = record.get("status", "queued")
+    if status == "queued" and clock.now_ms() >= _int(record.get("deadline_ms")):
+        status = "expired"  # not started in time: ``take`` drops it when it gets there
+    view = JobView(job_id, status, record.get("tier", ""), created_ms)
+    if status not in ("succeeded", "failed") or "result" not in record:
+        return view
+    try:
+        result = msgspec.json.decode(record["result"], type=wire.Result)
+    except msgspec.DecodeError:
+        log.error("job.result_unreadable", job_id=job_id)
+        return msgspec.structs.replace(view, status="failed", error=_detail(job_id, None))
+    done_ms = _int(record.get("done_ms"))
+    view = msgspec.structs.replace(view, done_ms=done_ms)
+    if result.error is not None:
+        return msgspec.structs.replace(view, error=_detail(job_id, result.error))
+    response = InferenceResponse(
+        request_id=job_id,
+        output=result.output or "",
+        latency_ms=float(max(0, done_ms - created_ms)),
+        tier=view.tier,
+        batch_size=result.batch_size,
+        queue_ms=result.queue_ms,
+        served_by=result.served_by,
+    )
+    return msgspec.structs.replace(view, result=response)
+
+
+def _detail(job_id: str, error: wire.ErrorInfo | None) -> ErrorDetail:
+    exc = error_from_result(error or wire.ErrorInfo("INFERENCE_FAILED", "unreadable result"))
+    return ErrorDetail(exc.code, ERRORS[exc.code][1], exc.message, job_id)
+
+
+def _int(text: str | None) -> int:
+    try:
+        return int(text or 0)
+    except ValueError:
+        return 0
