@@ -55,6 +55,12 @@ class FleetView:
         self._batch_ms = sum(times) / len(times) if times else 0.0
         self._capacity = {}
 
+    def fingerprint(self) -> str | None:
+        """The model every serving worker runs (None if they differ, or none
+        serves): the result cache is read only for a fleet of one model."""
+        models = {w.model for w in self._serving}
+        return models.pop() if len(models) == 1 and "" not in models else None
+
     def serving(self) -> list[wire.Heartbeat]:
         """The workers that take work: alive and not draining."""
         return self._serving

@@ -5,6 +5,8 @@ script runs on one shard, and the same code runs on a single Redis, Sentinel
 or Cluster.
 """
 
+import hashlib
+
 from infergate.base.tiers import TIERS
 
 
@@ -46,6 +48,11 @@ class Keys:
 
     def job(self, job_id: str) -> str:
         return self.job_prefix + job_id
+
+    def cache(self, digest: str, fingerprint: str) -> str:
+        """An answer kept for an input digest, under the model that gave it."""
+        model = hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
+        return self.prefix + "cache:" + model + ":" + digest
 
     def inflight(self, dispatcher_id: str) -> str:
         return self.prefix + "inflight:" + dispatcher_id

@@ -99,6 +99,23 @@ class PolicyWatching(Common):
 class GatewayMetrics(PolicyWatching):
     def __init__(self, registry: CollectorRegistry) -> None:
         super().__init__(registry)
+        self.cache_hits = Counter(
+            "infergate_cache_hits",
+            "Requests answered from the result cache, without queueing (GPU slots saved)",
+            ["tier"],
+            registry=registry,
+        )
+        self.requests_joined = Counter(
+            "infergate_requests_joined",
+            "Requests that waited for an identical one in flight at their gateway (slots saved)",
+            ["tier"],
+            registry=registry,
+        )
+        self.cache_bypassed = Counter(
+            "infergate_cache_bypassed",
+            "Cache reads that failed (Redis): the request was served without the cache",
+            registry=registry,
+        )
         self.jobs_submitted = Counter(
             "infergate_jobs_submitted",
             "Asynchronous jobs accepted (POST /v1/jobs), by tier",

@@ -23,6 +23,10 @@ class Envelope(msgspec.Struct, frozen=True, omit_defaults=True):
     trace: str | None = None
     # An asynchronous job: its result is stored (job:{id}), not sent to ``gateway``.
     job: bool = False
+    # With the result cache on: the input's digest (in its sharing scope) and
+    # how long the worker keeps the answer under it.
+    cache_key: str | None = None
+    cache_ttl_ms: int = 0
 
 
 class Batch(msgspec.Struct, frozen=True):
@@ -102,6 +106,8 @@ class Heartbeat(msgspec.Struct, frozen=True, omit_defaults=True):
     delivered_rps: float = 0.0
     batch_ms: float = 0.0
     draining: bool = False
+    # A worker's backend fingerprint (what decides its outputs): the cache's key.
+    model: str = ""
     # A gateway's demand since it started: requests admitted, and refused for
     # capacity (503), which the fleet would have served had it been bigger.
     admitted: int = 0

@@ -45,6 +45,7 @@ from infergate.gateway.api import (
 from infergate.gateway.errors import ApiError, error_from_result
 from infergate.gateway.quota import Quota
 from infergate.gateway.replies import ReplyRouter
+from infergate.gateway.sharing import Cache, Collapsing, input_digest
 from infergate.policies import KeyEntry, Policy, Tier
 from infergate.policies.live import LivePolicy
 from infergate.policies.loader import digest
@@ -106,6 +107,38 @@ async def _watch_disconnect(receive: Receive, future: asyncio.Future[wire.Result
 
 
 @dataclass(frozen=True)
+class Share:
+    """How a request may share its answer (``sharing`` in the policy)."""
+
+    digest: str
+    collapse: bool
+    cache_ttl_ms: int
+
+    @classmethod
+    def of(cls, policy: Policy, key: KeyEntry, text: str) -> "Share | None":
+        sharing = policy.document.sharing
+        if not sharing.collapse and sharing.cache_ttl_s <= 0:
+            return None
+        return cls(
+            input_digest(sharing.scope, key, text),
+            sharing.collapse,
+            round(sharing.cache_ttl_s * 1000),
+        )
+
+
+@dataclass(frozen=True)
+class Request:
+    """One admitted request on its way to a worker."""
+
+    id: str
+    key: KeyEntry
+    text: str
+    deadline_ms: int
+    started: float
+    share: Share | None
+
+
+@dataclass(frozen=True)
 class GatewaySettings(ProcessSettings):
     # The fleet view behind admission: queue depths at most this old, plus what
     # this gateway admitted since. Short, so a burst is seen within a few batches.
@@ -126,6 +159,8 @@ class Gateway:
         self.replies = ReplyRouter(self.queue, on_ignored=self.metrics.replies_ignored.inc)
         self.fleet = FleetView(self.store, settings.fleet_refresh_ms)
         self.quota = Quota(self.queue.quota_storage())
+        self.collapsing = Collapsing()
+        self.cache = Cache(self.queue, self.metrics.cache_bypassed.inc)
         self.admission = Admission(self.fleet)
         policy.keep_with(self._keep_policy)
         watch_policy_and_redis(self.metrics, policy, lambda: self.fleet.redis_ok)
@@ -296,6 +331,12 @@ class Gateway:
             raise ApiError("INVALID_INPUT", str(exc)) from None
         tier = policy.tiers[key.tier]
         check_input(body.input, key.tier, tier)
+        share = Share.of(policy, key, body.input)
+        cached = await self._cached(share)
+        if cached is not None:
+            headers = await self.charge_quota(key, tier, len(body.input))
+            self.metrics.cache_hits.labels(key.tier).inc()
+            return self._response(call, started, key, cached), headers
         self._check_capacity(policy, key.tier)
         headers = await self.charge_quota(key, tier, len(body.input))
         self.admission.admitted(key.tier)
@@ -303,15 +344,19 @@ class Gateway:
         deadline_ms = (
             tier.deadline_ms if body.timeout_ms is None else min(tier.deadline_ms, body.timeout_ms)
         )
+        request = Request(call.request_id, key, body.input, deadline_ms, started, share)
         try:
-            result = await self._run(
-                call.request_id, key, body.input, deadline_ms, started, call.receive
-            )
+            result = await self._collapsed_or_run(request, call.receive)
         except ApiError as exc:
             exc.headers.update(headers)
             raise
+        return self._response(call, started, key, result), headers
+
+    def _response(
+        self, call: Call, started: float, key: KeyEntry, result: wire.Result
+    ) -> InferenceResponse:
         self.served += 1
-        response = InferenceResponse(
+        return InferenceResponse(
             request_id=call.request_id,
             output=result.output or "",
             latency_ms=round(clock.elapsed_ms(started), 2),
@@ -320,7 +365,35 @@ class Gateway:
             queue_ms=result.queue_ms,
             served_by=result.served_by,
         )
-        return response, headers
+
+    async def _cached(self, share: "Share | None") -> wire.Result | None:
+        """The result cache's answer, if it is on and holds one for this
+        input and the fleet's model."""
+        if share is None or share.cache_ttl_ms <= 0:
+            return None
+        fingerprint = self.fleet.fingerprint()
+        if fingerprint is None:
+            return None
+        output = await self.cache.get(share.digest, fingerprint)
+        if output is None:
+            return None
+        return wire.Result("", "", 0, "", 0, 0, output=output, served_by="cache")
+
+    async def _collapsed_or_run(self, request: "Request", receive: Receive | None) -> wire.Result:
+        """Wait for an identical request already in flight here, or run this
+        one (and let identical ones that arrive meanwhile wait for it)."""
+        share = request.share
+        if share is None or not share.collapse:
+            return await self._run(request, receive)
+        remaining_s = request.deadline_ms / 1000.0 - clock.elapsed_s(request.started)
+        followed = await self.collapsing.follow(share.digest, remaining_s)
+        if followed is not None:
+            self.metrics.requests_joined.labels(request.key.tier).inc()
+            return msgspec.structs.replace(followed, served_by="collapsed")
+        async with self.collapsing.lead(share.digest) as done:
+            result = await self._run(request, receive)
+            done(result)
+            return result
 
     def _check_capacity(self, policy: Policy, tier_name: str) -> None:
         """Redis and a worker are there, and the tier's queue fits its budget.
@@ -367,26 +440,23 @@ class Gateway:
             )
         return headers
 
-    async def _run(
-        self,
-        request_id: str,
-        key: KeyEntry,
-        text: str,
-        deadline_ms: int,
-        started: float,
-        receive: Receive | None,
-    ) -> wire.Result:
+    async def _run(self, request: "Request", receive: Receive | None) -> wire.Result:
         now_ms = clock.now_ms()
+        request_id, key, started = request.id, request.key, request.started
+        share = request.share
         envelope = wire.Envelope(
             id=request_id,
             gateway=self.id,
             tier=key.tier,
             key_id=key.id,
-            input=text,
+            input=request.text,
             enqueued_ms=now_ms,
-            deadline_ms=now_ms + deadline_ms,
+            deadline_ms=now_ms + request.deadline_ms,
             trace=tracing.current_traceparent(),
+            cache_key=share.digest if share and share.cache_ttl_ms else None,
+            cache_ttl_ms=share.cache_ttl_ms if share else 0,
         )
+        deadline_ms = request.deadline_ms
         future = self.replies.park(request_id)
         try:
             await self._enqueue(envelope)

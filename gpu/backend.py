@@ -21,6 +21,10 @@ class ContractError(BackendError):
 
 class Backend(Protocol):
     name: str
+    # Whatever decides the outputs (backend, model, generation settings):
+    # cached answers are kept per fingerprint, so a new model never serves
+    # the old one's.
+    fingerprint: str
 
     def infer(self, inputs: list[str]) -> list[str]: ...
 

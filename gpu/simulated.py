@@ -23,6 +23,7 @@ def sim_output(s: str) -> str:
 
 class SimulatedBackend:
     name = "simulated"
+    fingerprint = "simulated/1"  # its output depends on the input alone
 
     def __init__(
         self,

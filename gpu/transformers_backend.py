@@ -38,6 +38,10 @@ class TransformersBackend:
         model: Any = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **extra)
         self.model = model.to(self.device).eval()
         self.max_new_tokens = max_new_tokens
+        # Greedy decoding: the output follows from the model, the file and these.
+        self.fingerprint = (
+            f"transformers/{model_path}/{gguf_file}/{max_new_tokens}/{max_input_tokens}"
+        )
         self.max_input_tokens = max_input_tokens
         self._one_at_a_time = OneAtATime()
 

@@ -28,7 +28,7 @@ from infergate.base.probes import Probes
 from infergate.base.queue.recovery import RecoveryQueue
 from infergate.base.queue.replies import failure_replies, group_by_gateway
 from infergate.base.queue.store import Store
-from infergate.base.queue.worker import WorkerQueue
+from infergate.base.queue.worker import KeptAnswer, WorkerQueue
 from infergate.base.settings import ProcessSettings
 from infergate.gpu.backend import Backend, BackendError
 from prometheus_client import CollectorRegistry
@@ -75,6 +75,8 @@ class Worker:
         self.requests_done = 0
         self.batch_ms_ewma: float | None = None
         self._recent: deque[tuple[float, int]] = deque()  # (monotonic s, requests) per batch
+        # Answers of the batch in hand for the result cache, stored with its answer.
+        self.answers_to_keep: list[KeptAnswer] = []
         self.heartbeat = Heartbeater(
             self.store, self.status, settings.heartbeat_interval_ms, settings.heartbeat_ttl_ms
         )
@@ -104,6 +106,7 @@ class Worker:
             delivered_rps=round(delivered, 1),
             batch_ms=round(self.batch_ms_ewma or 0.0, 2),
             draining=self.stopping.is_set(),
+            model=self.backend.fingerprint,
         )
 
     # -- running the backend -------------------------------------------------
@@ -187,6 +190,7 @@ class Worker:
             if collapsed:
                 result = msgspec.structs.replace(result, served_by="collapsed")
             results.append((wire.destination(env), result))
+            self._keep(env, result)
         outcomes = [outcome_of[i] for i in inputs]
         self.metrics.backend_inputs.inc(len(distinct))
         self.metrics.requests_collapsed.inc(len(inputs) - len(distinct))
@@ -205,6 +209,15 @@ class Worker:
             failed=failed,
         )
         return group_by_gateway(results)
+
+    def _keep(self, env: wire.Envelope, result: wire.Result) -> None:
+        """With the result cache on for this request, keep its answer (stored
+        in the transaction that answers the batch)."""
+        if env.cache_key and env.cache_ttl_ms > 0 and result.output is not None:
+            answer = KeptAnswer(
+                env.cache_key, self.backend.fingerprint, result.output, env.cache_ttl_ms
+            )
+            self.answers_to_keep.append(answer)
 
     async def handle(self, data: bytes) -> dict[str, wire.Reply]:
         """The replies for one pulled batch, whatever happens to it: an
@@ -319,8 +332,10 @@ class Worker:
         batch stays in processing and the reaper runs it again."""
         offer = not stop.is_set()
 
+        keep, self.answers_to_keep = self.answers_to_keep, []
+
         async def answer() -> None:
-            await self.queue.answer_batch(replies, offer_credit=offer, now_ms=clock.now_ms())
+            await self.queue.answer_batch(replies, offer, clock.now_ms(), keep)
 
         if not await retry_until_done(
             "batch.publish", answer, stop, grace_after_stop_s=self.settings.publish_grace_s

@@ -24,6 +24,7 @@ from infergate.policies.schema import (
     KeyEntry,
     Limits,
     Policy,
+    Sharing,
     Tier,
     Workers,
 )
@@ -49,7 +50,18 @@ _Loader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 # other name in a problem's path came from the file and is masked.
 SCHEMA_NAMES = frozenset(TIERS) | frozenset(
     field.name
-    for struct in (Document, Tier, KeyEntry, Batching, Capacity, Autoscale, Jobs, Limits, Workers)
+    for struct in (
+        Document,
+        Tier,
+        KeyEntry,
+        Batching,
+        Capacity,
+        Autoscale,
+        Jobs,
+        Sharing,
+        Limits,
+        Workers,
+    )
     for field in msgspec.structs.fields(struct)
 )
 
@@ -327,6 +339,12 @@ def _check_settings(doc: Document, at: "_Locator") -> list[Problem]:
         out.append(at.problem(["jobs", "max_queued_per_key"], "must be 1-1000000, e.g. 1000"))
     if not 0 <= doc.jobs.headroom_workers <= 1_000:
         out.append(at.problem(["jobs", "headroom_workers"], "must be 0-1000, e.g. 1"))
+    if doc.sharing.scope not in ("key", "tier", "shared"):
+        out.append(at.problem(["sharing", "scope"], "must be key, tier or shared"))
+    if not 0 <= doc.sharing.cache_ttl_s <= 86_400:
+        out.append(
+            at.problem(["sharing", "cache_ttl_s"], "must be 0-86400 seconds (0: off), e.g. 300")
+        )
     if not 256 <= doc.limits.max_body_bytes <= MAX_BODY_BYTES:
         out.append(
             at.problem(["limits", "max_body_bytes"], f"must be 256-{MAX_BODY_BYTES}, e.g. 65536")

@@ -64,6 +64,20 @@ class Jobs(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     headroom_workers: int = 1
 
 
+class Sharing(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    # Who may share an answer: "key" (only requests of the same key), "tier"
+    # or "shared" (everyone). Wider scopes save more GPU time but tell a
+    # client, by a fast answer, that someone else sent the same input (SECURITY.md).
+    scope: str = "key"
+    # Identical requests in flight at one gateway (in the scope) wait for one
+    # result instead of taking a slot each.
+    collapse: bool = True
+    # Answers are kept this long and served by the gateway without queueing
+    # (0: off; the default, because a sampling model's users expect a fresh
+    # sample each time; infergate's transformers backend decodes greedily).
+    cache_ttl_s: float = 0.0
+
+
 class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Request bodies larger than this are refused with 413.
     max_body_bytes: int = 65_536
@@ -89,6 +103,7 @@ class Document(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     capacity: Capacity = msgspec.field(default_factory=Capacity)
     autoscale: Autoscale = msgspec.field(default_factory=Autoscale)
     jobs: Jobs = msgspec.field(default_factory=Jobs)
+    sharing: Sharing = msgspec.field(default_factory=Sharing)
     limits: Limits = msgspec.field(default_factory=Limits)
     workers: Workers = msgspec.field(default_factory=Workers)
 

@@ -89,6 +89,11 @@ class GatewayQueue:
             else (status.decode() if isinstance(status, bytes) else str(status))
         )
 
+    async def cached_answer(self, digest: str, fingerprint: str) -> str | None:
+        """The answer a worker kept for this input digest and model, if any."""
+        raw: bytes | None = await self.store.redis.get(self.keys.cache(digest, fingerprint))  # type: ignore[assignment]
+        return None if raw is None else raw.decode("utf-8", errors="replace")
+
     async def cancel(self, request_id: str, until_ms: int) -> None:
         """Mark a queued request as abandoned; ``take`` drops it."""
         await self.store.redis.zadd(self.keys.cancelled, {request_id: until_ms})

@@ -1,11 +1,21 @@
 """What a worker may do in Redis: offer its credit, pull a batch into its
 processing list, and answer the batch (publish its replies, then ack it)."""
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 from infergate.base import wire
 from infergate.base.queue.replies import deliver_replies
 from infergate.base.queue.store import Store
+
+
+class KeptAnswer(NamedTuple):
+    """An answer for the result cache (``sharing.cache_ttl_s``)."""
+
+    digest: str
+    fingerprint: str
+    output: str
+    ttl_ms: int
 
 
 class WorkerQueue:
@@ -49,7 +59,11 @@ class WorkerQueue:
         return data
 
     async def answer_batch(
-        self, replies: Mapping[str, wire.Reply], offer_credit: bool, now_ms: int
+        self,
+        replies: Mapping[str, wire.Reply],
+        offer_credit: bool,
+        now_ms: int,
+        keep: Sequence[KeptAnswer] = (),
     ) -> None:
         """Publish one reply per gateway and store the jobs' results, then ack
         the batch (and offer a credit), in one transaction: a job's result is
@@ -59,6 +73,10 @@ class WorkerQueue:
         keys = self.keys
         async with self.store.redis.pipeline(transaction=True) as pipe:
             await deliver_replies(pipe, self.store, replies, now_ms)
+            for answer in keep:
+                pipe.set(
+                    keys.cache(answer.digest, answer.fingerprint), answer.output, px=answer.ttl_ms
+                )
             await self.store.scripts.ack_batch(
                 keys=[keys.processing(self.worker_id), keys.ready, keys.doorbell, *keys.job_queues],
                 args=[self.worker_id, "1" if offer_credit else "0"],

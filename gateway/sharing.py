@@ -1,0 +1,102 @@
+"""Work done once: identical requests share one answer.
+
+Three places, from the cheapest:
+
+- **In a batch** (the worker): identical inputs of one batch are one input
+  of the backend call, answered to every request that sent it. It leaks
+  nothing (they share the batch anyway), so it is always on.
+- **In flight at this gateway** (collapsing): a request whose input (in the
+  policy's ``sharing.scope``) is already queued or running from this gateway
+  waits for that request's result instead of taking a slot. It lives in this
+  gateway's memory beside its leader, which is in Redis; if the leader fails
+  (its client left, its deadline passed), the follower queues on its own.
+- **Recently answered** (the cache, ``sharing.cache_ttl_s``): the worker
+  keeps each answer under the input's digest and its model's fingerprint;
+  the gateway answers a hit without queueing. A Redis failure bypasses it.
+
+Quotas are charged the same for every request, however it is served.
+"""
+
+import asyncio
+import hashlib
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+from infergate.base import logs, wire
+from infergate.base.errors import STORE_ERRORS
+from infergate.base.queue.gateway import GatewayQueue
+from infergate.policies import KeyEntry
+
+log = logs.get(__name__)
+
+
+def input_digest(scope: str, key: KeyEntry, text: str) -> str:
+    """The input's identity within its sharing scope."""
+    owner = {"key": "key:" + key.id, "tier": "tier:" + key.tier}.get(scope, "shared")
+    return hashlib.sha256(f"{owner}\0{text}".encode()).hexdigest()
+
+
+class Collapsing:
+    """This gateway's requests in flight, by digest: the first is the leader,
+    identical ones that arrive while it waits follow it."""
+
+    def __init__(self) -> None:
+        self._leaders: dict[str, asyncio.Future[wire.Result]] = {}
+
+    def __len__(self) -> int:
+        return len(self._leaders)
+
+    async def follow(self, key: str, timeout_s: float) -> wire.Result | None:
+        """The leader's result if one is in flight and succeeds in time;
+        None otherwise (then the caller runs the request itself)."""
+        leader = self._leaders.get(key)
+        if leader is None:
+            return None
+        try:
+            async with asyncio.timeout(max(0.0, timeout_s)):
+                result = await asyncio.shield(leader)
+        except (TimeoutError, Exception):
+            return None
+        return result if result.error is None else None
+
+    @asynccontextmanager
+    async def lead(self, key: str) -> AsyncIterator[Callable[[wire.Result], None]]:
+        """Be the leader for ``key`` for the block; the block reports its
+        result through the callable it is given. Followers are released when
+        the block ends, with the result or with nothing."""
+        leader: asyncio.Future[wire.Result] = asyncio.get_running_loop().create_future()
+        self._leaders.setdefault(key, leader)
+
+        def done(result: wire.Result) -> None:
+            if not leader.done():
+                leader.set_result(result)
+
+        try:
+            yield done
+        finally:
+            if not leader.done():
+                leader.set_exception(LeaderGone())
+                leader.exception()  # retrieved: followers fall back, nobody else cares
+            if self._leaders.get(key) is leader:
+                del self._leaders[key]
+
+
+class LeaderGone(Exception):
+    """The leader ended without a result: its followers queue on their own."""
+
+
+class Cache:
+    """Answers kept in Redis by the workers, read here."""
+
+    def __init__(self, queue: GatewayQueue, on_error: Callable[[], None]) -> None:
+        self.queue = queue
+        self.on_error = on_error
+
+    async def get(self, key: str, fingerprint: str) -> str | None:
+        """The kept answer, or None (a miss, or Redis failing: never an error)."""
+        try:
+            return await self.queue.cached_answer(key, fingerprint)
+        except STORE_ERRORS as exc:
+            self.on_error()
+            logs.limited(log, "cache.bypassed", error=type(exc).__name__)
+            return None
