@@ -9,8 +9,10 @@ measured (``fleet.worker_capacity_rps``). Then
 
     desired = ceil(demand / (per-worker capacity x target utilization))
 
-held at its highest over the policy's ``autoscale.scale_down_after_s``: it
-rises within a few seconds of a surge and falls only after a quiet period.
+held at its highest over the policy's ``autoscale.scale_down_after_s`` (in
+Redis, ``queue/scale_signal.py``, so every dispatcher holds the same peak
+and a restarted one forgets nothing): it rises within a few seconds of a
+surge and falls only after a quiet period.
 ``infergate up --workers MIN:MAX``, a HorizontalPodAutoscaler or a KEDA
 ScaledObject follow it; this module only computes it.
 """
@@ -22,6 +24,9 @@ from infergate.base import wire
 from infergate.base.fleet import worker_capacity_rps
 
 DEMAND_WINDOW_S = 1.0
+# Sanity bounds: a forged or corrupt heartbeat must not ask for a billion workers.
+MAX_GATEWAY_RPS = 1_000_000.0
+MAX_WORKERS = 10_000
 
 
 class DemandMeter:
@@ -51,24 +56,10 @@ class DemandMeter:
                 beats.popleft()
             (then_ms, before), (now_ms, after) = beats[0], beats[-1]
             if now_ms > then_ms:
-                rate += max(0, after - before) * 1000.0 / (now_ms - then_ms)
+                one = max(0, after - before) * 1000.0 / (now_ms - then_ms)
+                rate += min(one, MAX_GATEWAY_RPS)
                 measured = True
         return rate if measured else None
-
-
-class PeakHold:
-    """The highest value seen over the last ``hold_s`` seconds."""
-
-    def __init__(self) -> None:
-        self._values: deque[tuple[float, int]] = deque()
-
-    def update(self, value: int, now_s: float, hold_s: float) -> int:
-        while self._values and self._values[-1][1] <= value:
-            self._values.pop()  # never the maximum again
-        self._values.append((now_s, value))
-        while self._values[0][0] < now_s - hold_s:
-            self._values.popleft()
-        return self._values[0][1]
 
 
 def per_worker_capacity_rps(workers: list[wire.Heartbeat], max_batch_size: int) -> float:
@@ -82,15 +73,14 @@ def per_worker_capacity_rps(workers: list[wire.Heartbeat], max_batch_size: int) 
 def workers_needed(demand_rps: float, capacity_rps: float, target_utilization: float) -> int:
     if demand_rps <= 0:
         return 0
-    return math.ceil(demand_rps / (capacity_rps * target_utilization) - 1e-9)
+    return min(MAX_WORKERS, math.ceil(demand_rps / (capacity_rps * target_utilization) - 1e-9))
 
 
 class Autoscaler:
-    """Turns heartbeats into a ``ScaleSignal``, once a second or so."""
+    """Turns heartbeats into a ``ScaleSignal`` (before its hold), once a second or so."""
 
     def __init__(self) -> None:
         self.demand = DemandMeter()
-        self.hold = PeakHold()
         self._capacity_rps = 0.0  # the last measured: kept while no worker reports one
 
     def signal(
@@ -99,8 +89,6 @@ class Autoscaler:
         workers: list[wire.Heartbeat],
         max_batch_size: int,
         target_utilization: float,
-        scale_down_after_s: float,
-        now_s: float,
         now_ms: int,
     ) -> wire.ScaleSignal | None:
         """None until demand and a worker's capacity have both been measured."""
@@ -111,7 +99,7 @@ class Autoscaler:
             return None
         needed = workers_needed(demand, capacity, target_utilization)
         return wire.ScaleSignal(
-            desired_workers=self.hold.update(needed, now_s, scale_down_after_s),
+            desired_workers=needed,
             demand_rps=round(demand, 1),
             worker_capacity_rps=round(capacity, 1),
             target_utilization=target_utilization,

@@ -36,7 +36,10 @@ class Heartbeater:
 
     @property
     def healthy(self) -> bool:
-        return self.loop.healthy
+        """The last beat reached Redis, and recently: within the TTL (a
+        Redis that hangs fails no step until the socket times out)."""
+        fresh = time.monotonic() - self.loop.last_ok_s < self.ttl_ms / 1000.0
+        return self.loop.healthy and fresh
 
     def alive(self) -> bool:
         """The loop still ends a beat (failed or not) every few intervals:

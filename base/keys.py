@@ -31,6 +31,7 @@ class Keys:
         self.ratelimit_prefix = self.prefix + "ratelimit"
         self.policy = self.prefix + "policy"
         self.scale_signal = self.prefix + "scale-signal"
+        self.scale_history = self.prefix + "scale-history"
         self.queues = tuple(self.queue(t) for t in TIERS)
         # Asynchronous jobs: their own queues (after every synchronous one), one
         # record per job, the queued count per key, and the channel that says

@@ -61,6 +61,7 @@ class Supervised:
         # When a step last ended, failed or not (monotonic s): a loop that
         # stops ending steps is stuck, whatever Redis does.
         self.last_step_s = 0.0
+        self.last_ok_s = 0.0  # when a step last succeeded (monotonic s)
         self._stopping = False
         self._task: asyncio.Task[None] | None = None
 
@@ -110,7 +111,7 @@ class Supervised:
                 log.exception("loop.failed", loop=self.name, errors=self.errors)
                 await self.backoff.sleep()
                 continue
-            self.last_step_s = time.monotonic()
+            self.last_step_s = self.last_ok_s = time.monotonic()
             if not self.healthy and self.backoff.failures:
                 log.info("loop.recovered", loop=self.name)
             self.healthy = True

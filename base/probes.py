@@ -33,6 +33,9 @@ class _Server(ThreadingMixIn, WSGIServer):
 
 
 class _QuietHandler(WSGIRequestHandler):
+    # A connection that sends nothing for this long is closed (one thread each).
+    timeout = 5
+
     def log_message(self, format: str, *args: Any) -> None:
         """Scrapes and probes every few seconds are not news."""
 
@@ -42,16 +45,19 @@ def _app(registry: CollectorRegistry, probes: Probes) -> Callable[..., Iterable[
     checks = {"/healthz": probes.alive, "/readyz": probes.ready}
 
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        check = checks.get(environ.get("PATH_INFO", ""))
-        if check is None:
+        path = environ.get("PATH_INFO", "")
+        if path == "/metrics":
             return metrics(environ, start_response)  # type: ignore[no-any-return]
-        ok = check()
+        check = checks.get(path)
+        ok = check is not None and check()
+        status = "200 OK" if ok else "404 Not Found" if check is None else "503 Service Unavailable"
         body = b'{"status":"ok"}' if ok else b'{"status":"unavailable"}'
+        if check is None:
+            body = b'{"status":"not found: /metrics, /healthz or /readyz"}'
         start_response(
-            "200 OK" if ok else "503 Service Unavailable",
-            [("Content-Type", "application/json"), ("Content-Length", str(len(body)))],
+            status, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
         )
-        return [body]
+        return [] if environ.get("REQUEST_METHOD") == "HEAD" else [body]
 
     return app
 

@@ -5,6 +5,7 @@ with ``cjson``; a batch embeds its envelopes' bytes unchanged.
 """
 
 import os
+from typing import TypeVar
 
 import msgspec
 
@@ -131,6 +132,7 @@ _raw_batch_decoder = msgspec.json.Decoder(_RawBatch)
 _reply_decoder = msgspec.json.Decoder(Reply)
 _heartbeat_decoder = msgspec.json.Decoder(Heartbeat)
 _scale_signal_decoder = msgspec.json.Decoder(ScaleSignal)
+_result_decoder = msgspec.json.Decoder(Result)
 
 
 def encode(obj: Envelope | Reply | Result | Heartbeat | Batch | ScaleSignal) -> bytes:
@@ -148,22 +150,35 @@ def encode_batch(
 
 def retried_batch(data: bytes) -> bytes:
     """The same batch with ``attempt + 1`` (its envelopes' bytes unchanged)."""
-    raw = _raw_batch_decoder.decode(data)
+    raw = _decode(_raw_batch_decoder, data)
     return _json_encoder.encode(msgspec.structs.replace(raw, attempt=raw.attempt + 1))
 
 
+T = TypeVar("T")
+
+
+def _decode(decoder: "msgspec.json.Decoder[T]", data: bytes) -> T:
+    """Every decode of bytes from Redis: anything unreadable, however it is
+    unreadable (msgspec raises RecursionError for deeply nested JSON), is a
+    ``msgspec.DecodeError``, which every caller handles."""
+    try:
+        return decoder.decode(data)
+    except RecursionError:
+        raise msgspec.DecodeError("nested too deeply") from None
+
+
 def decode_envelope(data: bytes) -> Envelope:
-    return _envelope_decoder.decode(data)
+    return _decode(_envelope_decoder, data)
 
 
 def decode_batch(data: bytes) -> tuple[Batch, int]:
     """The batch with every envelope that decodes, and how many did not.
     Raises ``msgspec.DecodeError`` only if the batch itself is unreadable."""
-    raw = _raw_batch_decoder.decode(data)
+    raw = _decode(_raw_batch_decoder, data)
     envelopes = []
     for env in raw.envelopes:
         try:
-            envelopes.append(_envelope_decoder.decode(env))
+            envelopes.append(_decode(_envelope_decoder, env))
         except msgspec.DecodeError:
             continue
     batch = Batch(raw.id, raw.dispatcher, raw.formed_ms, envelopes, raw.attempt)
@@ -171,12 +186,16 @@ def decode_batch(data: bytes) -> tuple[Batch, int]:
 
 
 def decode_reply(data: bytes) -> Reply:
-    return _reply_decoder.decode(data)
+    return _decode(_reply_decoder, data)
+
+
+def decode_result(data: bytes | str) -> Result:
+    return _decode(_result_decoder, data.encode() if isinstance(data, str) else data)
 
 
 def decode_heartbeat(data: bytes) -> Heartbeat:
-    return _heartbeat_decoder.decode(data)
+    return _decode(_heartbeat_decoder, data)
 
 
 def decode_scale_signal(data: bytes) -> ScaleSignal:
-    return _scale_signal_decoder.decode(data)
+    return _decode(_scale_signal_decoder, data)

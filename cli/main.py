@@ -29,16 +29,30 @@ if TYPE_CHECKING:
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
+def port(text: str) -> int:
+    """A TCP port, 0-65535 (0: off, where the flag allows it)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port (0-65535)")
+    return value
+
+
 def _env(name: str, default: Any) -> Any:
     return os.environ.get("INFERGATE_" + name.upper().replace("-", "_"), default)
 
 
 def _add(p: argparse.ArgumentParser, flag: str, default: Any, help: str, type: Any = str) -> None:
     name = flag.lstrip("-")
+    # A value from the environment stays a string: argparse converts it with
+    # ``type`` when this command runs, so a bad one is a usage error of this
+    # command, not a traceback of every command.
     env_default = _env(name, default)
     p.add_argument(
         flag,
-        default=None if env_default is None else type(env_default),
+        default=env_default,
         type=type,
         help=help + f" (env INFERGATE_{name.upper().replace('-', '_')})",
     )
@@ -53,7 +67,7 @@ def _common(p: argparse.ArgumentParser, role: str) -> None:
     _add(p, "--namespace", "infergate", "key namespace (Redis Cluster hash tag) of this deployment")
     _add(p, "--id", None, f"this {role}'s id (default: {role}-<random>)")
     _add(p, "--heartbeat-interval-ms", 250, "how often to beat", int)
-    _add(p, "--metrics-port", 0, "serve Prometheus metrics on this port (0: off)", int)
+    _add(p, "--metrics-port", 0, "serve metrics and probes on this port (0: off)", port)
     _add(p, "--metrics-host", "127.0.0.1", "address of the metrics port (0.0.0.0: every interface)")
     _add(
         p,
@@ -102,7 +116,7 @@ def _check_redis_url(url: str) -> None:
 def _up_parser(sub: Any) -> None:
     up = sub.add_parser("up", help="run a whole local stack")
     _add(up, "--host", "127.0.0.1", "address the gateway listens on")
-    _add(up, "--port", 8000, "port the gateway listens on", int)
+    _add(up, "--port", 8000, "port the gateway listens on", port)
     from infergate.scaling import worker_range
 
     _add(
@@ -131,7 +145,7 @@ def _up_parser(sub: Any) -> None:
         "--metrics-port",
         0,
         "serve each child's Prometheus metrics, on this port and the next ones (0: off)",
-        int,
+        port,
     )
 
 
@@ -139,7 +153,9 @@ def _gateway_parser(sub: Any) -> None:
     gw = sub.add_parser("gateway", help="run one gateway process")
     _common(gw, "gateway")
     _add(gw, "--host", "127.0.0.1", "address to listen on")
-    _add(gw, "--port", 8000, "port to listen on (shared with other gateways via SO_REUSEPORT)", int)
+    _add(
+        gw, "--port", 8000, "port to listen on (shared with other gateways via SO_REUSEPORT)", port
+    )
     _add(gw, "--policy", None, "policy file (required)")
     _add(gw, "--drain-timeout-s", 10, "on SIGTERM, how long to wait for open requests", float)
     from infergate.gateway.limits import EdgeLimits

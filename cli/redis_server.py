@@ -60,6 +60,9 @@ class RedisServer:
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
+            # Its own session: a Ctrl-C for `up` must not stop Redis before
+            # the children that still drain through it.
+            start_new_session=True,
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -3,8 +3,9 @@
 The dispatchers compute how many workers the fleet needs (base/autoscale.py,
 already held at its peak over the policy's quiet period) and keep it in
 Redis; once a second ``up`` reads it, clamps it to MIN..MAX, starts the
-workers missing at once and retires the newest extra ones by SIGTERM, the
-drain that finishes a worker's batch and loses nothing.
+workers missing at once and retires the extra ones with the highest slot
+numbers (the newest) by SIGTERM, the drain that finishes a worker's batch
+and loses nothing.
 """
 
 import argparse
@@ -37,7 +38,7 @@ class WorkerScaler:
     """Keeps the number of workers at the signal, within ``low``..``high``.
 
     ``count`` says how many workers run and are not retiring; ``add`` starts
-    one; ``retire`` stops the newest one by SIGTERM.
+    one (once a slot is free); ``retire`` stops the highest-numbered by SIGTERM.
     """
 
     def __init__(

@@ -33,7 +33,8 @@ from infergate.scaling import WorkerScaler
 
 log = logs.get(__name__)
 
-STOP_TIMEOUT_S = 8.0
+# Longer than any child's drain: a gateway's 10 s, a worker's hang timeout + 10 s.
+STOP_TIMEOUT_S = 25.0
 CHILD_STABLE_S = 30.0  # a child that lived this long restarts without waiting
 READY_TIMEOUT_S = 60.0
 
@@ -259,8 +260,23 @@ def _wait_ready(stack: Stack, url: str, stop_requested: list[int]) -> int | None
     return None
 
 
+def _metrics_ports_fit(args: argparse.Namespace) -> bool:
+    """Every child's side port (worker slots, dispatchers, gateways) is a port."""
+    last = args.metrics_port + args.workers[1] + args.dispatchers + args.gateways - 1
+    if args.metrics_port and last > 65535:
+        print(
+            f"infergate up: --metrics-port {args.metrics_port} leaves no room for every "
+            f"child's port (the last would be {last}); choose one at most {args.metrics_port - (last - 65535)}",
+            file=sys.stderr,
+        )
+        return False
+    return True
+
+
 def run_stack(args: argparse.Namespace) -> int:
     logs.configure("up", "up")
+    if not _metrics_ports_fit(args):
+        return 2
     stop_requested: list[int] = []
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -274,6 +290,11 @@ def run_stack(args: argparse.Namespace) -> int:
             return 2
         url = os.environ.get("REDIS_URL")
         if url:
+            try:
+                redis_url.check(url)
+            except ValueError as exc:
+                print(f"infergate up: REDIS_URL: {exc}", file=sys.stderr)
+                return 2
             return _run(args, policy_path, url, stop_requested)
         try:
             redis_server = RedisServer().start()
@@ -326,12 +347,15 @@ def _scaler(
         return None
 
     def add() -> None:
-        taken = {c.slot for c in stack.workers()}
-        slot = min(s for s in range(high) if s not in taken)
-        stack.add(worker_child(args, policy_path, slot, gpus))
+        # A slot is free once its worker has exited: one still draining keeps
+        # its GPU and its metrics port until then (the next step tries again).
+        taken = {c.slot for c in stack.children if c.role == "worker"}
+        free = [s for s in range(high) if s not in taken]
+        if free:
+            stack.add(worker_child(args, policy_path, free[0], gpus))
 
     def retire() -> None:
-        stack.retire(max(stack.workers(), key=lambda c: c.slot))
+        stack.retire(max(stack.workers(), key=lambda c: c.slot))  # the highest-numbered
 
     reader = SignalReader(url, args.namespace)
     return WorkerScaler(reader, low, high, lambda: len(stack.workers()), add, retire)

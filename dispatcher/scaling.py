@@ -2,6 +2,7 @@
 from the fleet's heartbeats (base/autoscale.py), export it as metrics and
 keep it in Redis for ``infergate up``."""
 
+import msgspec
 from infergate.base import clock, logs
 from infergate.base.autoscale import Autoscaler
 from infergate.base.loops import Backoff, Supervised
@@ -16,14 +17,18 @@ INTERVAL_S = 1.0
 
 
 class ScaleSignalLoop:
-    def __init__(self, store: Store, policy: LivePolicy, metrics: DispatcherMetrics) -> None:
+    def __init__(
+        self, store: Store, dispatcher_id: str, policy: LivePolicy, metrics: DispatcherMetrics
+    ) -> None:
         self.store = store
+        self.dispatcher_id = dispatcher_id
         self.policy = policy
         self.metrics = metrics
         self.autoscaler = Autoscaler()
         self.loop = Supervised("scale-signal", self.step, INTERVAL_S, Backoff(0.2, INTERVAL_S))
 
     async def step(self) -> None:
+        now_ms = clock.now_ms()
         beats, _ = await self.store.heartbeats(["gateway", "worker"])
         doc = self.policy.current.document
         signal = self.autoscaler.signal(
@@ -31,12 +36,18 @@ class ScaleSignalLoop:
             self.store.readable("worker", beats["worker"]),
             doc.batching.max_batch_size,
             doc.autoscale.target_utilization,
-            doc.autoscale.scale_down_after_s,
-            clock.monotonic_s(),
-            clock.now_ms(),
+            now_ms,
         )
         if signal is None:
             return
+        peak = await scale_signal.hold_peak(
+            self.store,
+            self.dispatcher_id,
+            signal.desired_workers,
+            now_ms,
+            round(doc.autoscale.scale_down_after_s * 1000),
+        )
+        signal = msgspec.structs.replace(signal, desired_workers=peak)
         self.metrics.desired_workers.set(signal.desired_workers)
         self.metrics.demand_rps.set(signal.demand_rps)
         self.metrics.worker_capacity_rps.set(signal.worker_capacity_rps)

@@ -116,7 +116,7 @@ class Dispatcher:
             self.store, self.status, settings.heartbeat_interval_ms, settings.heartbeat_ttl_ms
         )
         self.dispatching = Supervised("dispatch", self.dispatch_once, 0)
-        self.scale_signal = ScaleSignalLoop(self.store, policy, self.metrics)
+        self.scale_signal = ScaleSignalLoop(self.store, self.id, policy, self.metrics)
         self._unsure = False
 
     def status(self) -> wire.Heartbeat:

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 from infergate.base import logs
 from infergate.base.metrics import NO_TIER
-from infergate.base.queue.recovery import DEAD_LETTER_CAP
+from infergate.base.queue.dead_letters import MAX_LISTED
 from infergate.gateway.api import (
     AdminPolicy,
     DeadLetters,
@@ -208,7 +208,9 @@ async def reload_policy(request: Request[Any, Any, Any]) -> ReloadResult:
 )
 async def dead_letters(
     request: Request[Any, Any, Any],
-    limit: Annotated[int, Parameter(ge=1, le=DEAD_LETTER_CAP, description="newest first")] = 100,
+    limit: Annotated[
+        int, Parameter(ge=1, le=MAX_LISTED, description="newest first (and at most 8 MB)")
+    ] = 20,
 ) -> DeadLetters:
     gw = _gateway(request)
     gw.admin(request.headers.get("authorization"))

@@ -139,7 +139,7 @@ def _view(job_id: str, record: dict[str, str]) -> JobView:
     if status not in ("succeeded", "failed") or "result" not in record:
         return view
     try:
-        result = msgspec.json.decode(record["result"], type=wire.Result)
+        result = wire.decode_result(record["result"])
     except msgspec.DecodeError:
         log.error("job.result_unreadable", job_id=job_id)
         return msgspec.structs.replace(view, status="failed", error=_detail(job_id, None))

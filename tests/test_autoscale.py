@@ -10,8 +10,16 @@ from pathlib import Path
 import pytest
 import redis
 from infergate.base import wire
-from infergate.base.autoscale import Autoscaler, DemandMeter, PeakHold, workers_needed
+from infergate.base.autoscale import (
+    MAX_GATEWAY_RPS,
+    MAX_WORKERS,
+    Autoscaler,
+    DemandMeter,
+    workers_needed,
+)
 from infergate.base.keys import Keys
+from infergate.base.queue.scale_signal import hold_peak
+from infergate.base.queue.store import Store
 from infergate.scaling import worker_range
 
 from tests.helpers import SECRETS, Stack, policy_yaml, wait_for
@@ -38,14 +46,28 @@ def test_demand_is_admitted_plus_refused_over_each_gateways_own_beats() -> None:
     assert meter.observe([gateway("c", 3_000, 10)]) is None
 
 
-def test_peak_hold_rises_at_once_and_falls_only_after_the_hold() -> None:
-    hold = PeakHold()
-    assert hold.update(1, 0.0, 10.0) == 1
-    assert hold.update(3, 1.0, 10.0) == 3
-    assert hold.update(0, 5.0, 10.0) == 3
-    assert hold.update(0, 10.9, 10.0) == 3
-    assert hold.update(2, 11.5, 10.0) == 2  # the 3 of t=1 is older than 10 s
-    assert hold.update(0, 30.0, 10.0) == 0
+async def test_the_hold_is_shared_by_dispatchers_and_survives_a_restart(redis_url: str) -> None:
+    store = Store.connect(redis_url, "t", name="test")
+    try:
+        hold = 10_000
+        assert await hold_peak(store, "d1", 5, 1_000, hold) == 5
+        # Another dispatcher (or d1 restarted under a new id) that reads less
+        # still publishes the peak of the last 10 s.
+        assert await hold_peak(store, "d2", 0, 2_000, hold) == 5
+        assert await hold_peak(store, "d2", 1, 10_999, hold) == 5
+        assert await hold_peak(store, "d2", 1, 11_001, hold) == 1  # the 5 of t=1 s aged out
+        assert await hold_peak(store, "d1", 7, 11_500, hold) == 7  # up at once
+        assert await store.redis.pttl(store.keys.scale_history) > 0
+    finally:
+        await store.close()
+
+
+def test_a_forged_heartbeat_cannot_ask_for_a_billion_workers() -> None:
+    meter = DemandMeter()
+    meter.observe([gateway("a", 1_000, 0)])
+    rate = meter.observe([gateway("a", 1_001, 10**15)])
+    assert rate == MAX_GATEWAY_RPS
+    assert workers_needed(10**18, 1.0, 0.05) == MAX_WORKERS
 
 
 def test_workers_needed_at_the_target_utilization() -> None:
@@ -57,17 +79,17 @@ def test_workers_needed_at_the_target_utilization() -> None:
 
 def test_the_signal_uses_measured_capacity_and_keeps_it_while_none_reports() -> None:
     scaler = Autoscaler()
-    args = (100, 0.5, 60.0)
-    assert scaler.signal([gateway("a", 0, 0)], [worker("w", 100.0)], *args, 0.0, 0) is None
+    args = (100, 0.5)
+    assert scaler.signal([gateway("a", 0, 0)], [worker("w", 100.0)], *args, 0) is None
     busy = [gateway("a", 1_000, 2_000)]  # 2,000 req/s
-    signal = scaler.signal(busy, [worker("w", 100.0), worker("d", 50.0, True)], *args, 1.0, 1)
+    signal = scaler.signal(busy, [worker("w", 100.0), worker("d", 50.0, True)], *args, 1)
     assert signal is not None
     # 1,000 req/s per worker (100 per batch, 100 ms), at 0.5: 4 workers; the draining one is out.
     assert (signal.desired_workers, signal.worker_capacity_rps, signal.workers) == (4, 1000.0, 1)
-    later = scaler.signal([gateway("a", 2_000, 2_100)], [], *args, 2.0, 2)  # no worker reports
+    later = scaler.signal([gateway("a", 2_000, 2_100)], [], *args, 2)  # no worker reports
     assert later is not None
     assert later.worker_capacity_rps == 1000.0
-    assert later.desired_workers == 4  # held: demand fell to 100 req/s a second ago
+    assert later.desired_workers == 1  # 100 req/s now (the hold is in Redis: above)
 
 
 @pytest.mark.parametrize("text", ["0:4", "3:2", "x", "1:", "1:1000", "-1"])

@@ -33,6 +33,9 @@ def test_side_port_probes_follow_redis_and_metrics_stay_served(
             status, _, body = http("GET", f"http://127.0.0.1:{port}/metrics")
             assert status == 200
             assert b"infergate_redis_up" in body
+            # A mistyped probe path fails instead of passing on the metrics page.
+            for wrong in ("/healthz/", "/HEALTHZ", "/%2e%2e/etc/passwd", "/"):
+                assert probe(port, wrong) == 404, wrong
 
         own_redis.kill()
         for port in ports.values():

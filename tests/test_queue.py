@@ -7,9 +7,10 @@ from dataclasses import dataclass
 import msgspec
 import pytest
 from infergate.base import clock, wire
+from infergate.base.queue.dead_letters import DEAD_LETTER_CAP
 from infergate.base.queue.dispatcher import DispatcherQueue
 from infergate.base.queue.gateway import GatewayQueue
-from infergate.base.queue.recovery import DEAD_LETTER_CAP, RecoveryQueue
+from infergate.base.queue.recovery import RecoveryQueue
 from infergate.base.queue.store import Store
 from infergate.base.queue.worker import WorkerQueue
 from infergate.base.tiers import TIERS

@@ -79,9 +79,12 @@ def test_the_stack_runs_on_tls_with_an_acl_user(tmp_path: Path, tls_redis: str) 
         ("http://user:pw-secret@127.0.0.1:6379/0", "must start with one of"),
         ("redis+sentinel://:pw-secret@/mymaster", "names at least one sentinel"),
         ("redis+sentinel://:pw-secret@h:26379/", "ends with the service name"),
-        ("redis+sentinel://:pw-secret@h:x/mymaster", "the port must be a number"),
+        ("redis+sentinel://:pw-secret@h:x/mymaster", "port must be a number"),
+        ("redis+sentinel://h/mymaster?socket_timeout=1&sentinel_password=pw-secret", "may not set"),
+        ("rediss://:pw-secret@h/0?ssl_cert_reqs=bogus", "ssl_cert_reqs"),
+        ("redis://u:pw-secret/x@h:1/0", "not valid"),
         ("redis://:pw-secret@127.0.0.1:1/zero", "the db must be a number"),
-        ("rediss://:pw-secret@127.0.0.1:99999/0", "Port out of range"),
+        ("rediss://:pw-secret@127.0.0.1:99999/0", "port (1-65535)"),
     ],
 )
 def test_an_unusable_redis_url_is_refused_with_a_message(url: str, says: str) -> None:
@@ -93,3 +96,21 @@ def test_an_unusable_redis_url_is_refused_with_a_message(url: str, says: str) ->
     assert says in out.stderr
     assert "pw-secret" not in out.stderr + out.stdout
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://u:p@tail-secret@127.0.0.1:6379/0", "redis://u:***@127.0.0.1:6379/0"),
+        (
+            "redis+sentinel://s1:26379/m/0?sentinel_password=pw-secret&x=1",
+            "redis+sentinel://s1:26379/m/0?sentinel_password=***&x=1",
+        ),
+        ("redis://h:6379/0?password=pw-secret", "redis://h:6379/0?password=***"),
+        ("redis://h:6379/0", "redis://h:6379/0"),
+    ],
+)
+def test_redact_hides_every_password(url: str, shown: str) -> None:
+    from infergate.base.queue.redis_url import redact
+
+    assert redact(url) == shown

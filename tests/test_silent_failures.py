@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 
 import aiohttp
+import msgspec
+import pytest
 import redis
 from infergate.base import clock, wire
 from infergate.base.queue import dead_letters
@@ -177,7 +179,7 @@ async def test_an_unreadable_batch_is_dead_lettered_not_dropped(redis_url: str) 
         assert await store.redis.lrange(store.keys.dead_letter, 0, -1) == [b"{not a batch"]
         assert await store.redis.llen(store.keys.processing("w-1")) == 0
         total, (letter,) = await dead_letters.read(store, 10)
-        assert (total, letter.error, letter.bytes) == (1, dead_letters.UNREADABLE, 12)
+        assert (total, letter.error, letter.size_bytes) == (1, dead_letters.UNREADABLE, 12)
     finally:
         await store.close()
 
@@ -248,3 +250,20 @@ def test_a_shutdown_that_hangs_is_ended_and_says_where(tmp_path: Path) -> None:
         for frames in event["tasks"].values()
         for frame in frames
     )
+
+
+def test_deeply_nested_json_from_redis_is_unreadable_not_a_crash() -> None:
+    """msgspec raises RecursionError on deep nesting; every decoder of bytes
+    from Redis turns it into the DecodeError its callers handle."""
+    nested = b'{"role":"worker","x":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    for decode in (
+        wire.decode_heartbeat,
+        wire.decode_envelope,
+        wire.decode_reply,
+        wire.decode_scale_signal,
+        wire.decode_result,
+    ):
+        with pytest.raises(msgspec.DecodeError):
+            decode(nested)
+    with pytest.raises(msgspec.DecodeError):
+        wire.decode_batch(nested)

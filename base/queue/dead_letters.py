@@ -7,9 +7,19 @@ requests were answered 500 when it landed. The list keeps the newest
 ``DEAD_LETTER_CAP`` batches.
 """
 
+import asyncio
+
 import msgspec
 from infergate.base import wire
 from infergate.base.queue.store import Store
+
+# The list keeps the newest this many batches (retry.lua trims it).
+DEAD_LETTER_CAP = 1_000
+# One listing reads at most this many batches, and stops after this many
+# bytes: a dead batch can hold 100 inputs of 16 KB, and one read of them all
+# would stall Redis for everyone.
+MAX_LISTED = 100
+LISTING_BUDGET_BYTES = 8 * 1024 * 1024
 
 LOST_WORKERS = "each run lost its worker (it died or hung)"
 UNREADABLE = "the batch could not be decoded"
@@ -17,7 +27,7 @@ UNREADABLE = "the batch could not be decoded"
 
 class DeadLetter(msgspec.Struct, frozen=True):
     position: int  # 0 is the newest
-    bytes: int
+    size_bytes: int
     error: str
     batch_id: str | None = None
     dispatcher: str | None = None
@@ -54,12 +64,23 @@ def describe(raw: bytes, position: int) -> DeadLetter:
 
 
 async def read(store: Store, limit: int) -> tuple[int, list[DeadLetter]]:
-    """How many batches the list holds, and the newest ``limit`` of them."""
-    async with store.redis.pipeline(transaction=True) as pipe:
-        pipe.llen(store.keys.dead_letter)
-        pipe.lrange(store.keys.dead_letter, 0, limit - 1)
-        total, raws = await pipe.execute()
-    return int(total), [describe(raw, i) for i, raw in enumerate(raws)]
+    """How many batches the list holds, and the newest ``limit`` of them (at
+    most ``MAX_LISTED``), read one at a time until ``LISTING_BUDGET_BYTES``
+    is spent, and described off the event loop."""
+    key = store.keys.dead_letter
+    total = int(await store.redis.llen(key))
+    raws: list[bytes] = []
+    spent = 0
+    for position in range(min(limit, MAX_LISTED, total)):
+        raw: bytes | None = await store.redis.lindex(key, position)  # type: ignore[assignment]
+        if raw is None:
+            break
+        raws.append(raw)
+        spent += len(raw)
+        if spent >= LISTING_BUDGET_BYTES:
+            break
+    letters = await asyncio.to_thread(lambda: [describe(r, i) for i, r in enumerate(raws)])
+    return total, letters
 
 
 async def purge(store: Store) -> int:

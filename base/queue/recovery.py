@@ -6,13 +6,12 @@ the same way."""
 
 import msgspec
 from infergate.base import clock, logs, wire
+from infergate.base.queue.dead_letters import DEAD_LETTER_CAP
 from infergate.base.queue.dispatcher import requeue
 from infergate.base.queue.replies import deliver_replies, failure_replies
 from infergate.base.queue.store import Store
 
 log = logs.get(__name__)
-
-DEAD_LETTER_CAP = 1_000
 
 
 class RecoveryQueue:

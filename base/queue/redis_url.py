@@ -17,10 +17,11 @@ connections, as redis-py's ``from_url`` reads them.
 
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import parse_qsl, quote, unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import redis
 from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.connection import URL_QUERY_ARGUMENT_PARSERS
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.sentinel import Sentinel as SyncSentinel
 
@@ -42,7 +43,8 @@ class SentinelUrl:
 
 def check(url: str) -> None:
     """Raise ``ValueError`` with a message fit for an operator if ``url`` is
-    not one infergate can use (the password is never part of the message)."""
+    not one infergate can use. No message quotes any part of the URL's
+    credentials or host (a mistyped URL can hold a password anywhere)."""
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
     if scheme not in SCHEMES:
         raise ValueError(
@@ -52,16 +54,48 @@ def check(url: str) -> None:
         parse_sentinel(url)
         return
     try:
-        BlockingConnectionPool.from_url(url)
-    except ValueError as exc:
-        raise ValueError(f"the Redis URL is not valid: {exc}") from None
+        pool = BlockingConnectionPool.from_url(url)
+    except (ValueError, TypeError):
+        raise ValueError(
+            "the Redis URL is not valid: check its host, port (1-65535), db and query"
+        ) from None
+    _check_settings(pool.connection_kwargs)
     db = urlsplit(url).path.strip("/")
-    if scheme != "unix" and db and not db.isdigit():
-        raise ValueError(f"the Redis URL is not valid: the db must be a number, not {db!r}")
+    if scheme != "unix" and db and not db.isdecimal():
+        raise ValueError("the Redis URL is not valid: the db must be a number, 0 or more")
+
+
+def _check_settings(settings: dict[str, Any]) -> None:
+    """What redis-py accepts at parse time but fails on at every connect."""
+    db = settings.get("db", 0)
+    if not isinstance(db, int) or db < 0:
+        raise ValueError("the Redis URL is not valid: the db must be a number, 0 or more")
+    reqs = settings.get("ssl_cert_reqs")
+    if reqs is not None and str(reqs).lower() not in ("none", "optional", "required"):
+        raise ValueError("the Redis URL is not valid: ssl_cert_reqs is none, optional or required")
 
 
 def is_sentinel(url: str) -> bool:
     return url.split("://", 1)[0].lower().endswith("+sentinel")
+
+
+# Settings infergate gives every connection itself: a URL may not set them.
+_RESERVED = frozenset(
+    {
+        "socket_timeout",
+        "socket_connect_timeout",
+        "max_connections",
+        "timeout",
+        "retry",
+        "client_name",
+        "ssl",
+        "db",
+        "username",
+        "password",
+        "connection_class",
+        "connection_pool",
+    }
+)
 
 
 def parse_sentinel(url: str) -> SentinelUrl:
@@ -77,10 +111,9 @@ def parse_sentinel(url: str) -> SentinelUrl:
         raise ValueError(
             "a Sentinel URL ends with the service name and an optional db: /mymaster/0"
         )
-    try:
-        db = int(path[1]) if len(path) == 2 else 0
-    except ValueError:
-        raise ValueError("the db in a Sentinel URL must be a number: /mymaster/0") from None
+    if len(path) == 2 and not path[1].isdecimal():
+        raise ValueError("the db in a Sentinel URL must be a number, 0 or more: /mymaster/0")
+    db = int(path[1]) if len(path) == 2 else 0
     connection: dict[str, Any] = {"db": db}
     user, has_password, password = credentials.partition(":")
     if user:
@@ -91,31 +124,64 @@ def parse_sentinel(url: str) -> SentinelUrl:
     for name, value in parse_qsl(parts.query):
         if name in ("sentinel_username", "sentinel_password"):
             sentinel[name.removeprefix("sentinel_")] = value
+        elif name in _RESERVED:
+            raise ValueError(f"a Sentinel URL may not set {name!r}: infergate sets it")
         else:
-            connection[name] = value
+            connection[name] = _typed(name, value)
+    _check_settings(connection)
     tls = parts.scheme.lower().startswith("rediss")
     return SentinelUrl(sentinels, path[0], db, tls, connection, sentinel)
 
 
-def _host_port(text: str) -> tuple[str, int]:
-    host, _, port = text.rpartition(":") if ":" in text else (text, "", "")
-    host = host.strip("[]")
-    if not host:
-        raise ValueError(f"sentinel address {text!r} has no host")
+def _typed(name: str, value: str) -> Any:
+    """A query argument as redis-py's own URL parsing would type it."""
+    parser = URL_QUERY_ARGUMENT_PARSERS.get(name)
+    if parser is None:
+        return value
     try:
-        return host, int(port) if port else SENTINEL_PORT
-    except ValueError:
-        raise ValueError(f"sentinel address {text!r}: the port must be a number") from None
+        return parser(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"the Sentinel URL's {name!r} has an invalid value") from None
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    """``host``, ``host:port``, ``[v6]`` or ``[v6]:port`` (26379 by default)."""
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port = rest.removeprefix(":") if rest.startswith(":") else ("" if not rest else "x")
+    elif text.count(":") == 1:
+        host, _, port = text.partition(":")
+    else:
+        host, port = text, ""  # a bare IPv6 address has no port
+    if not host:
+        raise ValueError("a sentinel address has no host")
+    if port and not (port.isdecimal() and 1 <= int(port) <= 65535):
+        raise ValueError("a sentinel's port must be a number from 1 to 65535")
+    return host, int(port) if port else SENTINEL_PORT
 
 
 def redact(url: str) -> str:
-    """The URL without its password, for logs and messages."""
+    """The URL without its secrets (the password, and any ``*password*``
+    query value), for logs and messages. Splits where redis-py does: the
+    credentials end at the last ``@`` before the path."""
     scheme, sep, rest = url.partition("://")
-    if not sep or "@" not in rest.split("/", 1)[0]:
-        return url
-    credentials, _, tail = rest.partition("@")
-    user = credentials.split(":", 1)[0]
-    return f"{scheme}://{quote(unquote(user))}:***@{tail}" if user else f"{scheme}://:***@{tail}"
+    if not sep:
+        return "(not a URL)"
+    netloc, slash, tail = rest.partition("/")
+    query_at = tail.find("?") if slash else netloc.find("?")
+    if not slash and query_at >= 0:
+        netloc, tail, slash = netloc[:query_at], netloc[query_at:], ""
+    credentials, at, hosts = netloc.rpartition("@")
+    if at:
+        user = credentials.split(":", 1)[0]
+        netloc = f"{user}:***@{hosts}" if user else f":***@{hosts}"
+    path, q, query = tail.partition("?")
+    if q:
+        query = "&".join(
+            f"{name}=***" if "password" in name.lower() else f"{name}={value}"
+            for name, _, value in (pair.partition("=") for pair in query.split("&"))
+        )
+    return f"{scheme}://{netloc}{slash}{path}{q}{query}"
 
 
 class _BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):

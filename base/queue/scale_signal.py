@@ -13,6 +13,28 @@ from infergate.base.queue.store import Store
 SIGNAL_TTL_MS = 5_000
 
 
+async def hold_peak(
+    store: Store, dispatcher_id: str, needed: int, now_ms: int, hold_ms: int
+) -> int:
+    """Record this dispatcher's reading and return the highest of every
+    dispatcher's readings over the last ``hold_ms``: the hold lives in Redis,
+    so dispatchers agree, and one that restarts forgets nothing."""
+    history = store.keys.scale_history
+    async with store.redis.pipeline(transaction=True) as pipe:
+        pipe.zadd(history, {f"{now_ms}:{dispatcher_id}:{needed}": now_ms})
+        pipe.zremrangebyscore(history, "-inf", now_ms - hold_ms - 1)
+        pipe.zrangebyscore(history, now_ms - hold_ms, "+inf")
+        pipe.pexpire(history, hold_ms + 10_000)
+        _, _, readings, _ = await pipe.execute()
+    peak = needed
+    for reading in readings:
+        try:
+            peak = max(peak, int(reading.rsplit(b":", 1)[1]))
+        except (IndexError, ValueError):
+            continue  # not ours: ignore it (it ages out)
+    return peak
+
+
 async def publish(store: Store, signal: wire.ScaleSignal) -> None:
     await store.redis.set(store.keys.scale_signal, wire.encode(signal), px=SIGNAL_TTL_MS)
 
