@@ -18,15 +18,9 @@ import re
 import msgspec
 from infergate.base import clock, logs, wire
 from infergate.base.errors import STORE_ERRORS
-from infergate.gateway.api import (
-    BadRequestBody,
-    InferenceResponse,
-    JobAccepted,
-    JobView,
-    decode_inference_request,
-)
+from infergate.gateway.api import InferenceResponse, JobAccepted, JobView
 from infergate.gateway.errors import ERRORS, ApiError, ErrorDetail, error_from_result
-from infergate.gateway.service import Call, Gateway, check_input, redis_unreachable
+from infergate.gateway.service import Call, Gateway, redis_unreachable
 
 log = logs.get(__name__)
 
@@ -49,12 +43,7 @@ class Jobs:
         gw = self.gateway
         policy = gw.policy.current
         key = gw.authenticate(call.authorization, policy)
-        try:
-            body = decode_inference_request(call.body)
-        except BadRequestBody as exc:
-            raise ApiError("INVALID_INPUT", str(exc)) from None
-        tier = policy.tiers[key.tier]
-        check_input(body.input, key.tier, tier)
+        body, tier = gw.read_body(call.body, policy, key)
         headers = await gw.charge_quota(key, tier, len(body.input))
         now_ms = clock.now_ms()
         deadline_ms = tier.job_deadline_ms

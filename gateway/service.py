@@ -36,6 +36,7 @@ from infergate.gateway.api import (
     BadRequestBody,
     DeadLetters,
     DeadLettersPurged,
+    InferenceRequest,
     InferenceResponse,
     ReloadResult,
     StatusResponse,
@@ -322,15 +323,20 @@ class Gateway:
             exc.tier = key.tier
             raise
 
-    async def _serve(
-        self, call: Call, started: float, policy: Policy, key: KeyEntry
-    ) -> tuple[InferenceResponse, dict[str, str]]:
+    def read_body(self, raw: bytes, policy: Policy, key: KeyEntry) -> tuple[InferenceRequest, Tier]:
+        """The request body, checked against the key's tier (400 if not fit)."""
         try:
-            body = decode_inference_request(call.body)
+            body = decode_inference_request(raw)
         except BadRequestBody as exc:
             raise ApiError("INVALID_INPUT", str(exc)) from None
         tier = policy.tiers[key.tier]
         check_input(body.input, key.tier, tier)
+        return body, tier
+
+    async def _serve(
+        self, call: Call, started: float, policy: Policy, key: KeyEntry
+    ) -> tuple[InferenceResponse, dict[str, str]]:
+        body, tier = self.read_body(call.body, policy, key)
         share = Share.of(policy, key, body.input)
         cached = await self._cached(share)
         if cached is not None:
