@@ -145,14 +145,14 @@ async def submit_job(request: Request[Any, Any, Any]) -> Response[JobAccepted]:
     "/v1/jobs/{job_id:str}",
     responses=JOB_ERRORS,
     summary="A job: queued, running, succeeded, failed, cancelled or expired",
-    description="With wait_s, answers when the job has finished or after that many seconds "
-    "(at most 20), whichever comes first.",
+    description="With wait_s (at most 20), answers when the job has finished or after that "
+    "many seconds, whichever comes first.",
     security=[{"bearer": []}],
 )
 async def fetch_job(
     request: Request[Any, Any, Any],
     job_id: str,
-    wait_s: Annotated[float, Parameter(ge=0, le=60, description="long poll, seconds")] = 0.0,
+    wait_s: Annotated[float, Parameter(ge=0, le=20, description="long poll, seconds")] = 0.0,
 ) -> JobView:
     return await _jobs(request).fetch(request.headers.get("authorization"), job_id, wait_s)
 
@@ -161,7 +161,7 @@ async def fetch_job(
     "/v1/jobs/{job_id:str}",
     status_code=HTTP_200_OK,
     responses={**JOB_ERRORS, 409: _error("CONFLICT: the job has started or finished")},
-    summary="Cancel a queued job",
+    summary="Cancel a queued job (again: nothing changes)",
     security=[{"bearer": []}],
 )
 async def cancel_job(request: Request[Any, Any, Any], job_id: str) -> JobView:

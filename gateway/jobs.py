@@ -14,6 +14,7 @@ other key gets 404, exactly as for an id that never existed.
 """
 
 import re
+from collections import defaultdict
 
 import msgspec
 from infergate.base import clock, logs, wire
@@ -28,6 +29,15 @@ MAX_WAIT_S = 20.0  # a long poll's bound; clients poll again after it
 RECHECK_S = 1.0  # a long poll re-reads the record this often (a missed notice costs this)
 FINAL = frozenset({"succeeded", "failed", "cancelled", "expired"})
 _JOB_ID = re.compile(r"^[0-9a-f]{32}$")
+_IS = defaultdict(
+    lambda: "has started",
+    {
+        "running": "is running",
+        "succeeded": "has finished",
+        "failed": "has failed",
+        "expired": "has expired",
+    },
+)
 RETRY_TOO_MANY_JOBS_MS = 5_000
 
 
@@ -60,6 +70,7 @@ class Jobs:
             )
             if not accepted:
                 await gw.quota.refund(key, tier, len(body.input))
+                headers = _refunded(headers)
         except STORE_ERRORS as exc:
             gw.fleet.mark_unreachable()
             raise redis_unreachable() from exc
@@ -99,7 +110,9 @@ class Jobs:
         if status is None:
             raise _not_found()
         if status != "cancelled":
-            raise ApiError("CONFLICT", f"the job is {status}; only a queued job can be cancelled")
+            raise ApiError(
+                "CONFLICT", f"only a queued job can be cancelled; this one {_IS[status]}"
+            )
         log.info("job.cancelled", job_id=job_id)
         return await self._read(job_id, key.id)
 
@@ -113,6 +126,15 @@ class Jobs:
         if record.get("key_id") != key_id:
             raise _not_found()  # another key's job reads exactly as no job
         return _view(job_id, record)
+
+
+def _refunded(headers: dict[str, str]) -> dict[str, str]:
+    """The x-ratelimit-* headers once the request's charge was given back."""
+    remaining = headers.get("x-ratelimit-remaining-requests")
+    limit = headers.get("x-ratelimit-limit-requests")
+    if remaining is None or limit is None:
+        return headers
+    return {**headers, "x-ratelimit-remaining-requests": str(min(int(limit), int(remaining) + 1))}
 
 
 def _not_found() -> ApiError:

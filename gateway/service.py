@@ -387,19 +387,32 @@ class Gateway:
 
     async def _collapsed_or_run(self, request: "Request", receive: Receive | None) -> wire.Result:
         """Wait for an identical request already in flight here, or run this
-        one (and let identical ones that arrive meanwhile wait for it)."""
+        one (and let identical ones that arrive meanwhile wait for it). A
+        leader that ends without a result hands over to one of its followers,
+        and the others follow that one."""
         share = request.share
         if share is None or not share.collapse:
             return await self._run(request, receive)
-        remaining_s = request.deadline_ms / 1000.0 - clock.elapsed_s(request.started)
-        followed = await self.collapsing.follow(share.digest, remaining_s)
-        if followed is not None:
-            self.metrics.requests_joined.labels(request.key.tier).inc()
-            return msgspec.structs.replace(followed, served_by="collapsed")
+        while self.collapsing.leading(share.digest) and self._remaining_s(request) > 0:
+            followed = await self.collapsing.follow(share.digest, self._remaining_s(request))
+            if followed is not None:
+                self.metrics.requests_joined.labels(request.key.tier).inc()
+                if followed.error is not None:
+                    raise error_from_result(followed.error)
+                return msgspec.structs.replace(followed, served_by="collapsed")
         async with self.collapsing.lead(share.digest) as done:
-            result = await self._run(request, receive)
+            try:
+                result = await self._run(request, receive)
+            except ApiError as exc:
+                if exc.code == "INFERENCE_FAILED":  # the input's own failure: the same for all
+                    done(_failed(exc))
+                raise
             done(result)
             return result
+
+    @staticmethod
+    def _remaining_s(request: "Request") -> float:
+        return request.deadline_ms / 1000.0 - clock.elapsed_s(request.started)
 
     def _check_capacity(self, policy: Policy, tier_name: str) -> None:
         """Redis and a worker are there, and the tier's queue fits its budget.
@@ -450,6 +463,10 @@ class Gateway:
         now_ms = clock.now_ms()
         request_id, key, started = request.id, request.key, request.started
         share = request.share
+        # What is left of the deadline (a follower that ran on its own has used some).
+        deadline_ms = round(request.deadline_ms - clock.elapsed_ms(started))
+        if deadline_ms <= 0:
+            raise ApiError("TIMEOUT", f"no result within the {request.deadline_ms} ms deadline")
         envelope = wire.Envelope(
             id=request_id,
             gateway=self.id,
@@ -457,16 +474,15 @@ class Gateway:
             key_id=key.id,
             input=request.text,
             enqueued_ms=now_ms,
-            deadline_ms=now_ms + request.deadline_ms,
+            deadline_ms=now_ms + deadline_ms,
             trace=tracing.current_traceparent(),
             cache_key=share.digest if share and share.cache_ttl_ms else None,
             cache_ttl_ms=share.cache_ttl_ms if share else 0,
         )
-        deadline_ms = request.deadline_ms
         future = self.replies.park(request_id)
         try:
             await self._enqueue(envelope)
-            remaining_s = deadline_ms / 1000.0 - (clock.monotonic_s() - started)
+            remaining_s = request.deadline_ms / 1000.0 - (clock.monotonic_s() - started)
             result = await self._wait(future, envelope, remaining_s, receive)
         finally:
             self.replies.forget(request_id)
@@ -606,6 +622,11 @@ class Gateway:
                 for w in [self.admission.estimate_wait_ms(policy, t)]
             },
         )
+
+
+def _failed(exc: ApiError) -> wire.Result:
+    """A leader's failure, as the result its followers get."""
+    return wire.Result("", "", 0, "", 0, 0, error=wire.ErrorInfo(exc.code, exc.message))
 
 
 def check_input(text: str, tier_name: str, tier: Tier) -> None:

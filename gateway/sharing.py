@@ -3,8 +3,9 @@
 Three places, from the cheapest:
 
 - **In a batch** (the worker): identical inputs of one batch are one input
-  of the backend call, answered to every request that sent it. It leaks
-  nothing (they share the batch anyway), so it is always on.
+  of the backend call, answered to every request that sent it. Every copy
+  is reported ``served_by: model``, so it tells no key anything about
+  another's input; it is always on.
 - **In flight at this gateway** (collapsing): a request whose input (in the
   policy's ``sharing.scope``) is already queued or running from this gateway
   waits for that request's result instead of taking a slot. It lives in this
@@ -46,24 +47,28 @@ class Collapsing:
     def __len__(self) -> int:
         return len(self._leaders)
 
+    def leading(self, key: str) -> bool:
+        return key in self._leaders
+
     async def follow(self, key: str, timeout_s: float) -> wire.Result | None:
-        """The leader's result if one is in flight and succeeds in time;
-        None otherwise (then the caller runs the request itself)."""
+        """The leader's result (an answer, or a failure of the input itself)
+        if one is in flight and ends in time; None otherwise: no leader, or
+        it ended without a result (its client left, its deadline passed)."""
         leader = self._leaders.get(key)
         if leader is None:
             return None
         try:
             async with asyncio.timeout(max(0.0, timeout_s)):
-                result = await asyncio.shield(leader)
-        except (TimeoutError, Exception):
+                return await asyncio.shield(leader)
+        except (TimeoutError, LeaderGone):
             return None
-        return result if result.error is None else None
 
     @asynccontextmanager
     async def lead(self, key: str) -> AsyncIterator[Callable[[wire.Result], None]]:
         """Be the leader for ``key`` for the block; the block reports its
-        result through the callable it is given. Followers are released when
-        the block ends, with the result or with nothing."""
+        result (an answer, or a failure of the input: INFERENCE_FAILED)
+        through the callable it is given. Followers are released when the
+        block ends, with that result or with nothing."""
         leader: asyncio.Future[wire.Result] = asyncio.get_running_loop().create_future()
         self._leaders.setdefault(key, leader)
 

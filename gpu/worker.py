@@ -179,16 +179,13 @@ class Worker:
         distinct = list(dict.fromkeys(inputs))
         outcome_of = dict(zip(distinct, await self._infer_isolating(distinct), strict=True))
         infer_ms = round(clock.elapsed_ms(started))
-        first_of: set[str] = set()
         results = []
         for env in live:
-            collapsed = env.input in first_of
-            first_of.add(env.input)
+            # Reported as served by the model, whichever copy ran: the keys of a
+            # batch must not learn from served_by that another sent the same input.
             result = _result(
                 env, outcome_of[env.input], batch.id, len(live), self.id, started_ms, infer_ms
             )
-            if collapsed:
-                result = msgspec.structs.replace(result, served_by="collapsed")
             results.append((wire.destination(env), result))
             self._keep(env, result)
         outcomes = [outcome_of[i] for i in inputs]
@@ -236,9 +233,11 @@ class Worker:
             return {}
         if unreadable:
             log.error("batch.envelopes_unreadable", batch_id=batch.id, count=unreadable)
+        self.answers_to_keep = []
         try:
             return await self.run_batch(batch)
         except Exception:
+            self.answers_to_keep = []  # no client got them: the cache must not either
             log.exception("batch.failed", batch_id=batch.id, size=len(batch.envelopes))
             self.metrics.batches_failed.inc()
             return failure_replies(

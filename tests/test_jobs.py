@@ -81,9 +81,17 @@ def test_cancel_and_expiry_while_no_worker_runs_jobs(tmp_path: Path, redis_url: 
         assert fetch(c, cancelled)[2]["status"] == "queued"
         status, _, body = http("DELETE", f"{c.urls[0]}/v1/jobs/{cancelled}", headers=auth("free"))
         assert status == 404  # not this key's job
-        status, _, body = http("DELETE", f"{c.urls[0]}/v1/jobs/{cancelled}", headers=auth("paid"))
-        assert (status, body["status"]) == (200, "cancelled"), body
+        assert client.hget(KEYS.jobs_queued, "pai") == b"2"
+        for _ in range(2):  # cancelling again changes nothing
+            status, _, body = http(
+                "DELETE", f"{c.urls[0]}/v1/jobs/{cancelled}", headers=auth("paid")
+            )
+            assert (status, body["status"]) == (200, "cancelled"), body
+        assert client.hget(KEYS.jobs_queued, "pai") == b"1"  # it stopped counting at once
         wait_for(lambda: fetch(c, expiring)[2]["status"] == "expired", 10, "the job to expire")
+        status, _, body = http("DELETE", f"{c.urls[0]}/v1/jobs/{expiring}", headers=auth("paid"))
+        assert status == 409, body
+        assert "expired" in body["error"]["message"]
 
         c.add_worker()  # neither runs: take drops them
         wait_for(

@@ -124,3 +124,30 @@ def test_a_follower_whose_leader_gives_up_runs_on_its_own(tmp_path: Path, redis_
 def test_keys_module_builds_cache_keys_under_the_hash_tag() -> None:
     key = Keys("ns").cache("d" * 64, "simulated/1")
     assert key.startswith("{ns}:cache:")
+
+
+def test_identical_inputs_that_fail_fail_alike_and_nothing_else(
+    tmp_path: Path, redis_url: str
+) -> None:
+    c = Cluster(tmp_path, redis_url, policy_yaml(), workers=1, latency_ms=200)
+
+    async def burst() -> list[tuple[int, dict]]:
+        async with aiohttp.ClientSession() as session:
+
+            async def one(text: str) -> tuple[int, dict]:
+                async with session.post(
+                    c.urls[0] + "/v1/inference", json={"input": text}, headers=auth("paid")
+                ) as r:
+                    return r.status, await r.json()
+
+            texts = ["poison __fail__"] * 5 + ["fine"] * 5
+            return await asyncio.gather(*(one(t) for t in texts))
+
+    try:
+        results = asyncio.run(burst())
+        assert [s for s, _ in results[:5]] == [500] * 5, results
+        assert all(b["error"]["code"] == "INFERENCE_FAILED" for _, b in results[:5])
+        assert [s for s, _ in results[5:]] == [200] * 5, results
+        assert all(b["output"] == sim_output("fine") for _, b in results[5:])
+    finally:
+        c.stop()

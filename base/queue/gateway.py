@@ -5,7 +5,7 @@ and listen for its own replies."""
 import contextlib
 from collections.abc import AsyncIterator
 
-from infergate.base import wire
+from infergate.base import clock, wire
 from infergate.base.errors import STORE_ERRORS
 from infergate.base.queue import dead_letters
 from infergate.base.queue.store import Store
@@ -81,7 +81,8 @@ class GatewayQueue:
         """Cancel a queued job of ``key_id``: its status afterwards, or None if
         it has no such job."""
         status = await self.store.scripts.cancel_job(
-            keys=[self.keys.job(job_id), self.keys.cancelled], args=[key_id, job_id]
+            keys=[self.keys.job(job_id), self.keys.cancelled, self.keys.jobs_queued],
+            args=[key_id, job_id, clock.now_ms()],
         )
         return (
             None

@@ -13,8 +13,8 @@
 -- arrives finds a worker free, or once no synchronous batch has been handed
 -- off for quiet_ms (a fleet smaller than its headroom still drains its jobs
 -- when synchronous traffic stops). A job taken is marked 'running'; one dropped
--- is marked 'expired' (a cancelled one already says so); either way its
--- key's queued count goes down.
+-- is marked 'expired'; either way its key's queued count goes down (a
+-- cancelled one already went down when it was cancelled, cancel_job.lua).
 -- Pacing: while less than a full batch of synchronous work is queued, batches
 -- are handed off no closer together than min_interval_ms (the batch time
 -- divided by the number of workers), fleet-wide. Workers then start evenly
@@ -61,13 +61,13 @@ local check_cancelled = redis.call('ZCARD', cancelled_set) > 0
 
 local function left_queue(env, status)
   -- a job leaving its queue: its key's count, and its record's status
-  if not env.job then return end
+  if env.job ~= true then return end
   if type(env.key_id) == 'string' then
     if redis.call('HINCRBY', jobs_queued, env.key_id, -1) <= 0 then
       redis.call('HDEL', jobs_queued, env.key_id)
     end
   end
-  if status and redis.call('EXISTS', job_prefix .. env.id) == 1 then
+  if redis.call('EXISTS', job_prefix .. env.id) == 1 then
     redis.call('HSET', job_prefix .. env.id, 'status', status, 'started_ms', now)
   end
 end
@@ -88,12 +88,11 @@ local function pop_from(queue, limit)
     elseif check_cancelled and redis.call('ZSCORE', cancelled_set, env.id) then
       cancelled = cancelled + 1
       redis.call('ZREM', cancelled_set, env.id)
-      left_queue(env, nil)
     else
       redis.call('RPUSH', inflight, raw)
       taken[#taken + 1] = raw
       got = got + 1
-      if env.job then
+      if env.job == true then
         jobs_taken = jobs_taken + 1
         left_queue(env, 'running')
       end
