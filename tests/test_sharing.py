@@ -51,7 +51,7 @@ def test_200_identical_requests_from_three_keys_take_a_handful_of_slots(
         served = [body["served_by"] for _, body in results]
         backend_inputs = sum(scraped(p, "infergate_backend_inputs_total") for p in worker_ports)
         print(f"\n200 identical requests: {backend_inputs:.0f} backend inputs; {served.count('model')} model, {served.count('collapsed')} collapsed")  # fmt: skip
-        assert backend_inputs <= 6, backend_inputs  # the warm-up calls are not counted
+        assert backend_inputs <= 10, backend_inputs  # a handful, not 200 (warm-ups not counted)
         # Each key's first request leads at the gateway; the rest wait for it.
         assert served.count("collapsed") >= 150, served
     finally:
