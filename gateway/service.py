@@ -46,7 +46,7 @@ from infergate.gateway.api import (
 from infergate.gateway.errors import ApiError, error_from_result
 from infergate.gateway.quota import Quota
 from infergate.gateway.replies import ReplyRouter
-from infergate.gateway.sharing import Cache, Collapsing, input_digest
+from infergate.gateway.sharing import Cache, Collapsing, input_digest, scope_owner
 from infergate.policies import KeyEntry, Policy, Tier
 from infergate.policies.live import LivePolicy
 from infergate.policies.loader import digest
@@ -111,20 +111,23 @@ async def _watch_disconnect(receive: Receive, future: asyncio.Future[wire.Result
 class Share:
     """How a request may share its answer (``sharing`` in the policy)."""
 
-    digest: str
+    # The input within its scope: who may share it, and the text (a dict key
+    # of this process; no hashing on the request path unless the cache is on).
+    identity: tuple[str, str]
     collapse: bool
     cache_ttl_ms: int
+    # The cache's key (a SHA-256 of the identity), only with the cache on.
+    digest: str | None
 
     @classmethod
     def of(cls, policy: Policy, key: KeyEntry, text: str) -> "Share | None":
         sharing = policy.document.sharing
-        if not sharing.collapse and sharing.cache_ttl_s <= 0:
+        cache_ttl_ms = round(sharing.cache_ttl_s * 1000)
+        if not sharing.collapse and cache_ttl_ms <= 0:
             return None
-        return cls(
-            input_digest(sharing.scope, key, text),
-            sharing.collapse,
-            round(sharing.cache_ttl_s * 1000),
-        )
+        owner = scope_owner(sharing.scope, key)
+        digest = input_digest(owner, text) if cache_ttl_ms > 0 else None
+        return cls((owner, text), sharing.collapse, cache_ttl_ms, digest)
 
 
 @dataclass(frozen=True)
@@ -375,7 +378,7 @@ class Gateway:
     async def _cached(self, share: "Share | None") -> wire.Result | None:
         """The result cache's answer, if it is on and holds one for this
         input and the fleet's model."""
-        if share is None or share.cache_ttl_ms <= 0:
+        if share is None or share.digest is None:
             return None
         fingerprint = self.fleet.fingerprint()
         if fingerprint is None:
@@ -393,22 +396,25 @@ class Gateway:
         share = request.share
         if share is None or not share.collapse:
             return await self._run(request, receive)
-        while self.collapsing.leading(share.digest) and self._remaining_s(request) > 0:
-            followed = await self.collapsing.follow(share.digest, self._remaining_s(request))
+        identity, collapsing = share.identity, self.collapsing
+        while collapsing.leading(identity) and self._remaining_s(request) > 0:
+            followed = await collapsing.follow(identity, self._remaining_s(request))
             if followed is not None:
                 self.metrics.requests_joined.labels(request.key.tier).inc()
                 if followed.error is not None:
                     raise error_from_result(followed.error)
                 return msgspec.structs.replace(followed, served_by="collapsed")
-        async with self.collapsing.lead(share.digest) as done:
-            try:
-                result = await self._run(request, receive)
-            except ApiError as exc:
-                if exc.code == "INFERENCE_FAILED":  # the input's own failure: the same for all
-                    done(_failed(exc))
-                raise
-            done(result)
+        leader = collapsing.lead(identity)
+        result: wire.Result | None = None
+        try:
+            result = await self._run(request, receive)
             return result
+        except ApiError as exc:
+            if exc.code == "INFERENCE_FAILED":  # the input's own failure: the same for all
+                result = _failed(exc)
+            raise
+        finally:
+            collapsing.end(identity, leader, result)
 
     @staticmethod
     def _remaining_s(request: "Request") -> float:
@@ -476,7 +482,7 @@ class Gateway:
             enqueued_ms=now_ms,
             deadline_ms=now_ms + deadline_ms,
             trace=tracing.current_traceparent(),
-            cache_key=share.digest if share and share.cache_ttl_ms else None,
+            cache_key=share.digest if share else None,
             cache_ttl_ms=share.cache_ttl_ms if share else 0,
         )
         future = self.replies.park(request_id)

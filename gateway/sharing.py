@@ -20,8 +20,7 @@ Quotas are charged the same for every request, however it is served.
 
 import asyncio
 import hashlib
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 
 from infergate.base import logs, wire
 from infergate.base.errors import STORE_ERRORS
@@ -31,30 +30,39 @@ from infergate.policies import KeyEntry
 log = logs.get(__name__)
 
 
-def input_digest(scope: str, key: KeyEntry, text: str) -> str:
-    """The input's identity within its sharing scope."""
-    owner = {"key": "key:" + key.id, "tier": "tier:" + key.tier}.get(scope, "shared")
+def scope_owner(scope: str, key: KeyEntry) -> str:
+    """Who may share an answer with this key, in the policy's scope."""
+    if scope == "key":
+        return "key:" + key.id
+    return "tier:" + key.tier if scope == "tier" else "shared"
+
+
+def input_digest(owner: str, text: str) -> str:
+    """The input's identity within its scope, for the cache's key."""
     return hashlib.sha256(f"{owner}\0{text}".encode()).hexdigest()
 
 
+Identity = tuple[str, str]  # (scope owner, input text)
+
+
 class Collapsing:
-    """This gateway's requests in flight, by digest: the first is the leader,
-    identical ones that arrive while it waits follow it."""
+    """This gateway's requests in flight, by identity: the first is the
+    leader; identical ones that arrive while it waits follow it."""
 
     def __init__(self) -> None:
-        self._leaders: dict[str, asyncio.Future[wire.Result]] = {}
+        self._leaders: dict[Identity, asyncio.Future[wire.Result]] = {}
 
     def __len__(self) -> int:
         return len(self._leaders)
 
-    def leading(self, key: str) -> bool:
-        return key in self._leaders
+    def leading(self, identity: Identity) -> bool:
+        return identity in self._leaders
 
-    async def follow(self, key: str, timeout_s: float) -> wire.Result | None:
+    async def follow(self, identity: Identity, timeout_s: float) -> wire.Result | None:
         """The leader's result (an answer, or a failure of the input itself)
         if one is in flight and ends in time; None otherwise: no leader, or
         it ended without a result (its client left, its deadline passed)."""
-        leader = self._leaders.get(key)
+        leader = self._leaders.get(identity)
         if leader is None:
             return None
         try:
@@ -63,27 +71,25 @@ class Collapsing:
         except (TimeoutError, LeaderGone):
             return None
 
-    @asynccontextmanager
-    async def lead(self, key: str) -> AsyncIterator[Callable[[wire.Result], None]]:
-        """Be the leader for ``key`` for the block; the block reports its
-        result (an answer, or a failure of the input: INFERENCE_FAILED)
-        through the callable it is given. Followers are released when the
-        block ends, with that result or with nothing."""
+    def lead(self, identity: Identity) -> "asyncio.Future[wire.Result]":
+        """Become the leader for ``identity`` (if another became it first,
+        this one runs on its own, unfollowed); ``end`` must follow."""
         leader: asyncio.Future[wire.Result] = asyncio.get_running_loop().create_future()
-        self._leaders.setdefault(key, leader)
+        self._leaders.setdefault(identity, leader)
+        return leader
 
-        def done(result: wire.Result) -> None:
-            if not leader.done():
-                leader.set_result(result)
-
-        try:
-            yield done
-        finally:
-            if not leader.done():
-                leader.set_exception(LeaderGone())
-                leader.exception()  # retrieved: followers fall back, nobody else cares
-            if self._leaders.get(key) is leader:
-                del self._leaders[key]
+    def end(
+        self, identity: Identity, leader: "asyncio.Future[wire.Result]", result: wire.Result | None
+    ) -> None:
+        """Release the followers: with the leader's result (an answer, or a
+        failure of the input: INFERENCE_FAILED), or with nothing."""
+        if self._leaders.get(identity) is leader:
+            del self._leaders[identity]
+        if result is not None:
+            leader.set_result(result)
+        else:
+            leader.set_exception(LeaderGone())
+            leader.exception()  # retrieved: followers fall back, nobody else cares
 
 
 class LeaderGone(Exception):
