@@ -2,7 +2,8 @@
 
 Starts (or uses, with REDIS_URL) Redis, then workers, dispatchers and
 gateways as ``python -m infergate <role> ...`` children; waits until the
-gateway is ready; restarts a child that dies (with backoff); on SIGINT or
+gateway is ready; restarts a child that dies (with backoff); with
+``--workers MIN:MAX`` follows the autoscaling signal (``scaling.py``); on SIGINT or
 SIGTERM stops every child it started (SIGTERM, then SIGKILL after a bound)
 and its own Redis.
 """

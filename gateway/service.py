@@ -467,10 +467,10 @@ class Gateway:
 
     async def _run(self, request: "Request", receive: Receive | None) -> wire.Result:
         now_ms = clock.now_ms()
-        request_id, key, started = request.id, request.key, request.started
+        request_id, key = request.id, request.key
         share = request.share
         # What is left of the deadline (a follower that ran on its own has used some).
-        deadline_ms = round(request.deadline_ms - clock.elapsed_ms(started))
+        deadline_ms = round(self._remaining_s(request) * 1000)
         if deadline_ms <= 0:
             raise ApiError("TIMEOUT", f"no result within the {request.deadline_ms} ms deadline")
         envelope = wire.Envelope(
@@ -488,8 +488,7 @@ class Gateway:
         future = self.replies.park(request_id)
         try:
             await self._enqueue(envelope)
-            remaining_s = request.deadline_ms / 1000.0 - (clock.monotonic_s() - started)
-            result = await self._wait(future, envelope, remaining_s, receive)
+            result = await self._wait(future, envelope, self._remaining_s(request), receive)
         finally:
             self.replies.forget(request_id)
         if result.error is not None:

@@ -52,9 +52,6 @@ class Collapsing:
     def __init__(self) -> None:
         self._leaders: dict[Identity, asyncio.Future[wire.Result]] = {}
 
-    def __len__(self) -> int:
-        return len(self._leaders)
-
     def leading(self, identity: Identity) -> bool:
         return identity in self._leaders
 

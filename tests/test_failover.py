@@ -51,7 +51,7 @@ async def drive(urls: list[str], kill: object) -> tuple[list[dict], float]:
             if not killed_at and due - start >= KILL_AT_S:
                 killed_at = time.monotonic()
                 await asyncio.to_thread(kill)  # type: ignore[arg-type]
-            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            await asyncio.sleep(max(0.0, due - time.monotonic()))  # pacing: open-loop sends
             tasks.append(asyncio.create_task(one(i)))
         await asyncio.gather(*tasks)
     return records, killed_at

@@ -35,7 +35,6 @@ class SentinelUrl:
 
     sentinels: list[tuple[str, int]]
     service_name: str
-    db: int = 0
     tls: bool = False
     connection: dict[str, Any] = field(default_factory=dict)  # to the primary
     sentinel: dict[str, Any] = field(default_factory=dict)  # to the sentinels
@@ -130,7 +129,7 @@ def parse_sentinel(url: str) -> SentinelUrl:
             connection[name] = _typed(name, value)
     _check_settings(connection)
     tls = parts.scheme.lower().startswith("rediss")
-    return SentinelUrl(sentinels, path[0], db, tls, connection, sentinel)
+    return SentinelUrl(sentinels, path[0], tls, connection, sentinel)
 
 
 def _typed(name: str, value: str) -> Any:

@@ -1,5 +1,6 @@
 """What a worker may do in Redis: offer its credit, pull a batch into its
-processing list, and answer the batch (publish its replies, then ack it)."""
+processing list, and answer the batch: publish its replies, store its jobs'
+results and its answers for the cache, and ack it, in one transaction."""
 
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
