@@ -1,25 +1,21 @@
-"""Per-key quotas with the ``limits`` library, on the deployment's Redis
-through redis-py (the same connection pool as everything else), so every
+"""Per-key quotas: ``limits`` fixed windows, counted in Redis, so every
 gateway process shares one count.
 
-Each limit is a ``limits`` fixed window (``item.key_for`` / ``storage.incr``,
-as ``FixedWindowRateLimiter.hit`` does). A request is charged to all of its
-limits at once (one concurrent round trip); if any refuses, every charge of
-that request is refunded, so a refused request consumes no limit and the
-counters hold exactly what was admitted. Counters only ever over-count for
-the instant before a refund, so racing gateways never admit more than the
-quota.
+``limits`` parses the policy's rates and names each window's counter; the
+counting is ``admit.lua``, which charges a request to all of its limits and
+queues it in the same step (one round trip). A request over any limit is
+charged to none, so the counters hold exactly what was admitted, whatever
+the gateways racing, and a refusal has nothing to refund. The charge also
+brings back how long each window has left, for the x-ratelimit-* headers.
 """
 
-import asyncio
 import math
-import time
 from dataclasses import dataclass
 from functools import lru_cache
 
+from infergate.base.queue.gateway import Admitted, Counter, GatewayQueue
 from infergate.policies import KeyEntry, Tier
 from limits import RateLimitItem, parse_many
-from limits.aio.storage import RedisStorage
 
 
 @lru_cache(maxsize=1024)
@@ -30,9 +26,9 @@ def parse_rates(rates: tuple[str, ...]) -> tuple[RateLimitItem, ...]:
 @dataclass(frozen=True)
 class Charge:
     item: RateLimitItem
-    key: str
-    cost: int
+    counter: Counter
     kind: str  # "requests" or "cost"
+    what: str  # how a refusal names it
 
 
 @dataclass(frozen=True)
@@ -57,78 +53,74 @@ class QuotaResult:
 
 
 class Quota:
-    def __init__(self, storage: RedisStorage) -> None:
-        self.storage = storage
-        # When each window ends (epoch s), learned when this gateway opens a
-        # window or from one TTL read per window: no extra round trip per request.
-        self._window_end: dict[str, float] = {}
+    def __init__(self, queue: GatewayQueue) -> None:
+        self.queue = queue
 
     def charges(self, key: KeyEntry, tier: Tier, input_chars: int) -> list[Charge]:
         rates = key.rate_limits if key.rate_limits is not None else tier.rate_limits
-        out = [
-            Charge(item, item.key_for(key.id, "requests"), 1, "requests")
-            for item in parse_rates(tuple(rates))
-        ]
+        out = [self._charge(item, key.id, "requests", 1) for item in parse_rates(tuple(rates))]
         if tier.cost_limit:
             out += [
-                Charge(item, item.key_for(key.id, "chars"), input_chars, "cost")
+                self._charge(item, key.id, "cost", input_chars)
                 for item in parse_rates((tier.cost_limit,))
             ]
         return out
 
-    async def charge(self, key: KeyEntry, tier: Tier, input_chars: int) -> QuotaResult:
+    def _charge(self, item: RateLimitItem, key_id: str, kind: str, cost: int) -> Charge:
+        name = item.key_for(key_id, "requests" if kind == "requests" else "chars")
+        counter = Counter(self.queue.counter_key(name), cost, item.amount, item.get_expiry())
+        what = "requests" if kind == "requests" else "input characters"
+        return Charge(item, counter, kind, f"{item} ({what})")
+
+    async def charge(
+        self,
+        key: KeyEntry,
+        tier: Tier,
+        input_chars: int,
+        queue_on: str | None = None,
+        envelope: bytes = b"",
+    ) -> QuotaResult:
+        """Charge the request to its key's limits; with ``queue_on`` (a tier),
+        queue ``envelope`` there too, in the same step, if it was admitted."""
         charges = self.charges(key, tier, input_chars)
-        if not charges:
+        if not charges and queue_on is None:
             return QuotaResult(True)
-        counts = await asyncio.gather(
-            *(self.storage.incr(c.key, c.item.get_expiry(), amount=c.cost) for c in charges)
-        )
-        now = time.time()
-        for c, n in zip(charges, counts, strict=True):
-            if n == c.cost:  # this request opened the window
-                self._window_end[c.key] = now + c.item.get_expiry()
-        refused = [c for c, n in zip(charges, counts, strict=True) if n > c.item.amount]
-        if refused:
-            await asyncio.gather(
-                *(self.storage.incr(c.key, c.item.get_expiry(), amount=-c.cost) for c in charges)
-            )
-        # The request limit closest to running out names the x-ratelimit-* headers.
-        requests = [(c, n) for c, n in zip(charges, counts, strict=True) if c.kind == "requests"]
-        limit = remaining = None
-        reset_s = None
-        if requests:
-            charge, count = min(requests, key=lambda cn: cn[0].item.amount - cn[1])
-            used = count - charge.cost if refused else count
-            limit, remaining = charge.item.amount, max(0, charge.item.amount - used)
-            reset_s = await self._reset_s(charge)
-        if not refused:
-            return QuotaResult(True, limit, remaining, reset_s)
-        worst = refused[0]
-        retry_s = await self._reset_s(worst)
-        what = "input characters" if worst.kind == "cost" else "requests"
-        return QuotaResult(
-            False,
-            limit,
-            remaining,
-            reset_s,
-            refused_by=f"{worst.item} ({what})",
-            retry_after_ms=max(1, math.ceil(retry_s * 1000)),
-        )
+        admitted = await self.queue.admit([c.counter for c in charges], queue_on, envelope)
+        return _result(charges, admitted)
 
     async def refund(self, key: KeyEntry, tier: Tier, input_chars: int) -> None:
         """Give back what ``charge`` took for a request refused after it (a job
-        over its key's queued bound)."""
-        charges = self.charges(key, tier, input_chars)
-        await asyncio.gather(
-            *(self.storage.incr(c.key, c.item.get_expiry(), amount=-c.cost) for c in charges)
-        )
+        over its key's queued bound): a charge of minus the cost."""
+        counters = [c.counter for c in self.charges(key, tier, input_chars)]
+        await self.queue.admit([c._replace(cost=-c.cost) for c in counters])
 
-    async def _reset_s(self, charge: Charge) -> float:
-        now = time.time()
-        end = self._window_end.get(charge.key, 0.0)
-        if end <= now:
-            if len(self._window_end) > 100_000:
-                self._window_end = {k: v for k, v in self._window_end.items() if v > now}
-            end = await self.storage.get_expiry(charge.key)
-            self._window_end[charge.key] = end
-        return max(0.0, end - now)
+
+def _result(charges: list[Charge], admitted: Admitted) -> QuotaResult:
+    """The headers' limit (the request limit closest to running out), and the
+    first limit that refused, if one did."""
+    windows = list(zip(charges, admitted.counts, admitted.ttls_ms, strict=True))
+    limit = remaining = None
+    reset_s = None
+    requests = [w for w in windows if w[0].kind == "requests"]
+    if requests:
+        charge, count, ttl_ms = min(requests, key=lambda w: w[0].item.amount - w[1])
+        limit, remaining = charge.item.amount, max(0, charge.item.amount - count)
+        reset_s = _left_s(charge, ttl_ms)
+    if admitted.admitted:
+        return QuotaResult(True, limit, remaining, reset_s)
+    charge, _, ttl_ms = next(
+        w for w in windows if w[1] + w[0].counter.cost > w[0].counter.amount
+    )
+    return QuotaResult(
+        False,
+        limit,
+        remaining,
+        reset_s,
+        refused_by=charge.what,
+        retry_after_ms=max(1, math.ceil(_left_s(charge, ttl_ms) * 1000)),
+    )
+
+
+def _left_s(charge: Charge, ttl_ms: int) -> float:
+    """What is left of a window; a window not open yet is all there is."""
+    return ttl_ms / 1000.0 if ttl_ms >= 0 else float(charge.counter.window_s)

@@ -130,16 +130,20 @@ class Share:
         return cls((owner, text), sharing.collapse, cache_ttl_ms, digest)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Request:
     """One admitted request on its way to a worker."""
 
     id: str
     key: KeyEntry
+    tier: Tier
     text: str
     deadline_ms: int
     started: float
     share: Share | None
+    # The x-ratelimit-* headers, once the request's quota is charged: by its
+    # first enqueue (the same round trip), or before it follows another.
+    quota_headers: dict[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -162,7 +166,7 @@ class Gateway:
         self.metrics = GatewayMetrics(self.registry)
         self.replies = ReplyRouter(self.queue, on_ignored=self.metrics.replies_ignored.inc)
         self.fleet = FleetView(self.store, settings.fleet_refresh_ms)
-        self.quota = Quota(self.queue.quota_storage())
+        self.quota = Quota(self.queue)
         self.collapsing = Collapsing()
         self.cache = Cache(self.queue, self.metrics.cache_bypassed.inc)
         self.admission = Admission(self.fleet)
@@ -347,19 +351,16 @@ class Gateway:
             self.metrics.cache_hits.labels(key.tier).inc()
             return self._response(call, started, key, cached), headers
         self._check_capacity(policy, key.tier)
-        headers = await self.charge_quota(key, tier, len(body.input))
-        self.admission.admitted(key.tier)
-        self.admitted += 1
         deadline_ms = (
             tier.deadline_ms if body.timeout_ms is None else min(tier.deadline_ms, body.timeout_ms)
         )
-        request = Request(call.request_id, key, body.input, deadline_ms, started, share)
+        request = Request(call.request_id, key, tier, body.input, deadline_ms, started, share)
         try:
             result = await self._collapsed_or_run(request, call.receive)
         except ApiError as exc:
-            exc.headers.update(headers)
+            exc.headers.update(request.quota_headers or {})
             raise
-        return self._response(call, started, key, result), headers
+        return self._response(call, started, key, result), request.quota_headers or {}
 
     def _response(
         self, call: Call, started: float, key: KeyEntry, result: wire.Result
@@ -398,6 +399,7 @@ class Gateway:
             return await self._run(request, receive)
         identity, collapsing = share.identity, self.collapsing
         while collapsing.leading(identity) and self._remaining_s(request) > 0:
+            await self._admit(request)  # a follower pays its own way, once
             followed = await collapsing.follow(identity, self._remaining_s(request))
             if followed is not None:
                 self.metrics.requests_joined.labels(request.key.tier).inc()
@@ -446,10 +448,33 @@ class Gateway:
                 decision.retry_after_ms,
             )
 
-    async def charge_quota(self, key: KeyEntry, tier: Tier, input_chars: int) -> dict[str, str]:
-        """Charge the key's limits; returns the x-ratelimit-* headers, or raises 429."""
+    async def _admit(self, request: "Request", envelope: wire.Envelope | None = None) -> None:
+        """Charge the request's quota, once, and queue its envelope (when it
+        has one): the two in one round trip the first time."""
+        if request.quota_headers is not None:
+            if envelope is not None:
+                await self._enqueue(envelope)
+            return
+        key, queue_on = request.key, None if envelope is None else envelope.tier
+        data = b"" if envelope is None else wire.encode(envelope)
+        request.quota_headers = await self.charge_quota(
+            key, request.tier, len(request.text), queue_on, data
+        )
+        self.admission.admitted(key.tier)
+        self.admitted += 1
+
+    async def charge_quota(
+        self,
+        key: KeyEntry,
+        tier: Tier,
+        input_chars: int,
+        queue_on: str | None = None,
+        envelope: bytes = b"",
+    ) -> dict[str, str]:
+        """Charge the key's limits (and queue ``envelope`` on ``queue_on`` in the
+        same step); returns the x-ratelimit-* headers, or raises 429."""
         try:
-            quota = await self.quota.charge(key, tier, input_chars)
+            quota = await self.quota.charge(key, tier, input_chars, queue_on, envelope)
         except STORE_ERRORS as exc:
             self.metrics.refusals.labels(key.tier, "redis").inc()
             self.fleet.mark_unreachable()
@@ -487,7 +512,7 @@ class Gateway:
         )
         future = self.replies.park(request_id)
         try:
-            await self._enqueue(envelope)
+            await self._admit(request, envelope)
             result = await self._wait(future, envelope, self._remaining_s(request), receive)
         finally:
             self.replies.forget(request_id)

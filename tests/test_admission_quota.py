@@ -314,7 +314,7 @@ async def store(redis_url: str) -> AsyncIterator[Store]:
 
 
 def quota_on(s: Store) -> Quota:
-    return Quota(GatewayQueue(s, "gw").quota_storage())
+    return Quota(GatewayQueue(s, "gw"))
 
 
 def quota_policy(**kw: Any) -> Policy:

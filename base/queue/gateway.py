@@ -1,16 +1,33 @@
-"""What a gateway may do in Redis: queue a request, cancel one, charge
-quotas (through ``limits``, on this client's connections), read the fleet,
-and listen for its own replies."""
+"""What a gateway may do in Redis: charge a request's quota and queue it (in
+one step), cancel one, keep and find jobs, and listen for its own replies."""
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from typing import NamedTuple
 
 from infergate.base import clock, wire
 from infergate.base.errors import STORE_ERRORS
 from infergate.base.queue import dead_letters
 from infergate.base.queue.store import Store
-from limits.aio.storage import RedisStorage
 from redis.asyncio.client import PubSub
+
+
+class Counter(NamedTuple):
+    """One limit's counter, and what a request costs it (``admit.lua``)."""
+
+    key: str  # under the namespace's rate-limit prefix
+    cost: int
+    amount: int
+    window_s: int
+
+
+class Admitted(NamedTuple):
+    """What ``admit`` did: charged (and queued) or not, and each counter after it."""
+
+    admitted: bool
+    depth: int
+    counts: list[int]
+    ttls_ms: list[int]  # the ms left in each counter's window; negative: none open
 
 
 class ReplySubscription:
@@ -40,12 +57,28 @@ class GatewayQueue:
         self.keys = store.keys
         self.gateway_id = gateway_id
 
+    def counter_key(self, name: str) -> str:
+        """A limit's counter, named as the ``limits`` library names it."""
+        return f"{self.keys.ratelimit_prefix}:{name}"
+
+    async def admit(
+        self, counters: Sequence[Counter], tier: str | None = None, envelope: bytes = b""
+    ) -> Admitted:
+        """Charge ``counters`` and, if every one has room, queue ``envelope`` on
+        ``tier`` and wake a dispatcher: one round trip (``admit.lua``). Without a
+        tier, charge only; without counters, queue only."""
+        keys = [c.key for c in counters]
+        args: list[str | int | bytes] = [len(counters), envelope]
+        for c in counters:
+            args += (c.cost, c.amount, c.window_s)
+        if tier is not None:
+            keys += (self.keys.queue(tier), self.keys.doorbell)
+        reply = await self.store.scripts.admit(keys=keys, args=args)
+        return Admitted(bool(reply[0]), int(reply[1]), reply[2::2], reply[3::2])
+
     async def enqueue(self, tier: str, envelope: bytes) -> int:
         """Queue an envelope and wake a dispatcher; returns the tier's queue depth."""
-        depth = await self.store.scripts.enqueue(
-            keys=[self.keys.queue(tier), self.keys.doorbell], args=[envelope]
-        )
-        return int(depth)
+        return (await self.admit((), tier, envelope)).depth
 
     async def enqueue_job(
         self, envelope: wire.Envelope, max_queued: int, result_ttl_ms: int
@@ -105,15 +138,6 @@ class GatewayQueue:
 
     async def purge_dead_letters(self) -> int:
         return await dead_letters.purge(self.store)
-
-    def quota_storage(self) -> RedisStorage:
-        """``limits``' storage on this process's connection pool, under the namespace."""
-        return RedisStorage(
-            "async+redis://",
-            implementation="redispy",
-            key_prefix=self.keys.ratelimit_prefix,
-            connection_pool=self.store.redis.connection_pool,  # type: ignore[arg-type]
-        )
 
     @contextlib.asynccontextmanager
     async def replies(self) -> AsyncIterator[ReplySubscription]:

@@ -20,7 +20,7 @@ class Scripts:
         def load(name: str) -> AsyncScript:
             return redis.register_script(source(name))
 
-        self.enqueue = load("enqueue")
+        self.admit = load("admit")
         self.take = load("take")
         self.handoff = load("handoff")
         self.offer_credit = load("offer_credit")

@@ -1,0 +1,47 @@
+-- admit: charge a request to its key's limits and, if every limit has room,
+-- queue its envelope and ring the doorbell: one step, one round trip.
+-- Each limit is a fixed window as the `limits` library keeps it (its key
+-- names, a counter that expires `expiry` seconds after the charge that
+-- opened its window). A request over any limit is charged to none: the
+-- counters only ever hold what was admitted, across every gateway, and a
+-- refusal has nothing to refund. A counter that is not a number (Redis
+-- contents are not trusted) starts again from zero, and one without an
+-- expiry gets its window's, so no key can be blocked for ever.
+-- A refund is a charge of minus the cost.
+-- KEYS[1..n] the counters  KEYS[n+1] queue:{tier}  KEYS[n+2] doorbell
+--   (without those two: charge only)
+-- ARGV[1] n  ARGV[2] the envelope (when queued)
+-- ARGV[3i], ARGV[3i+1], ARGV[3i+2] limit i's cost, amount and window (s)
+-- Returns {admitted (1 or 0), queue depth (0 if nothing was queued),
+--          count_1, ttl_ms_1, ..., count_n, ttl_ms_n}: a counter after the
+-- charge (before it, if refused), and the ms left in its window (-2: none open).
+local n = tonumber(ARGV[1])
+local counts = {}
+local admitted = 1
+for i = 1, n do
+  local raw = redis.call('GET', KEYS[i])
+  if raw and (#raw > 18 or not string.match(raw, '^%-?%d+$')) then
+    redis.call('DEL', KEYS[i])
+    raw = false
+  end
+  local count = tonumber(raw or '0')
+  counts[i] = count
+  if count + tonumber(ARGV[3 * i]) > tonumber(ARGV[3 * i + 1]) then admitted = 0 end
+end
+local reply = {admitted, 0}
+if admitted == 1 then
+  for i = 1, n do
+    counts[i] = redis.call('INCRBY', KEYS[i], ARGV[3 * i])
+    if redis.call('TTL', KEYS[i]) == -1 then redis.call('EXPIRE', KEYS[i], ARGV[3 * i + 2]) end
+  end
+  if #KEYS > n then
+    reply[2] = redis.call('LPUSH', KEYS[n + 1], ARGV[2])
+    redis.call('LPUSH', KEYS[n + 2], '1')
+    redis.call('LTRIM', KEYS[n + 2], 0, 0)
+  end
+end
+for i = 1, n do
+  reply[2 * i + 1] = counts[i]
+  reply[2 * i + 2] = redis.call('PTTL', KEYS[i])
+end
+return reply

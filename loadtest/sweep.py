@@ -1,0 +1,208 @@
+"""The throughput table: one stack, open-loop load at several rates, and the
+CPU each kind of process spent per request.
+
+Starts a private Redis and ``infergate up`` on it, then for each rate runs
+``loadtest.bench`` (a separate process) and reads, from /proc, the CPU time
+of the gateways, the dispatchers, the workers, Redis and the load generator
+over that run. CPU per request is CPU seconds over requests sent.
+
+    python -m infergate.loadtest.sweep --rates 1000,2000,3000,4000 \
+        --workers 8 --gateways 2 --duration 20 --json-out sweep.json
+
+Linux only (/proc). Everything runs on this machine, as the README's table says.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from infergate.redis_server import RedisServer, free_port
+
+KINDS = ("gateway", "dispatcher", "worker", "redis", "loadgen")
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one process (0 if it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def kind_of(pid: int) -> str | None:
+    """gateway, dispatcher or worker for a child of ``infergate up``."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    if len(argv) > 3 and argv[1:3] == [b"-m", b"infergate"]:
+        role = argv[3].decode(errors="replace")
+        return role if role in KINDS else None
+    return None
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(stat[1]) == pid:
+            out.append(int(entry.name))
+    return out
+
+
+def cpu_by_kind(up_pid: int, redis_pid: int) -> dict[str, float]:
+    totals = dict.fromkeys(KINDS, 0.0)
+    for pid in children(up_pid):
+        kind = kind_of(pid)
+        if kind is not None:
+            totals[kind] += cpu_s(pid)
+    totals["redis"] = cpu_s(redis_pid)
+    return totals
+
+
+def wait_ready(url: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/readyz", timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"sweep: the stack at {url} was not ready within {timeout_s:.0f} s")
+
+
+def run_rate(
+    args: argparse.Namespace, url: str, keys_path: str, rate: float, up_pid: int, redis_pid: int
+) -> dict[str, Any]:
+    out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
+    before = cpu_by_kind(up_pid, redis_pid)
+    bench = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "infergate.loadtest.bench",
+            "--url",
+            url,
+            "--keys",
+            keys_path,
+            "--rate",
+            str(rate),
+            "--duration",
+            str(args.duration),
+            "--json-out",
+            out,
+        ],
+        stdout=subprocess.DEVNULL,
+    )
+    # The load generator's CPU: read while it runs, its last reading before it exits.
+    loadgen = 0.0
+    while bench.poll() is None:
+        loadgen = max(loadgen, cpu_s(bench.pid))
+        time.sleep(0.2)
+    after = cpu_by_kind(up_pid, redis_pid)
+    report: dict[str, Any] = json.loads(Path(out).read_text())
+    os.unlink(out)
+    sent = report["sent"]
+    cpu = {k: after[k] - before[k] for k in KINDS if k != "loadgen"}
+    cpu["loadgen"] = loadgen
+    report["cpu_us_per_request"] = {k: round(v / sent * 1e6, 1) for k, v in cpu.items()}
+    report["cpu_cores"] = {k: round(v / report["elapsed_s"], 2) for k, v in cpu.items()}
+    return report
+
+
+def render(report: dict[str, Any]) -> str:
+    t = report["tiers"]["all"]
+    cpu = report["cpu_us_per_request"]
+    return (
+        f"{report['rate']:>7.0f} req/s  p50 {t['p50_ms']:>7}  p95 {t['p95_ms']:>7}  "
+        f"p99 {t['p99_ms']:>7}  ok {t['success_rate'] * 100:6.2f}%  batch {t['mean_batch']:>5}  "
+        "µs/req " + " ".join(f"{k} {cpu[k]:.0f}" for k in KINDS)
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m infergate.loadtest.sweep", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument("--rates", default="10,1000,2000,3000,4000", help="comma-separated req/s")
+    p.add_argument("--duration", type=float, default=20.0, help="seconds of sending per rate")
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--gateways", type=int, default=2)
+    p.add_argument("--sim-latency-ms", type=int, default=100)
+    here = Path(__file__).resolve().parent  # the link tree points into the checkout
+    p.add_argument("--policy", default=str(here / "policy.yaml"))
+    p.add_argument("--keys", default=str(here / "keys.json"))
+    p.add_argument(
+        "--stack-python",
+        default=sys.executable,
+        help="the Python whose infergate runs the stack (another install, to compare)",
+    )
+    p.add_argument("--log", default=None, help="append the stack's log lines to this file")
+    p.add_argument("--json-out", default=None)
+    args = p.parse_args(argv)
+    rates = [float(r) for r in args.rates.split(",")]
+
+    redis = RedisServer().start()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "REDIS_URL": redis.url}
+    up = subprocess.Popen(
+        [
+            args.stack_python,
+            "-m",
+            "infergate",
+            "up",
+            "--port",
+            str(port),
+            "--workers",
+            str(args.workers),
+            "--gateways",
+            str(args.gateways),
+            "--sim-latency-ms",
+            str(args.sim_latency_ms),
+            "--policy",
+            args.policy,
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=open(args.log, "ab") if args.log else subprocess.DEVNULL,
+    )
+    reports = []
+    try:
+        wait_ready(url)
+        time.sleep(2.0)  # pacing: every worker's first heartbeat is in the fleet view
+        assert redis.proc is not None
+        for rate in rates:
+            report = run_rate(args, url, args.keys, rate, up.pid, redis.proc.pid)
+            print(render(report), flush=True)
+            reports.append(report)
+    finally:
+        up.terminate()
+        try:
+            up.wait(30)
+        except subprocess.TimeoutExpired:
+            up.kill()
+        redis.stop()
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(reports, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
