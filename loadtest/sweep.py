@@ -90,7 +90,19 @@ def wait_ready(url: str, timeout_s: float = 60.0) -> None:
 def run_rate(
     args: argparse.Namespace, url: str, keys_path: str, rate: float, up_pid: int, redis_pid: int
 ) -> dict[str, Any]:
-    out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
+    with tempfile.TemporaryDirectory(prefix="infergate-sweep-") as tmp:
+        return _run_rate(args, url, keys_path, rate, up_pid, redis_pid, str(Path(tmp) / "out.json"))
+
+
+def _run_rate(
+    args: argparse.Namespace,
+    url: str,
+    keys_path: str,
+    rate: float,
+    up_pid: int,
+    redis_pid: int,
+    out: str,
+) -> dict[str, Any]:
     before = cpu_by_kind(up_pid, redis_pid)
     bench = subprocess.Popen(
         [
@@ -117,7 +129,6 @@ def run_rate(
         time.sleep(0.2)
     after = cpu_by_kind(up_pid, redis_pid)
     report: dict[str, Any] = json.loads(Path(out).read_text())
-    os.unlink(out)
     sent = report["sent"]
     cpu = {k: after[k] - before[k] for k in KINDS if k != "loadgen"}
     cpu["loadgen"] = loadgen
@@ -162,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "REDIS_URL": redis.url}
+    log = Path(args.log).open("ab") if args.log else None  # noqa: SIM115 (closed below)
     up = subprocess.Popen(
         [
             args.stack_python,
@@ -181,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         ],
         env=env,
         stdout=subprocess.DEVNULL,
-        stderr=open(args.log, "ab") if args.log else subprocess.DEVNULL,
+        stderr=log or subprocess.DEVNULL,
     )
     reports = []
     try:
@@ -199,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         except subprocess.TimeoutExpired:
             up.kill()
         redis.stop()
+        if log is not None:
+            log.close()
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(reports, indent=2))
     return 0
