@@ -10,7 +10,7 @@ same bytes back.
 """
 
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -41,16 +41,23 @@ class ClientLeft(Exception):
     """The client disconnected before its body arrived."""
 
 
+# A route served without the app: (scope, body, receive, send).
+Direct = Callable[[Scope, bytes, Receive, Send], Awaitable[None]]
+
+
 class RequestIdAndLimits:
     def __init__(
         self,
         app: ASGIApp,
         max_body_bytes: Callable[[], int],
         on_refused: Callable[[Scope, int], None] = lambda scope, status: None,
+        direct: dict[tuple[str, str], Direct] | None = None,
     ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.on_refused = on_refused
+        # (method, path) -> the handler that serves it instead of the app
+        self.direct = direct or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -73,6 +80,10 @@ class RequestIdAndLimits:
             await _send_error(send_with_id, exc.error, request_id)
             return
         except ClientLeft:
+            return
+        direct = self.direct.get((scope["method"], scope["path"]))
+        if direct is not None:  # the body is read: what receive brings next is the disconnect
+            await direct(scope, body, receive, send_with_id)
             return
         await self.app(scope, _replay(body, receive), send_with_id)
 

@@ -108,9 +108,7 @@ def _result(charges: list[Charge], admitted: Admitted) -> QuotaResult:
         reset_s = _left_s(charge, ttl_ms)
     if admitted.admitted:
         return QuotaResult(True, limit, remaining, reset_s)
-    charge, _, ttl_ms = next(
-        w for w in windows if w[1] + w[0].counter.cost > w[0].counter.amount
-    )
+    charge, _, ttl_ms = next(w for w in windows if w[1] + w[0].counter.cost > w[0].counter.amount)
     return QuotaResult(
         False,
         limit,
