@@ -7,13 +7,15 @@ from dataclasses import dataclass
 import msgspec
 import pytest
 from infergate.base import clock, wire
+from infergate.base.errors import STORE_ERRORS
 from infergate.base.queue.dead_letters import DEAD_LETTER_CAP
 from infergate.base.queue.dispatcher import DispatcherQueue
-from infergate.base.queue.gateway import GatewayQueue
+from infergate.base.queue.gateway import Counter, GatewayQueue
 from infergate.base.queue.recovery import RecoveryQueue
 from infergate.base.queue.store import Store
 from infergate.base.queue.worker import WorkerQueue
 from infergate.base.tiers import TIERS
+from infergate.redis_server import RedisServer
 
 
 def env(i: int, tier: str, deadline_in_ms: int = 10_000) -> bytes:
@@ -327,3 +329,59 @@ async def test_jobs_come_after_synchronous_work_and_alone_only_with_headroom(q: 
     assert (await q.gateway.job("j3"))["status"] == "queued"
     assert await q.redis.llen(q.keys.job_queue("paid")) == 1
     assert await q.redis.hget(q.keys.jobs_queued, "k") == b"1"
+
+
+# -- admit: quota and enqueue in one step, many requests in one write ---------
+
+
+async def test_concurrent_admits_share_writes_and_each_gets_its_own_reply(q: Faces) -> None:
+    counter = Counter(q.gateway.counter_key("c"), 1, 30, 60)
+    replies = await asyncio.gather(
+        *(q.gateway.admit([counter], "free", env(i, "free")) for i in range(50))
+    )
+    assert sum(r.admitted for r in replies) == 30
+    # Each was charged in the order Redis ran it: counts 1..30, refused ones see 30.
+    assert sorted(r.counts[0] for r in replies if r.admitted) == list(range(1, 31))
+    assert all(r.counts[0] == 30 and r.depth == 0 for r in replies if not r.admitted)
+    assert await q.redis.llen(q.keys.queue("free")) == 30
+    assert int(await q.redis.get(counter.key)) == 30
+    assert 0 < await q.redis.ttl(counter.key) <= 60
+
+
+async def test_admit_reloads_its_script_after_redis_forgot_it(q: Faces) -> None:
+    await q.redis.script_flush()  # as a restarted or failed-over Redis would have
+    replies = await asyncio.gather(*(q.gateway.admit([], "paid", env(i, "paid")) for i in range(5)))
+    assert [r.admitted for r in replies] == [True] * 5
+    assert await q.redis.llen(q.keys.queue("paid")) == 5
+
+
+async def test_a_failing_call_fails_alone_and_a_lost_redis_fails_every_call(q: Faces) -> None:
+    good = Counter(q.gateway.counter_key("g"), 1, 10, 60)
+    # A cost that is not a number makes the script fail: that call's error only.
+    bad = Counter(q.gateway.counter_key("b"), "x", 10, 60)  # type: ignore[arg-type]
+    results = await asyncio.gather(
+        q.gateway.admit([good]),
+        q.gateway.admit([bad]),
+        q.gateway.admit([good]),
+        return_exceptions=True,
+    )
+    assert [type(r).__name__ for r in results] == ["Admitted", "ResponseError", "Admitted"]
+    assert int(await q.redis.get(good.key)) == 2
+
+
+async def test_every_queued_call_fails_with_a_store_error_when_redis_is_gone() -> None:
+    server = RedisServer().start()
+    store = Store.connect(server.url, "t", name="test")
+    try:
+        gateway = GatewayQueue(store, "gw")
+        assert (await gateway.admit([], "free", env(1, "free"))).admitted
+        server.stop()
+        async with asyncio.timeout(10):  # failing, not hanging
+            results = await asyncio.gather(
+                *(gateway.admit([], "free", env(i, "free")) for i in range(5)),
+                return_exceptions=True,
+            )
+        assert all(isinstance(r, STORE_ERRORS) for r in results), results
+    finally:
+        await store.close()
+        server.stop()

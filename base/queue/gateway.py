@@ -73,7 +73,7 @@ class GatewayQueue:
             args += (c.cost, c.amount, c.window_s)
         if tier is not None:
             keys += (self.keys.queue(tier), self.keys.doorbell)
-        reply = await self.store.scripts.admit(keys=keys, args=args)
+        reply = await self.store.pipelined.call(self.store.scripts.admit, keys, args)
         return Admitted(bool(reply[0]), int(reply[1]), reply[2::2], reply[3::2])
 
     async def enqueue(self, tier: str, envelope: bytes) -> int:

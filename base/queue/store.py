@@ -17,6 +17,7 @@ import msgspec
 from infergate.base import logs, wire
 from infergate.base.keys import Keys
 from infergate.base.queue import redis_url
+from infergate.base.queue.pipelined import Pipelined
 from infergate.base.queue.scripts import Scripts
 from infergate.base.tiers import ROLES, TIERS
 from redis.asyncio import Redis
@@ -70,6 +71,8 @@ class Store:
         self.redis = redis
         self.keys = keys
         self.scripts = Scripts(redis)
+        # The hot path's script calls, sent together (see pipelined.py).
+        self.pipelined = Pipelined(redis)
         self._unreadable_seen: set[str] = set()
 
     @classmethod
