@@ -81,7 +81,7 @@ class Pipelined:
         """One write, then the replies in order. A connection error fails
         every call of the batch not yet answered (the caller fails them)."""
         pool = self.redis.connection_pool
-        connection = await pool.get_connection()
+        connection = await pool.get_connection()  # type: ignore[no-untyped-call]
         missing: list[_Call] = []
         try:
             await connection.send_packed_command(
