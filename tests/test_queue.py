@@ -385,3 +385,16 @@ async def test_every_queued_call_fails_with_a_store_error_when_redis_is_gone() -
     finally:
         await store.close()
         server.stop()
+
+
+async def test_a_worker_answers_and_acks_after_redis_forgot_the_scripts(q: Faces) -> None:
+    await q.redis.lpush(q.keys.processing("w1"), b"the batch")
+    await q.redis.script_flush()  # as a restarted or failed-over Redis would have
+    reply = wire.Reply([wire.Result("r1", "b1", 1, "w1", 0, 100, output="out")])
+    await q.worker.answer_batch({"gw": reply}, offer_credit=True, now_ms=clock.now_ms())
+    assert await q.redis.llen(q.keys.processing("w1")) == 0
+    assert await q.redis.lrange(q.keys.ready, 0, -1) == [b"w1"]
+    # And the next answer needs no reload: one round trip again.
+    await q.redis.lpush(q.keys.processing("w1"), b"the next batch")
+    await q.worker.answer_batch({"gw": reply}, offer_credit=True, now_ms=clock.now_ms())
+    assert await q.redis.llen(q.keys.processing("w1")) == 0

@@ -9,6 +9,7 @@ from infergate.base import clock, logs, wire
 from infergate.base.queue.dead_letters import DEAD_LETTER_CAP
 from infergate.base.queue.dispatcher import requeue
 from infergate.base.queue.replies import deliver_replies, failure_replies
+from infergate.base.queue.scripts import execute
 from infergate.base.queue.store import Store
 
 log = logs.get(__name__)
@@ -93,9 +94,12 @@ class RecoveryQueue:
             worker_id="",
             now_ms=now_ms,
         )
-        async with self.store.redis.pipeline(transaction=False) as pipe:
-            await deliver_replies(pipe, self.store, replies, now_ms)
-            await pipe.execute()
+        await execute(
+            self.store.redis,
+            self.store.scripts,
+            lambda pipe: deliver_replies(pipe, self.store, replies, now_ms),
+            transaction=False,
+        )
         if not await self._move(worker_id, raw, b""):
             return "moved_already"
         log.error(

@@ -11,6 +11,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 
 from infergate.base import wire
+from infergate.base.queue.scripts import queue_on
 from infergate.base.queue.store import Store
 from redis.asyncio.client import Pipeline
 
@@ -46,24 +47,26 @@ def failure_replies(
     )
 
 
-async def deliver_replies(
+def deliver_replies(
     pipe: Pipeline, store: Store, replies: Mapping[str, wire.Reply], now_ms: int
 ) -> None:
     """Queue one PUBLISH per gateway, and the storing of the jobs' results,
-    on ``pipe`` (the caller executes it)."""
+    on ``pipe`` (the caller executes it with ``scripts.execute``: running
+    it twice publishes a duplicate, which gateways ignore)."""
     keys = store.keys
     for gateway_id, reply in replies.items():
         if gateway_id != wire.JOBS:
             pipe.publish(keys.reply_channel(gateway_id), wire.encode(reply))
     jobs = replies.get(wire.JOBS)
     if jobs is not None and jobs.results:
-        await store.scripts.finish_jobs(
-            keys=[keys.job(r.id) for r in jobs.results],
-            args=[
+        queue_on(
+            pipe,
+            store.scripts.finish_jobs,
+            [keys.job(r.id) for r in jobs.results],
+            [
                 keys.jobs_done,
                 now_ms,
                 *(wire.encode(r) for r in jobs.results),
                 *("failed" if r.error else "succeeded" for r in jobs.results),
             ],
-            client=pipe,
         )

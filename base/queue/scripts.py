@@ -1,11 +1,15 @@
 """The Lua scripts of the data model, loaded once from the package and
 registered once per Redis client (EVALSHA, with a reload on NOSCRIPT)."""
 
+from collections.abc import Callable
 from functools import cache
 from importlib import resources
+from typing import Any
 
 from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
 from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError
 
 
 @cache
@@ -32,3 +36,36 @@ class Scripts:
         self.enqueue_job = load("enqueue_job")
         self.finish_jobs = load("finish_jobs")
         self.cancel_job = load("cancel_job")
+
+    async def load_all(self) -> None:
+        """Load every script into Redis again (it forgot them: a restart, a failover)."""
+        for script in vars(self).values():
+            if isinstance(script, AsyncScript):
+                await script.registered_client.script_load(script.script)
+
+
+async def execute(
+    redis: Redis, scripts: Scripts, build: Callable[[Pipeline], None], transaction: bool = True
+) -> list[Any]:
+    """Build a pipeline with ``build`` and execute it: one round trip. If
+    Redis had forgotten a script it runs (those commands failed, the others
+    ran), load every script and run the whole pipeline once more: callers
+    build only pipelines that may run twice."""
+    for attempt in (1, 2):
+        async with redis.pipeline(transaction=transaction) as pipe:
+            build(pipe)
+            try:
+                result: list[Any] = await pipe.execute()
+                return result
+            except NoScriptError:
+                if attempt == 2:
+                    raise
+        await scripts.load_all()
+    raise AssertionError("unreachable")
+
+
+def queue_on(pipe: Pipeline, script: AsyncScript, keys: list[str], args: list[Any]) -> None:
+    """Queue an EVALSHA of ``script`` on a pipeline. (Passing ``client=pipe``
+    to the script instead makes every execute of the pipeline cost one more
+    round trip, SCRIPT EXISTS; ``execute`` handles NOSCRIPT instead.)"""
+    pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)

@@ -7,7 +7,9 @@ from typing import NamedTuple
 
 from infergate.base import wire
 from infergate.base.queue.replies import deliver_replies
+from infergate.base.queue.scripts import execute, queue_on
 from infergate.base.queue.store import Store
+from redis.asyncio.client import Pipeline
 
 
 class KeptAnswer(NamedTuple):
@@ -70,17 +72,20 @@ class WorkerQueue:
         the batch (and offer a credit), in one transaction: a job's result is
         stored by the same step that finishes its batch. If the reply to the
         transaction is lost, the batch is run again; gateways ignore the
-        duplicate and a job's result is stored again."""
+        duplicate and a job's result is stored again. One round trip."""
         keys = self.keys
-        async with self.store.redis.pipeline(transaction=True) as pipe:
-            await deliver_replies(pipe, self.store, replies, now_ms)
+
+        def build(pipe: Pipeline) -> None:
+            deliver_replies(pipe, self.store, replies, now_ms)
             for answer in keep:
                 pipe.set(
                     keys.cache(answer.digest, answer.fingerprint), answer.output, px=answer.ttl_ms
                 )
-            await self.store.scripts.ack_batch(
-                keys=[keys.processing(self.worker_id), keys.ready, keys.doorbell, *keys.job_queues],
-                args=[self.worker_id, "1" if offer_credit else "0"],
-                client=pipe,
+            queue_on(
+                pipe,
+                self.store.scripts.ack_batch,
+                [keys.processing(self.worker_id), keys.ready, keys.doorbell, *keys.job_queues],
+                [self.worker_id, "1" if offer_credit else "0"],
             )
-            await pipe.execute()
+
+        await execute(self.store.redis, self.store.scripts, build)
