@@ -23,7 +23,14 @@ from infergate.gateway.api import (
 )
 from infergate.gateway.errors import ERRORS, ApiError, ErrorBody
 from infergate.gateway.jobs import Jobs
-from infergate.gateway.middleware import REQUEST_ID, Receive, RequestIdAndLimits, Scope, Send
+from infergate.gateway.middleware import (
+    ON_DISCONNECT,
+    REQUEST_ID,
+    Receive,
+    RequestIdAndLimits,
+    Scope,
+    Send,
+)
 from infergate.gateway.service import Call, Gateway
 from litestar import Litestar, Request, Response, delete, get, post
 from litestar.exceptions import HTTPException, ValidationException
@@ -114,7 +121,7 @@ async def inference(request: Request[Any, Any, Any]) -> Response[InferenceRespon
         _request_id(request),
         headers.get("authorization"),
         await request.body(),
-        request.receive,
+        request.scope.get(ON_DISCONNECT),  # type: ignore[arg-type]
         headers.get("traceparent"),
         headers.get("tracestate"),
     )
@@ -140,7 +147,7 @@ async def serve_inference(
         request_id,
         wanted[b"authorization"],
         body,
-        receive,
+        scope.get(ON_DISCONNECT),
         wanted[b"traceparent"],
         wanted[b"tracestate"],
     )

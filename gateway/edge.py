@@ -24,13 +24,14 @@ chunk of the socket can bring beyond the limit is never kept.
 """
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 from infergate.base import logs
 from infergate.gateway.errors import ApiError
 from infergate.gateway.limits import EdgeLimits
-from infergate.gateway.middleware import new_request_id
+from infergate.gateway.middleware import ON_DISCONNECT, new_request_id
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 log = logs.get(__name__)
@@ -73,6 +74,8 @@ class EdgeProtocol(HttpToolsProtocol):
         self._since = 0.0
         self._refused = False
         self._head_bytes = 0
+        # What to run if the connection is lost while the app holds a request.
+        self._on_lost: Callable[[], None] | None = None
 
     @classmethod
     def with_limits(cls, limits: EdgeLimits) -> type["EdgeProtocol"]:
@@ -138,7 +141,19 @@ class EdgeProtocol(HttpToolsProtocol):
             return
         self._phase = _BODY
         self._since = self.loop.time()
+        self.scope[ON_DISCONNECT] = self._watch_disconnect  # type: ignore[literal-required]
         super().on_headers_complete()
+
+    def _watch_disconnect(self, callback: Callable[[], None] | None) -> None:
+        """The request's hook (``service.OnDisconnect``): one slot per
+        connection, since a connection runs one request at a time."""
+        self._on_lost = callback
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        lost, self._on_lost = self._on_lost, None
+        super().connection_lost(exc)
+        if lost is not None:
+            lost()
 
     def on_body(self, body: bytes) -> None:
         if not self._refused:
@@ -151,6 +166,7 @@ class EdgeProtocol(HttpToolsProtocol):
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
+        self._on_lost = None
         if self._phase == _APP:  # (a pipelined next request may already be in its head)
             self._phase = _IDLE  # uvicorn's keep-alive timeout applies until the next request
         super().on_response_complete()

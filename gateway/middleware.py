@@ -23,6 +23,8 @@ Send = Callable[[dict[str, Any]], Any]
 ASGIApp = Any  # Litestar's own, stricter ASGI types do not unify with these
 
 REQUEST_ID = "infergate.request_id"
+# The edge's disconnect hook (``service.OnDisconnect``), in each request's scope.
+ON_DISCONNECT = "infergate.on_disconnect"
 
 log = logs.get(__name__)
 

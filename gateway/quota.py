@@ -12,6 +12,7 @@ brings back how long each window has left, for the x-ratelimit-* headers.
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 from infergate.base.queue.gateway import Admitted, Counter, GatewayQueue
 from infergate.policies import KeyEntry, Tier
@@ -23,8 +24,7 @@ def parse_rates(rates: tuple[str, ...]) -> tuple[RateLimitItem, ...]:
     return tuple(item for rate in rates for item in parse_many(rate))
 
 
-@dataclass(frozen=True)
-class Charge:
+class Charge(NamedTuple):
     item: RateLimitItem
     counter: Counter
     kind: str  # "requests" or "cost"
@@ -58,12 +58,18 @@ class Quota:
 
     def charges(self, key: KeyEntry, tier: Tier, input_chars: int) -> list[Charge]:
         rates = key.rate_limits if key.rate_limits is not None else tier.rate_limits
-        out = [self._charge(item, key.id, "requests", 1) for item in parse_rates(tuple(rates))]
-        if tier.cost_limit:
-            out += [
-                self._charge(item, key.id, "cost", input_chars)
-                for item in parse_rates((tier.cost_limit,))
-            ]
+        windows = self._windows(key.id, tuple(rates), tier.cost_limit)
+        return [
+            w if w.kind == "requests" else w._replace(counter=w.counter._replace(cost=input_chars))
+            for w in windows
+        ]
+
+    @lru_cache(maxsize=4096)  # noqa: B019 (one Quota per process, for its life)
+    def _windows(self, key_id: str, rates: tuple[str, ...], cost_limit: str | None) -> list[Charge]:
+        """A key's limits, named once: only the cost of a cost limit changes per request."""
+        out = [self._charge(item, key_id, "requests", 1) for item in parse_rates(rates)]
+        if cost_limit:
+            out += [self._charge(item, key_id, "cost", 0) for item in parse_rates((cost_limit,))]
         return out
 
     def _charge(self, item: RateLimitItem, key_id: str, kind: str, cost: int) -> Charge:

@@ -48,6 +48,8 @@ async def serve(
         timeout_keep_alive=max(1, round(limits.keep_alive_s)),
         lifespan="on",
         access_log=False,
+        # Nothing reads the client's address: no X-Forwarded-* rewriting per request.
+        proxy_headers=False,
         log_config=None,
         timeout_graceful_shutdown=int(drain_timeout_s),
         backlog=2048,

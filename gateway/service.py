@@ -6,7 +6,7 @@ the fleet view and the active policy.
 
 import asyncio
 import dataclasses
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,7 +76,10 @@ def redis_unreachable() -> ApiError:
     return ApiError("SERVICE_OVERLOADED", "the queue store is unreachable", RETRY_REDIS_MS)
 
 
-Receive = Callable[[], Awaitable[Any]]
+# Registers what to run if the client disconnects while its request waits
+# (None clears it). The HTTP edge runs it from the connection's loss: no task
+# per request reading the connection for a disconnect.
+OnDisconnect = Callable[[Callable[[], None] | None], None]
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,7 @@ class Call:
     request_id: str
     authorization: str | None
     body: bytes
-    receive: Receive | None = None
+    on_disconnect: OnDisconnect | None = None
     # W3C trace context from the caller (used only when tracing is on).
     traceparent: str | None = None
     tracestate: str | None = None
@@ -96,15 +99,9 @@ class ClientGone(Exception):
     """The client closed its connection while its request waited."""
 
 
-async def _watch_disconnect(receive: Receive, future: asyncio.Future[wire.Result]) -> None:
-    """Fails ``future`` with ClientGone when the client disconnects. (The
-    body has been read, so the next ASGI message is the disconnect.)"""
-    while not future.done():
-        message = await receive()
-        if message.get("type") == "http.disconnect":
-            if not future.done():
-                future.set_exception(ClientGone())
-            return
+def _fail(future: "asyncio.Future[wire.Result]", error: type[Exception]) -> None:
+    if not future.done():
+        future.set_exception(error())
 
 
 @dataclass(frozen=True)
@@ -356,7 +353,7 @@ class Gateway:
         )
         request = Request(call.request_id, key, tier, body.input, deadline_ms, started, share)
         try:
-            result = await self._collapsed_or_run(request, call.receive)
+            result = await self._collapsed_or_run(request, call.on_disconnect)
         except ApiError as exc:
             exc.headers.update(request.quota_headers or {})
             raise
@@ -389,14 +386,16 @@ class Gateway:
             return None
         return wire.Result("", "", 0, "", 0, 0, output=output, served_by="cache")
 
-    async def _collapsed_or_run(self, request: "Request", receive: Receive | None) -> wire.Result:
+    async def _collapsed_or_run(
+        self, request: "Request", on_disconnect: OnDisconnect | None
+    ) -> wire.Result:
         """Wait for an identical request already in flight here, or run this
         one (and let identical ones that arrive meanwhile wait for it). A
         leader that ends without a result hands over to one of its followers,
         and the others follow that one."""
         share = request.share
         if share is None or not share.collapse:
-            return await self._run(request, receive)
+            return await self._run(request, on_disconnect)
         identity, collapsing = share.identity, self.collapsing
         while collapsing.leading(identity) and self._remaining_s(request) > 0:
             await self._admit(request)  # a follower pays its own way, once
@@ -409,7 +408,7 @@ class Gateway:
         leader = collapsing.lead(identity)
         result: wire.Result | None = None
         try:
-            result = await self._run(request, receive)
+            result = await self._run(request, on_disconnect)
             return result
         except ApiError as exc:
             if exc.code == "INFERENCE_FAILED":  # the input's own failure: the same for all
@@ -490,7 +489,7 @@ class Gateway:
             )
         return headers
 
-    async def _run(self, request: "Request", receive: Receive | None) -> wire.Result:
+    async def _run(self, request: "Request", on_disconnect: OnDisconnect | None) -> wire.Result:
         now_ms = clock.now_ms()
         request_id, key = request.id, request.key
         share = request.share
@@ -513,7 +512,7 @@ class Gateway:
         future = self.replies.park(request_id)
         try:
             await self._admit(request, envelope)
-            result = await self._wait(future, envelope, self._remaining_s(request), receive)
+            result = await self._wait(future, envelope, self._remaining_s(request), on_disconnect)
         finally:
             self.replies.forget(request_id)
         if result.error is not None:
@@ -539,17 +538,17 @@ class Gateway:
         future: asyncio.Future[wire.Result],
         envelope: wire.Envelope,
         remaining_s: float,
-        receive: Receive | None,
+        on_disconnect: OnDisconnect | None,
     ) -> wire.Result:
-        """The request's reply, or 504 at its deadline, or a cancel if the client leaves."""
-        watcher = (
-            asyncio.ensure_future(_watch_disconnect(receive, future))
-            if receive is not None
-            else None
+        """The request's reply, or 504 at its deadline, or a cancel if the
+        client leaves: one timer, and the edge's disconnect callback."""
+        timer = asyncio.get_running_loop().call_later(
+            max(0.0, remaining_s), _fail, future, TimeoutError
         )
+        if on_disconnect is not None:
+            on_disconnect(lambda: _fail(future, ClientGone))
         try:
-            async with asyncio.timeout(max(0.0, remaining_s)):
-                return await future
+            return await future
         except TimeoutError:
             timeout_ms = envelope.deadline_ms - envelope.enqueued_ms
             raise ApiError("TIMEOUT", f"no result within the {timeout_ms} ms deadline") from None
@@ -557,8 +556,9 @@ class Gateway:
             await self._cancel(envelope.id, envelope.deadline_ms)
             raise ApiError("CLIENT_CLOSED", "the client disconnected") from None
         finally:
-            if watcher is not None:
-                watcher.cancel()
+            timer.cancel()
+            if on_disconnect is not None:
+                on_disconnect(None)
 
     async def _cancel(self, request_id: str, deadline_ms: int) -> None:
         """The client left: mark the request so ``take`` drops it before a worker sees it."""

@@ -4,7 +4,7 @@ redis-py spends more CPU on one command's way through its client (a
 connection taken from the pool and given back under a lock, retries,
 observability hooks) than Redis spends running it. On the gateway's hot
 path every request makes one call (``admit.lua``), so the calls are queued
-here and sent by one flushing task: whatever is queued goes out as one write
+here and sent by one flushing task (packed by hiredis, in C): whatever is queued goes out as one write
 on one connection, its replies are read in order, and what arrives during
 that round trip goes out in the next. Under load the batches grow by
 themselves; alone, a call goes out at once.
@@ -19,6 +19,7 @@ after the script is loaded.
 import asyncio
 from typing import Any
 
+from hiredis import pack_command
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -84,9 +85,7 @@ class Pipelined:
         connection = await pool.get_connection()  # type: ignore[no-untyped-call]
         missing: list[_Call] = []
         try:
-            await connection.send_packed_command(
-                connection.pack_commands([c.command for c in batch])
-            )
+            await connection.send_packed_command(b"".join(pack_command(c.command) for c in batch))
             for call in batch:
                 try:
                     call.settle(await connection.read_response())
