@@ -25,6 +25,7 @@ class Scripts:
             return redis.register_script(source(name))
 
         self.admit = load("admit")
+        self.fleet = load("fleet")
         self.take = load("take")
         self.handoff = load("handoff")
         self.offer_credit = load("offer_credit")

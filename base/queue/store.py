@@ -160,8 +160,17 @@ class Store:
     # -- the fleet's state -------------------------------------------------
 
     async def fleet_snapshot(self, now_ms: int) -> FleetSnapshot:
-        beats, depths = await self.heartbeats(["worker"], with_depths=True)
-        return FleetSnapshot(self.readable("worker", beats["worker"]), _depths(depths), now_ms)
+        """The workers and the queue depths, read in one step (``fleet.lua``),
+        sent with the hot path's calls (``pipelined``): admission reads this
+        every few tens of ms on every gateway."""
+        keys = self.keys
+        ids, values, depths = await self.pipelined.call(
+            self.scripts.fleet,
+            [keys.members("worker"), *keys.queues],
+            [keys.heartbeat("worker", "")],
+        )
+        beats = {i.decode(errors="replace"): v for i, v in zip(ids, values, strict=True)}
+        return FleetSnapshot(self.readable("worker", beats), _depths(depths), now_ms)
 
     async def fleet_status(self) -> FleetStatus:
         beats, extras = await self.heartbeats(ROLES, with_depths=True, with_counters=True)

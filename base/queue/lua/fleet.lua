@@ -1,0 +1,17 @@
+-- fleet: what admission reads every few tens of ms, in one step: the
+-- registered workers, each one's heartbeat (false once it expired), and the
+-- depth of each tier queue.
+-- KEYS[1] members:worker  KEYS[2..] queue:{tier}
+-- ARGV[1] the workers' heartbeat key prefix (the key is the prefix and the id)
+-- Returns {ids (sorted), heartbeats, depths}
+local ids = redis.call('SMEMBERS', KEYS[1])
+table.sort(ids)
+local beats = {}
+for i, id in ipairs(ids) do
+  beats[i] = redis.call('GET', ARGV[1] .. id)
+end
+local depths = {}
+for i = 2, #KEYS do
+  depths[i - 1] = redis.call('LLEN', KEYS[i])
+end
+return {ids, beats, depths}
