@@ -1,5 +1,11 @@
 """A GPU worker: offer a credit, take one batch, run it, publish the replies.
 
+The credit for the next batch goes out the moment the backend call returns,
+so the next batch is formed (then, from what is queued then) while this
+one's replies are built; the transaction that answers this batch moves that
+next batch into processing, so the backend starts it without another round
+trip.
+
 The batch sits in ``processing:{worker}`` while it runs; it leaves only when
 the replies have been published (``answer_batch``). A worker that dies
 leaves its batch there for the reaper; a worker that starts under an id
@@ -28,7 +34,7 @@ from infergate.base.probes import Probes
 from infergate.base.queue.recovery import RecoveryQueue
 from infergate.base.queue.replies import failure_replies, group_by_gateway
 from infergate.base.queue.store import Store
-from infergate.base.queue.worker import KeptAnswer, WorkerQueue
+from infergate.base.queue.worker import Credit, KeptAnswer, WorkerQueue
 from infergate.base.settings import ProcessSettings
 from infergate.gpu.backend import Backend, BackendError
 from prometheus_client import CollectorRegistry
@@ -77,6 +83,8 @@ class Worker:
         self._recent: deque[tuple[float, int]] = deque()  # (monotonic s, requests) per batch
         # Answers of the batch in hand for the result cache, stored with its answer.
         self.answers_to_keep: list[KeptAnswer] = []
+        # The credit offered as the backend call returned (``_free_for_next_batch``).
+        self.credit_offer: asyncio.Future[None] | None = None
         self.heartbeat = Heartbeater(
             self.store, self.status, settings.heartbeat_interval_ms, settings.heartbeat_ttl_ms
         )
@@ -179,6 +187,7 @@ class Worker:
         distinct = list(dict.fromkeys(inputs))
         outcome_of = dict(zip(distinct, await self._infer_isolating(distinct), strict=True))
         infer_ms = round(clock.elapsed_ms(started))
+        self._free_for_next_batch()
         results = []
         for env in live:
             # Reported as served by the model, whichever copy ran: the keys of a
@@ -206,6 +215,25 @@ class Worker:
             failed=failed,
         )
         return group_by_gateway(results)
+
+    def _free_for_next_batch(self) -> None:
+        """The backend is free: offer the credit now, so the next batch forms
+        while this one's replies are built (``_answer`` waits for the offer
+        before the ack). Not while stopping: a leaving worker takes no batch."""
+        if not self.stopping.is_set():
+            self.credit_offer = asyncio.ensure_future(self.queue.offer_credit())
+
+    async def _credit_offered(self) -> bool:
+        """Whether this batch's early offer went through."""
+        offer, self.credit_offer = self.credit_offer, None
+        if offer is None:
+            return False
+        try:
+            await offer
+        except STORE_ERRORS as exc:
+            log.warning("worker.early_credit_failed", error=type(exc).__name__)
+            return False
+        return True
 
     def _keep(self, env: wire.Envelope, result: wire.Result) -> None:
         """With the result cache on for this request, keep its answer (stored
@@ -295,9 +323,12 @@ class Worker:
     async def _loop(self, stop: asyncio.Event) -> None:
         backoff = Backoff(base_s=0.1, cap_s=2.0)
         unsure = False  # a pull failed: its batch may be in processing anyway
-        while not stop.is_set():
+        following: bytes | None = None  # the next batch, moved in by the last answer
+        while following is not None or not stop.is_set():
             try:
-                data = await self.queue.batch_in_hand() if unsure else None
+                data, following = following, None
+                if data is None and unsure:
+                    data = await self.queue.batch_in_hand()
                 unsure = False
                 if data is None:
                     unsure = True
@@ -317,7 +348,9 @@ class Worker:
             backoff.reset()
             self.busy = True
             replies = await self.handle(data)
-            await self._answer(replies, stop)
+            # Not answered (stopping, Redis away past the grace): this batch, and
+            # a next one if the lost answer moved it in, stay for the reaper.
+            following = await self._answer(replies, stop, data)
             self.busy = False
 
     async def _keep_credit_offered(self) -> None:
@@ -325,21 +358,28 @@ class Worker:
         if await self.queue.ensure_credit():
             log.warning("worker.credit_restored", worker_id=self.id)
 
-    async def _answer(self, replies: dict[str, wire.Reply], stop: asyncio.Event) -> None:
+    async def _answer(
+        self, replies: dict[str, wire.Reply], stop: asyncio.Event, batch: bytes
+    ) -> bytes | None:
         """Publish and ack: retried for as long as the worker lives (the work
         is done); once stopping, for ``publish_grace_s``, after which the
-        batch stays in processing and the reaper runs it again."""
-        offer = not stop.is_set()
-
+        batch stays in processing and the reaper runs it again. Returns the
+        next batch if the ack moved one into processing."""
+        credit: Credit = "none" if stop.is_set() else "offer"
+        if await self._credit_offered():
+            credit = "held" if stop.is_set() else "next"
         keep, self.answers_to_keep = self.answers_to_keep, []
+        following: bytes | None = None
 
         async def answer() -> None:
-            await self.queue.answer_batch(replies, offer, clock.now_ms(), keep)
+            nonlocal following
+            following = await self.queue.answer_batch(replies, credit, clock.now_ms(), batch, keep)
 
         if not await retry_until_done(
             "batch.publish", answer, stop, grace_after_stop_s=self.settings.publish_grace_s
         ):
             log.error("batch.left_for_the_reaper", worker_id=self.id)
+        return following
 
 
 def _result(

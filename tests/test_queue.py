@@ -117,7 +117,7 @@ async def test_handoff_and_worker_round_trip(q: Faces) -> None:
     pubsub = q.redis.pubsub()
     await pubsub.subscribe(q.keys.reply_channel("gw"))
     reply = wire.Reply([wire.Result("r1", "b1", 1, "w1", 0, 100, output="out")])
-    await q.worker.answer_batch({"gw": reply}, offer_credit=True, now_ms=clock.now_ms())
+    await q.worker.answer_batch({"gw": reply}, "offer", clock.now_ms(), data)
     assert await q.redis.llen(q.keys.processing("w1")) == 0
     assert await q.redis.lrange(q.keys.ready, 0, -1) == [b"w1"]
     msg = None
@@ -391,10 +391,33 @@ async def test_a_worker_answers_and_acks_after_redis_forgot_the_scripts(q: Faces
     await q.redis.lpush(q.keys.processing("w1"), b"the batch")
     await q.redis.script_flush()  # as a restarted or failed-over Redis would have
     reply = wire.Reply([wire.Result("r1", "b1", 1, "w1", 0, 100, output="out")])
-    await q.worker.answer_batch({"gw": reply}, offer_credit=True, now_ms=clock.now_ms())
+    await q.worker.answer_batch({"gw": reply}, "offer", clock.now_ms(), b"the batch")
     assert await q.redis.llen(q.keys.processing("w1")) == 0
     assert await q.redis.lrange(q.keys.ready, 0, -1) == [b"w1"]
     # And the next answer needs no reload: one round trip again.
     await q.redis.lpush(q.keys.processing("w1"), b"the next batch")
-    await q.worker.answer_batch({"gw": reply}, offer_credit=True, now_ms=clock.now_ms())
+    await q.worker.answer_batch({"gw": reply}, "offer", clock.now_ms(), b"the next batch")
+    assert await q.redis.llen(q.keys.processing("w1")) == 0
+
+
+async def test_an_answer_takes_the_next_batch_in_the_same_step_and_can_be_repeated(
+    q: Faces,
+) -> None:
+    """'next': the credit went out as the backend returned; the answer moves
+    the batch formed meanwhile into processing. Run twice (its reply lost),
+    it gives the same next batch and moves nothing more."""
+    await q.redis.lpush(q.keys.processing("w1"), b"batch A")
+    await q.worker.offer_credit()  # early, as the backend call returned
+    await q.redis.lpush(q.keys.batches, b"batch B", b"batch C")  # B is the oldest
+    reply = wire.Reply([wire.Result("r1", "bA", 1, "w1", 0, 100, output="out")])
+    first = await q.worker.answer_batch({"gw": reply}, "next", clock.now_ms(), b"batch A")
+    again = await q.worker.answer_batch({"gw": reply}, "next", clock.now_ms(), b"batch A")
+    assert first == again == b"batch B"
+    assert await q.redis.lrange(q.keys.processing("w1"), 0, -1) == [b"batch B"]
+    assert await q.redis.lrange(q.keys.batches, 0, -1) == [b"batch C"]
+    assert await q.redis.lrange(q.keys.ready, 0, -1) == [b"w1"]  # left as offered
+    # Nothing waiting: nothing moved, and the processing list is empty.
+    await q.redis.delete(q.keys.batches)
+    last = await q.worker.answer_batch({"gw": reply}, "next", clock.now_ms(), b"batch B")
+    assert last is None
     assert await q.redis.llen(q.keys.processing("w1")) == 0

@@ -197,7 +197,7 @@ async def test_a_finished_batch_is_published_once_redis_returns_however_long_it_
     reply = wire.Reply([wire.Result("r1", "b", 1, "w-pub", 0, 1, output="out")])
     own_redis.kill()
     stop = asyncio.Event()
-    answering = asyncio.create_task(worker._answer({env.gateway: reply}, stop))
+    answering = asyncio.create_task(worker._answer({env.gateway: reply}, stop, b"the batch"))
     # Redis stays away for a while: the worker keeps trying, it does not give up.
     await asyncio.sleep(3.0)  # pacing: the outage lasts this long
     assert not answering.done()

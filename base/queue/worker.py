@@ -3,7 +3,7 @@ processing list, and answer the batch: publish its replies, store its jobs'
 results and its answers for the cache, and ack it, in one transaction."""
 
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 from infergate.base import wire
 from infergate.base.queue.replies import deliver_replies
@@ -21,6 +21,10 @@ class KeptAnswer(NamedTuple):
     ttl_ms: int
 
 
+# What answering a batch does with the worker's credit (ack_batch.lua).
+Credit = Literal["offer", "none", "held", "next"]
+
+
 class WorkerQueue:
     def __init__(self, store: Store, worker_id: str) -> None:
         self.store = store
@@ -29,7 +33,10 @@ class WorkerQueue:
 
     async def offer_credit(self) -> None:
         """Say this worker is idle and can take one batch (idempotent)."""
-        await self.store.scripts.offer_credit(keys=[self.keys.ready], args=[self.worker_id])
+        keys = self.keys
+        await self.store.scripts.offer_credit(
+            keys=[keys.ready, keys.doorbell, *keys.job_queues], args=[self.worker_id]
+        )
 
     async def withdraw_credit(self) -> None:
         """A worker leaving takes its credit back."""
@@ -64,12 +71,15 @@ class WorkerQueue:
     async def answer_batch(
         self,
         replies: Mapping[str, wire.Reply],
-        offer_credit: bool,
+        credit: Credit,
         now_ms: int,
+        batch: bytes,
         keep: Sequence[KeptAnswer] = (),
-    ) -> None:
+    ) -> bytes | None:
         """Publish one reply per gateway and store the jobs' results, then ack
-        the batch (and offer a credit), in one transaction: a job's result is
+        ``batch`` and settle the worker's credit (``ack_batch.lua``: offer
+        it, take it back, or leave it offered and maybe take the next batch
+        into processing, returned here), in one transaction: a job's result is
         stored by the same step that finishes its batch. If the reply to the
         transaction is lost, the batch is run again; gateways ignore the
         duplicate and a job's result is stored again. One round trip."""
@@ -84,8 +94,16 @@ class WorkerQueue:
             queue_on(
                 pipe,
                 self.store.scripts.ack_batch,
-                [keys.processing(self.worker_id), keys.ready, keys.doorbell, *keys.job_queues],
-                [self.worker_id, "1" if offer_credit else "0"],
+                [
+                    keys.processing(self.worker_id),
+                    keys.ready,
+                    keys.doorbell,
+                    keys.batches,
+                    *keys.job_queues,
+                ],
+                [self.worker_id, credit, batch],
             )
 
-        await execute(self.store.redis, self.store.scripts, build)
+        results = await execute(self.store.redis, self.store.scripts, build)
+        following: bytes | None = results[-1]
+        return following

@@ -1,16 +1,35 @@
 -- ack_batch: a worker's batch has been answered (its replies are published,
--- and its jobs' results stored, in the same transaction, just before). Drop
--- it from the worker's processing list and, unless the worker is leaving,
--- offer the worker's credit again; at most one credit per worker is ever on
--- the ready list. With jobs waiting, ring the doorbell: a dispatcher waiting
--- for headroom to run them may have it now.
--- KEYS[1] processing:{worker}  KEYS[2] ready  KEYS[3] doorbell  KEYS[4..] jobs:{tier}
--- ARGV[1] worker id  ARGV[2] '1' to offer a credit, '0' not to
-redis.call('DEL', KEYS[1])
+-- and its jobs' results stored, in the same transaction, just before). Take
+-- it off the worker's processing list, and settle the worker's credit:
+--   'offer': offer it (as offer_credit.lua: at most one credit per worker on
+--            the ready list, and the doorbell rung if jobs wait);
+--   'none':  take it back (the worker is leaving);
+--   'held':  leave it: the worker offered it the moment its backend call
+--            returned, so the next batch could form while this one was
+--            answered;
+--   'next':  as 'held', and move the next batch waiting on `batches` into
+--            processing in the same step (no pull round trip): the worker
+--            runs it next. Repeatable: if the reply to this step is lost and
+--            the worker runs it again, it gets the same next batch back.
+-- A processing list holds one batch at a time: the next is moved in only
+-- once this one is off it.
+-- KEYS[1] processing:{worker}  KEYS[2] ready  KEYS[3] doorbell  KEYS[4] batches
+-- KEYS[5..] jobs:{tier}
+-- ARGV[1] worker id  ARGV[2] the mode  ARGV[3] the batch (as pulled)
+-- Returns the batch now in processing ('next'), or false.
+redis.call('LREM', KEYS[1], 0, ARGV[3])
+local mode = ARGV[2]
+if mode == 'next' then
+  if redis.call('LLEN', KEYS[1]) == 0 then
+    redis.call('LMOVE', KEYS[4], KEYS[1], 'RIGHT', 'LEFT')
+  end
+  return redis.call('LINDEX', KEYS[1], -1)
+end
+if mode == 'held' then return false end
 redis.call('LREM', KEYS[2], 0, ARGV[1])
-if ARGV[2] == '1' then
+if mode == 'offer' then
   redis.call('LPUSH', KEYS[2], ARGV[1])
-  for i = 4, #KEYS do
+  for i = 5, #KEYS do
     if redis.call('LLEN', KEYS[i]) > 0 then
       redis.call('LPUSH', KEYS[3], '1')
       redis.call('LTRIM', KEYS[3], 0, 0)
@@ -18,4 +37,4 @@ if ARGV[2] == '1' then
     end
   end
 end
-return 1
+return false

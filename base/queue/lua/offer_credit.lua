@@ -1,7 +1,16 @@
 -- offer_credit: an idle worker says it can take one batch. Idempotent: the
 -- worker's id is on the ready list exactly once afterwards, never twice.
--- KEYS[1] ready
+-- With jobs waiting, ring the doorbell: a dispatcher waiting for headroom to
+-- run them may have it now.
+-- KEYS[1] ready  KEYS[2] doorbell  KEYS[3..] jobs:{tier}
 -- ARGV[1] worker id
 redis.call('LREM', KEYS[1], 0, ARGV[1])
 redis.call('LPUSH', KEYS[1], ARGV[1])
+for i = 3, #KEYS do
+  if redis.call('LLEN', KEYS[i]) > 0 then
+    redis.call('LPUSH', KEYS[2], '1')
+    redis.call('LTRIM', KEYS[2], 0, 0)
+    break
+  end
+end
 return 1
