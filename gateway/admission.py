@@ -79,9 +79,17 @@ class Admission:
         return wait * 1000.0
 
     def admitted(self, tier: str) -> None:
-        """Count a request this gateway let in since the last view."""
+        """Count a request let in since the last view: at the decision, before
+        its round trip to Redis, so that every request of a burst decided in
+        one go counts the ones decided before it."""
         self._ahead(tier)  # a new view resets the counts first
         self._admitted_since[tier] += 1
+
+    def released(self, tier: str) -> None:
+        """A request counted by ``admitted`` was not queued after all (its
+        quota refused it, or Redis failed)."""
+        self._ahead(tier)
+        self._admitted_since[tier] = max(0, self._admitted_since[tier] - 1)
 
     def decide(self, policy: Policy, tier: str) -> Decision:
         """Would a request of ``tier`` fit its budget now? (Counts nothing.)"""

@@ -446,6 +446,7 @@ class Gateway:
                 f"queued ahead, over its {budget_ms} ms budget",
                 decision.retry_after_ms,
             )
+        self.admission.admitted(tier_name)
 
     async def _admit(self, request: "Request", envelope: wire.Envelope | None = None) -> None:
         """Charge the request's quota, once, and queue its envelope (when it
@@ -456,10 +457,13 @@ class Gateway:
             return
         key, queue_on = request.key, None if envelope is None else envelope.tier
         data = b"" if envelope is None else wire.encode(envelope)
-        request.quota_headers = await self.charge_quota(
-            key, request.tier, len(request.text), queue_on, data
-        )
-        self.admission.admitted(key.tier)
+        try:
+            request.quota_headers = await self.charge_quota(
+                key, request.tier, len(request.text), queue_on, data
+            )
+        except ApiError:
+            self.admission.released(key.tier)  # counted when it was let in
+            raise
         self.admitted += 1
 
     async def charge_quota(
