@@ -1,8 +1,8 @@
 """The dispatcher: forms a batch only when a worker can take it.
 
-Loop: hold an idle worker's credit, ``take`` up to ``max_batch_size``
-envelopes in priority order (waiting on the doorbell while the queues are
-empty), then ``handoff`` them as one batch. Forming batches at the last
+Loop: hold an idle worker's credit, then ``take``: up to ``max_batch_size``
+envelopes in priority order, handed off as one batch in the same step
+(waiting on the doorbell while the queues are empty). Forming batches at the last
 moment means a free-tier batch is never frozen ahead of an enterprise
 request that arrives a millisecond later.
 
@@ -14,13 +14,15 @@ then all busy together, and the next arrivals wait most of a batch time
 workers start evenly staggered and a request waits at most about one
 interval. A full batch is never held back.
 
-Every step is safe to interrupt: what a dispatcher holds (credits, taken
-envelopes) is in Redis under its id, and ``requeue`` returns it on stop, or
+Every step is safe to interrupt: a dispatcher holds nothing but the credit
+it waits with (envelopes go from their queues into a batch in one step),
+that credit is in Redis under its id, and ``requeue`` returns it on stop, or
 the reaper does if the dispatcher dies.
 """
 
 import asyncio
 import os
+import time
 from dataclasses import dataclass
 
 import msgspec
@@ -35,7 +37,7 @@ from infergate.base.metrics import (
     watch_policy_and_redis,
 )
 from infergate.base.probes import Probes
-from infergate.base.queue.dispatcher import DispatcherQueue
+from infergate.base.queue.dispatcher import DispatcherQueue, TakeResult
 from infergate.base.queue.policy_copy import keep_policy
 from infergate.base.queue.recovery import RecoveryQueue
 from infergate.base.queue.store import Store
@@ -181,17 +183,24 @@ class Dispatcher:
         """Holding ``credit``, wait for work and hand off one batch."""
         while True:
             rule = self.rule
+            batch_id = os.urandom(6).hex()
+            started_ns = time.time_ns()
             taken = await self.queue.take(
                 credit,
+                batch_id,
                 rule.max_batch_size,
                 clock.now_ms(),
                 rule.min_slots,
                 self.pacing_interval_ms(rule),
                 rule.jobs_headroom,
+                with_envelopes=tracing.enabled,
             )
             if taken.worker_gone:
                 await self.queue.drop_credit(credit)
                 log.info("credit.worker_gone", credit=credit)
+                return
+            if taken.credit_lost:
+                log.warning("credit.taken_back", credit=credit)
                 return
             if taken.wait_ms > 0:
                 await asyncio.sleep(taken.wait_ms / 1000.0)
@@ -206,36 +215,27 @@ class Dispatcher:
                     cancelled=taken.cancelled,
                     malformed=taken.malformed,
                 )
-            if taken.envelopes:
-                await self.hand_off(
-                    credit, taken.envelopes, paced=taken.jobs < len(taken.envelopes)
-                )
+            if taken.size > 0:
+                self._formed(credit, batch_id, taken, started_ns)
                 return
             await self.queue.wait_doorbell(self.settings.block_timeout_s)
 
-    async def hand_off(self, credit: str, envelopes: list[bytes], paced: bool = True) -> None:
-        batch_id = os.urandom(6).hex()
-        now_ms = clock.now_ms()
-        batch = wire.encode_batch(batch_id, self.id, now_ms, envelopes)
-        if tracing.enabled:
-            # The batch-forming step as a span, linked to every request it carries.
-            traces = [_trace_of(e) for e in envelopes]
-            with _tracer.start_as_current_span(
-                "dispatcher.batch", links=tracing.links(traces)
-            ) as span:
-                span.set_attribute("infergate.batch_id", batch_id)
-                span.set_attribute("infergate.batch_size", len(envelopes))
-                span.set_attribute("infergate.credit", credit)
-                handed = await self.queue.handoff(credit, batch, len(envelopes), now_ms, paced)
-        else:
-            handed = await self.queue.handoff(credit, batch, len(envelopes), now_ms, paced)
-        if not handed:
-            log.warning("batch.taken_back", batch_id=batch_id, size=len(envelopes))
-            return
+    def _formed(self, credit: str, batch_id: str, taken: TakeResult, started_ns: int) -> None:
         self.batches_formed += 1
         self.metrics.batches_formed.inc()
-        self.metrics.requests_batched.inc(len(envelopes))
-        log.debug("batch.formed", batch_id=batch_id, size=len(envelopes), credit=credit)
+        self.metrics.requests_batched.inc(taken.size)
+        log.debug("batch.formed", batch_id=batch_id, size=taken.size, credit=credit)
+        if tracing.enabled:
+            # The batch-forming step as a span, linked to every request it carries.
+            span = _tracer.start_span(
+                "dispatcher.batch",
+                links=tracing.links([_trace_of(e) for e in taken.envelopes]),
+                start_time=started_ns,
+            )
+            span.set_attribute("infergate.batch_id", batch_id)
+            span.set_attribute("infergate.batch_size", taken.size)
+            span.set_attribute("infergate.credit", credit)
+            span.end()
 
     async def _register(self) -> None:
         """Anything left by an earlier life under this id goes back first."""

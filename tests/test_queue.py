@@ -3,13 +3,14 @@ layer, against a real Redis."""
 
 import asyncio
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import pytest
 from infergate.base import clock, wire
 from infergate.base.errors import STORE_ERRORS
 from infergate.base.queue.dead_letters import DEAD_LETTER_CAP
-from infergate.base.queue.dispatcher import DispatcherQueue
+from infergate.base.queue.dispatcher import DispatcherQueue, TakeResult
 from infergate.base.queue.gateway import Counter, GatewayQueue
 from infergate.base.queue.recovery import RecoveryQueue
 from infergate.base.queue.store import Store
@@ -65,12 +66,29 @@ def ids(envelopes: list[bytes]) -> list[str]:
     return [wire.decode_envelope(e).id for e in envelopes]
 
 
+async def take(
+    q: Faces, n: int, slots: list[int] | None = None, dispatcher: str = "d1", **kw: Any
+) -> TakeResult:
+    """A batch formed by ``dispatcher`` with a credit of w1 it holds."""
+    await q.redis.rpush(q.keys.credits(dispatcher), "w1")
+    now = kw.pop("now", clock.now_ms())
+    return await q.dispatcher_as(dispatcher).take(
+        "w1", "b1", n, now, slots or [0, 0, 0], with_envelopes=True, **kw
+    )
+
+
 async def test_take_is_priority_ordered_and_fifo_within_a_tier(q: Faces) -> None:
     for i, tier in enumerate(["free", "paid", "free", "enterprise", "paid", "enterprise"]):
         await q.gateway.enqueue(tier, env(i, tier))
-    taken = await q.dispatcher.take("w1", 5, clock.now_ms(), [0, 0, 0])
+    taken = await take(q, 5)
     assert ids(taken.envelopes) == ["r3", "r5", "r1", "r4", "r0"]
-    assert await q.redis.llen(q.keys.inflight("d1")) == 5
+    # Handed off in the same step, as one batch, with the credit spent.
+    (data,) = await q.redis.lrange(q.keys.batches, 0, -1)
+    batch, unreadable = wire.decode_batch(data)
+    assert (batch.id, batch.dispatcher, unreadable) == ("b1", "d1", 0)
+    assert [e.id for e in batch.envelopes] == ["r3", "r5", "r1", "r4", "r0"]
+    assert await q.redis.llen(q.keys.credits("d1")) == 0
+    assert (await q.stats())["requests_batched"] == 5
     assert await q.redis.llen(q.keys.queue("free")) == 1
     # Work was left behind: the doorbell rang again for another dispatcher.
     assert await q.redis.llen(q.keys.doorbell) == 1
@@ -81,7 +99,7 @@ async def test_min_share_is_served_before_strict_priority(q: Faces) -> None:
         await q.gateway.enqueue("enterprise", env(i, "enterprise"))
     for i in range(10, 15):
         await q.gateway.enqueue("free", env(i, "free"))
-    taken = await q.dispatcher.take("w1", 10, clock.now_ms(), [0, 0, 2])
+    taken = await take(q, 10, [0, 0, 2])
     assert ids(taken.envelopes) == ["r10", "r11", *[f"r{i}" for i in range(8)]]
 
 
@@ -90,7 +108,7 @@ async def test_expired_and_cancelled_never_leave_the_queue_for_a_worker(q: Faces
     await q.gateway.enqueue("free", env(2, "free"))
     await q.gateway.enqueue("free", env(3, "free"))
     await q.gateway.cancel("r2", clock.now_ms() + 60_000)
-    taken = await q.dispatcher.take("w1", 10, clock.now_ms(), [0, 0, 0])
+    taken = await take(q, 10)
     assert ids(taken.envelopes) == ["r3"]
     assert (taken.expired, taken.cancelled) == (1, 1)
     stats = await q.stats()
@@ -102,10 +120,9 @@ async def test_handoff_and_worker_round_trip(q: Faces) -> None:
     await q.worker.offer_credit()
     assert await q.dispatcher.wait_credit(1) == "w1"
     await q.gateway.enqueue("paid", env(1, "paid"))
-    taken = await q.dispatcher.take("w1", 100, clock.now_ms(), [0, 0, 0])
-    batch = wire.encode_batch("b1", "d1", clock.now_ms(), taken.envelopes)
-    await q.dispatcher.handoff("w1", batch, 1, clock.now_ms())
-    assert await q.redis.llen(q.keys.inflight("d1")) == 0
+    taken = await q.dispatcher.take("w1", "b1", 100, clock.now_ms(), [0, 0, 0])
+    assert taken.size == 1
+    assert taken.envelopes == []  # not asked for
     assert await q.redis.llen(q.keys.credits("d1")) == 0
     data = await q.worker.pull_batch(1)
     assert data is not None
@@ -130,16 +147,20 @@ async def test_handoff_and_worker_round_trip(q: Faces) -> None:
     await pubsub.aclose()
 
 
-async def test_requeue_returns_inflight_to_the_front_in_order(q: Faces) -> None:
+async def test_requeue_returns_credits_and_an_older_dispatchers_inflight_in_order(
+    q: Faces,
+) -> None:
     for i in range(4):
         await q.gateway.enqueue("free", env(i, "free"))
     await q.worker.offer_credit()
     await q.dispatcher.wait_credit(1)
-    await q.dispatcher.take("w1", 3, clock.now_ms(), [0, 0, 0])
+    # What a dispatcher of an earlier version left in its inflight list.
+    for _ in range(3):
+        await q.redis.rpush(q.keys.inflight("d1"), await q.redis.rpop(q.keys.queue("free")))
     await q.gateway.enqueue("free", env(9, "free"))
     assert await q.dispatcher.requeue_own() == (3, 1)
     assert await q.redis.lrange(q.keys.ready, 0, -1) == [b"w1"]
-    taken = await q.dispatcher_as("d2").take("w1", 10, clock.now_ms(), [0, 0, 0])
+    taken = await take(q, 10, dispatcher="d2")
     assert ids(taken.envelopes) == ["r0", "r1", "r2", "r3", "r9"]
 
 
@@ -147,23 +168,23 @@ async def test_pacing_holds_a_partial_batch_but_never_a_full_one(q: Faces) -> No
     now = clock.now_ms()
     await q.redis.set(q.keys.last_dispatch, now)
     await q.gateway.enqueue("free", env(1, "free"))
-    held = await q.dispatcher.take("w1", 3, now + 5, [0, 0, 0], min_interval_ms=25)
+    held = await take(q, 3, now=now + 5, min_interval_ms=25)
     assert held.envelopes == []
+    assert held.size == 0
     assert 0 < held.wait_ms <= 20
     for i in range(2, 4):
         await q.gateway.enqueue("free", env(i, "free"))
-    full = await q.dispatcher.take("w1", 3, now + 5, [0, 0, 0], min_interval_ms=25)
+    full = await take(q, 3, now=now + 5, min_interval_ms=25)
     assert ids(full.envelopes) == ["r1", "r2", "r3"]
 
 
 async def test_concurrent_takes_never_share_an_envelope(q: Faces) -> None:
     for i in range(300):
         await q.gateway.enqueue(TIERS[i % 3], env(i, TIERS[i % 3]))
-    results = await asyncio.gather(
-        *(q.dispatcher_as(f"d{j}").take("w1", 40, clock.now_ms(), [0, 0, 0]) for j in range(10))
-    )
+    results = await asyncio.gather(*(take(q, 40, dispatcher=f"d{j}") for j in range(10)))
     all_ids = [i for r in results for i in ids(r.envelopes)]
     assert len(all_ids) == len(set(all_ids)) == 300
+    assert await q.redis.llen(q.keys.batches) == 8  # 300 in batches of 40
 
 
 def test_envelope_wire_format_round_trips() -> None:
@@ -178,16 +199,16 @@ async def test_malformed_envelopes_are_dropped_by_take_and_survive_requeue(q: Fa
     for raw in junk:
         await q.redis.lpush(q.keys.queue("paid"), raw)
     await q.gateway.enqueue("paid", env(1, "paid"))
-    taken = await q.dispatcher.take("w1", 10, clock.now_ms(), [0, 0, 0])
+    taken = await take(q, 10)
     assert ids(taken.envelopes) == ["r1"]
     assert taken.malformed == len(junk)
     assert (await q.stats())["malformed_dropped"] == len(junk)
-    # requeue puts an unreadable inflight envelope back (on the last queue)
-    # instead of failing the whole script, and take then drops it.
+    # requeue puts an unreadable inflight envelope (an earlier version's) back
+    # (on the last queue) instead of failing the whole script, and take drops it.
     await q.redis.rpush(q.keys.inflight("d1"), b"\xff garbage")
-    assert await q.dispatcher.requeue_own() == (2, 0)
-    again = await q.dispatcher.take("w1", 10, clock.now_ms(), [0, 0, 0])
-    assert ids(again.envelopes) == ["r1"]
+    assert await q.dispatcher.requeue_own() == (1, 0)
+    again = await take(q, 10)
+    assert again.envelopes == []
     assert again.malformed == 1
 
 
@@ -212,23 +233,24 @@ async def _batch_in_processing(q: Faces, attempt: int = 0) -> bytes:
     assert await q.dispatcher.wait_credit(1) == "w1"
     for i in range(3):
         await q.gateway.enqueue("free", env(i, "free"))
-    taken = await q.dispatcher.take("w1", 10, clock.now_ms(), [0, 0, 0])
-    batch = wire.encode_batch("b1", "d1", clock.now_ms(), taken.envelopes, attempt=attempt)
-    assert await q.dispatcher.handoff("w1", batch, 3, clock.now_ms())
+    taken = await q.dispatcher.take("w1", "b1", 10, clock.now_ms(), [0, 0, 0])
+    assert taken.size == 3
     data = await q.worker.pull_batch(1)
     assert data is not None
     return data
 
 
-async def test_a_stalled_dispatcher_cannot_hand_off_what_the_reaper_took_back(q: Faces) -> None:
+async def test_a_stalled_dispatcher_forms_nothing_with_a_credit_the_reaper_took_back(
+    q: Faces,
+) -> None:
     await q.worker.offer_credit()
     assert await q.dispatcher.wait_credit(1) == "w1"
     await q.gateway.enqueue("paid", env(1, "paid"))
-    taken = await q.dispatcher.take("w1", 10, clock.now_ms(), [0, 0, 0])
-    # The dispatcher stalls past its heartbeat: the reaper returns what it held.
-    assert await q.recovery.requeue_dispatcher("d1") == (1, 1)
-    batch = wire.encode_batch("b1", "d1", clock.now_ms(), taken.envelopes)
-    assert not await q.dispatcher.handoff("w1", batch, 1, clock.now_ms())
+    # The dispatcher stalls past its heartbeat: the reaper returns its credit.
+    assert await q.recovery.requeue_dispatcher("d1") == (0, 1)
+    taken = await q.dispatcher.take("w1", "b1", 10, clock.now_ms(), [0, 0, 0])
+    assert taken.credit_lost
+    assert taken.size == 0
     assert await q.redis.llen(q.keys.batches) == 0  # nothing runs twice
     assert await q.redis.llen(q.keys.queue("paid")) == 1
     assert await q.redis.lrange(q.keys.ready, 0, -1) == [b"w1"]
@@ -293,7 +315,8 @@ def test_a_batch_with_an_unreadable_envelope_keeps_the_readable_ones() -> None:
 
 async def test_take_refuses_for_a_credit_whose_worker_has_gone(q: Faces) -> None:
     await q.gateway.enqueue("paid", env(1, "paid"))
-    taken = await q.dispatcher.take("w-gone", 10, clock.now_ms(), [0, 0, 0])
+    await q.redis.rpush(q.keys.credits("d1"), "w-gone")
+    taken = await q.dispatcher.take("w-gone", "b1", 10, clock.now_ms(), [0, 0, 0])
     assert taken.worker_gone
     assert taken.envelopes == []
     assert await q.redis.llen(q.keys.queue("paid")) == 1
@@ -310,23 +333,29 @@ async def test_jobs_come_after_synchronous_work_and_alone_only_with_headroom(q: 
     assert not await q.gateway.enqueue_job(job(9, "free"), max_queued=2, result_ttl_ms=60_000)
     await q.gateway.enqueue("free", env(1, "free"))
     # Synchronous work first, then jobs (by tier) in the slots it leaves.
-    mixed = await q.dispatcher.take("w1", 10, now, [0, 0, 0], jobs_headroom=1)
+    mixed = await take(q, 10, now=now, jobs_headroom=1)
     assert ids(mixed.envelopes) == ["r1", "j1", "j0"]
     assert mixed.jobs == 2
     assert (await q.gateway.job("j1"))["status"] == "running"
     assert await q.redis.hget(q.keys.jobs_queued, "k") is None  # both left their queue
     # A batch of jobs alone: only with another worker idle (or after a quiet spell).
-    await q.redis.delete(q.keys.inflight("d1"))
     await q.gateway.enqueue_job(job(3, "paid"), max_queued=10, result_ttl_ms=60_000)
     await q.redis.set(q.keys.last_dispatch, now)
-    alone = await q.dispatcher.take("w1", 10, now, [0, 0, 0], jobs_headroom=1)
+    alone = await take(q, 10, now=now, jobs_headroom=1)
     assert alone.envelopes == []
     await q.redis.lpush(q.keys.ready, "w2")
-    alone = await q.dispatcher.take("w1", 10, now, [0, 0, 0], jobs_headroom=1)
+    alone = await take(q, 10, now=now, jobs_headroom=1)
     assert ids(alone.envelopes) == ["j3"]
-    # A dispatcher that dies with a job in hand gives it back, queued again.
+    # A batch of jobs only does not count for pacing.
+    assert await q.redis.get(q.keys.last_dispatch) == str(now).encode()
+    assert (await q.gateway.job("j3"))["status"] == "running"
+    # A dispatcher of an earlier version that died with a job in its inflight
+    # list gives it back, queued again.
+    raw = wire.encode(job(4, "paid"))
+    await q.redis.hset(q.keys.job("j4"), mapping={"status": "running", "key_id": "k"})
+    await q.redis.rpush(q.keys.inflight("d1"), raw)
     await q.dispatcher.requeue_own()
-    assert (await q.gateway.job("j3"))["status"] == "queued"
+    assert (await q.gateway.job("j4"))["status"] == "queued"
     assert await q.redis.llen(q.keys.job_queue("paid")) == 1
     assert await q.redis.hget(q.keys.jobs_queued, "k") == b"1"
 

@@ -1,6 +1,6 @@
-"""What a dispatcher may do in Redis: hold an idle worker's credit, take
-envelopes into its inflight list, hand them off as one batch, and return
-what it holds when it stops."""
+"""What a dispatcher may do in Redis: hold an idle worker's credit, form a
+batch with it and hand it off (one step), and return what it holds when it
+stops."""
 
 from collections.abc import Sequence
 from typing import Any
@@ -11,16 +11,20 @@ from infergate.base.tiers import TIERS
 
 
 class TakeResult(msgspec.Struct, frozen=True):
+    # The batch handed off: its size, and its envelopes when asked for.
+    size: int
     envelopes: list[bytes]
     expired: int
     cancelled: int
     malformed: int
     # > 0: pacing says come back after this many ms (nothing was taken).
     wait_ms: int = 0
-    # How many of the envelopes are jobs (a batch of jobs only is not paced).
+    # How many of the envelopes are jobs.
     jobs: int = 0
     # The credit's worker has gone (stopped, or died) while the credit was held.
     worker_gone: bool = False
+    # The credit is no longer this dispatcher's (the reaper took it back).
+    credit_lost: bool = False
 
 
 # A fleet with no synchronous batch for this long runs jobs without headroom.
@@ -28,8 +32,10 @@ JOBS_QUIET_MS = 2_000
 
 
 async def requeue(store: Store, dispatcher_id: str) -> tuple[int, int]:
-    """Return a dispatcher's inflight envelopes to the front of their queues
-    and its held credits to ``ready`` (its own stop, or the reaper's)."""
+    """Return a dispatcher's held credits to ``ready`` (its own stop, or the
+    reaper's), and any envelopes in its inflight list to the front of their
+    queues: ``take`` no longer puts any there, but a dispatcher of an earlier
+    version may have, before an upgrade."""
     keys = store.keys
     envs, credits = await store.scripts.requeue(
         keys=[
@@ -64,19 +70,23 @@ class DispatcherQueue:
     async def take(
         self,
         credit: str,
+        batch_id: str,
         n: int,
         now_ms: int,
         min_slots: Sequence[int],
         min_interval_ms: int = 0,
         jobs_headroom: int = -1,
+        with_envelopes: bool = False,
     ) -> TakeResult:
-        """Up to ``n`` envelopes for the worker of ``credit``, synchronous ones
-        first; jobs after them, and alone only with ``jobs_headroom`` other
-        workers idle (-1: no jobs). Nothing if that worker has gone."""
+        """Form a batch of up to ``n`` envelopes for the worker of ``credit``
+        and hand it off with the credit, in one step (``take.lua``):
+        synchronous requests first; jobs after them, and alone only with
+        ``jobs_headroom`` other workers idle (-1: no jobs). Nothing if that
+        worker has gone or the credit is no longer held here."""
         keys = self.keys
         raw: Any = await self.store.scripts.take(
             keys=[
-                keys.inflight(self.dispatcher_id),
+                keys.credits(self.dispatcher_id),
                 keys.stats,
                 keys.doorbell,
                 keys.cancelled,
@@ -84,6 +94,7 @@ class DispatcherQueue:
                 keys.ready,
                 keys.jobs_queued,
                 keys.heartbeat("worker", credit),
+                keys.batches,
                 *keys.queues,
                 *keys.job_queues,
             ],
@@ -94,11 +105,16 @@ class DispatcherQueue:
                 jobs_headroom,
                 keys.job_prefix,
                 JOBS_QUIET_MS,
+                credit,
+                batch_id,
+                self.dispatcher_id,
+                "1" if with_envelopes else "0",
                 *min_slots,
             ],
         )
-        envelopes, expired, cancelled, malformed, wait_ms, jobs, gone = raw
+        envelopes, expired, cancelled, malformed, wait_ms, jobs, gone, size, lost = raw
         return TakeResult(
+            int(size),
             list(envelopes),
             int(expired),
             int(cancelled),
@@ -106,6 +122,7 @@ class DispatcherQueue:
             int(wait_ms),
             int(jobs),
             bool(gone),
+            bool(lost),
         )
 
     async def drop_credit(self, credit: str) -> None:
@@ -114,24 +131,6 @@ class DispatcherQueue:
 
     async def wait_doorbell(self, timeout_s: float) -> bool:
         return await self.store.redis.blpop([self.keys.doorbell], timeout_s) is not None
-
-    async def handoff(
-        self, credit: str, batch: bytes, size: int, now_ms: int, paced: bool = True
-    ) -> bool:
-        """True if handed off; False if what this dispatcher held was taken back
-        (by the reaper, while it stalled): then nothing changed. ``paced``: the
-        hand-off counts for pacing (a batch of jobs only does not)."""
-        handed = await self.store.scripts.handoff(
-            keys=[
-                self.keys.inflight(self.dispatcher_id),
-                self.keys.batches,
-                self.keys.credits(self.dispatcher_id),
-                self.keys.stats,
-                self.keys.last_dispatch,
-            ],
-            args=[batch, credit, size, now_ms, "1" if paced else "0"],
-        )
-        return bool(handed)
 
     async def requeue_own(self) -> tuple[int, int]:
         return await requeue(self.store, self.dispatcher_id)

@@ -27,7 +27,6 @@ class Scripts:
         self.admit = load("admit")
         self.fleet = load("fleet")
         self.take = load("take")
-        self.handoff = load("handoff")
         self.offer_credit = load("offer_credit")
         self.ack_batch = load("ack_batch")
         self.ensure_credit = load("ensure_credit")

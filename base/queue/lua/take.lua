@@ -1,11 +1,14 @@
--- take: move up to n live envelopes from the tier queues into this
--- dispatcher's inflight list, in one step, oldest first within a tier.
--- Each tier first gets its minimum share of the batch (if it has work), then
--- the rest is filled in strict priority order (KEYS order). Envelopes past
--- their deadline, cancelled, or unreadable (not JSON, or without a numeric
--- deadline_ms and string id, gateway and input) are dropped here and counted: they
--- never reach a worker. If work is left behind, the doorbell rings again so
--- another dispatcher holding a credit wakes for it.
+-- take: form a batch for the worker whose credit this dispatcher holds, and
+-- hand it off, in one step: up to n live envelopes out of the tier queues,
+-- oldest first within a tier, as one batch on the batches list, paid for by
+-- the credit. Nothing sits between the queues and the batch, so nothing is
+-- held by a dispatcher that dies. Each tier first gets its minimum share of
+-- the batch (if it has work), then the rest is filled in strict priority
+-- order (KEYS order). Envelopes past their deadline, cancelled, or
+-- unreadable (not JSON, or without a numeric deadline_ms and string id,
+-- gateway and input) are dropped here and counted: they never reach a
+-- worker. If work is left behind, the doorbell rings again so another
+-- dispatcher holding a credit wakes for it.
 -- Jobs (asynchronous) come after every synchronous request, by tier among
 -- themselves: they fill the slots synchronous work leaves in a batch, and
 -- make a batch of their own only while at least `headroom` other workers
@@ -19,22 +22,29 @@
 -- are handed off no closer together than min_interval_ms (the batch time
 -- divided by the number of workers), fleet-wide. Workers then start evenly
 -- staggered instead of all at once, so a request waits at most about one
--- interval for a worker.
--- KEYS[1] inflight:{dispatcher}  KEYS[2] stats  KEYS[3] doorbell
+-- interval for a worker. A batch of jobs only does not count for pacing.
+-- KEYS[1] credits:{dispatcher}  KEYS[2] stats  KEYS[3] doorbell
 -- KEYS[4] cancelled (zset: request id -> expiry epoch ms)  KEYS[5] last-dispatch
 -- KEYS[6] ready  KEYS[7] jobs-queued (hash: key id -> jobs queued)
 -- KEYS[8] the heartbeat of the worker whose credit this dispatcher holds
--- KEYS[9..8+T] queue:{tier}, highest priority first; KEYS[9+T..8+2T] jobs:{tier}
--- If that worker's heartbeat is gone (it stopped or died while its credit
--- was held), nothing is taken: a batch for it would wait for another worker.
+-- KEYS[9] batches
+-- KEYS[10..9+T] queue:{tier}, highest priority first; KEYS[10+T..9+2T] jobs:{tier}
+-- Nothing is taken if the credit is no longer this dispatcher's (it stalled
+-- past its heartbeat and the reaper returned the credit: a batch now would
+-- run beside the one another dispatcher forms with it), or if its worker's
+-- heartbeat is gone (it stopped or died while its credit was held: a batch
+-- for it would wait for another worker).
 -- ARGV[1] n   ARGV[2] now (epoch ms)   ARGV[3] min_interval_ms
 -- ARGV[4] headroom (idle workers a jobs-only batch must leave; -1: take no job)
 -- ARGV[5] the job record key prefix   ARGV[6] quiet_ms
--- ARGV[7..6+T] minimum slots per tier
--- Returns {envelopes, expired, cancelled, malformed, wait_ms, jobs taken,
--- worker gone}: wait_ms > 0 means nothing was taken: come back after that
--- long; worker gone = 1: drop the credit.
-local inflight, stats, doorbell, cancelled_set = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+-- ARGV[7] the credit (worker id)  ARGV[8] the batch id  ARGV[9] the dispatcher id
+-- ARGV[10] '1' to return the batch's envelopes (for tracing), '0' not to
+-- ARGV[11..10+T] minimum slots per tier
+-- Returns {envelopes (if asked), expired, cancelled, malformed, wait_ms,
+-- jobs taken, worker gone, batch size, credit lost}: wait_ms > 0 means
+-- nothing was taken: come back after that long; worker gone = 1: drop the
+-- credit; credit lost = 1: it is not this dispatcher's any more.
+local credits, stats, doorbell, cancelled_set = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local ready, jobs_queued = KEYS[6], KEYS[7]
 local n = tonumber(ARGV[1])
 local now = tonumber(ARGV[2])
@@ -42,8 +52,10 @@ local min_interval = tonumber(ARGV[3])
 local headroom = tonumber(ARGV[4])
 local job_prefix = ARGV[5]
 local quiet_ms = tonumber(ARGV[6])
-local first_queue = 9
-if redis.call('EXISTS', KEYS[8]) == 0 then return {{}, 0, 0, 0, 0, 0, 1} end
+local credit = ARGV[7]
+local first_queue = 10
+if redis.call('LPOS', credits, credit) == false then return {{}, 0, 0, 0, 0, 0, 0, 0, 1} end
+if redis.call('EXISTS', KEYS[8]) == 0 then return {{}, 0, 0, 0, 0, 0, 1, 0, 0} end
 local ntiers = (#KEYS - first_queue + 1) / 2
 local first_job_queue = first_queue + ntiers
 local taken, expired, cancelled, malformed, jobs_taken = {}, 0, 0, 0, 0
@@ -54,7 +66,7 @@ if min_interval > 0 then
   if wait > 0 then
     local queued = 0
     for i = 1, ntiers do queued = queued + redis.call('LLEN', KEYS[first_queue + i - 1]) end
-    if queued > 0 and queued < n then return {taken, 0, 0, 0, wait, 0, 0} end
+    if queued > 0 and queued < n then return {taken, 0, 0, 0, wait, 0, 0, 0, 0} end
   end
 end
 local check_cancelled = redis.call('ZCARD', cancelled_set) > 0
@@ -89,7 +101,6 @@ local function pop_from(queue, limit)
       cancelled = cancelled + 1
       redis.call('ZREM', cancelled_set, env.id)
     else
-      redis.call('RPUSH', inflight, raw)
       taken[#taken + 1] = raw
       got = got + 1
       if env.job == true then
@@ -101,7 +112,7 @@ local function pop_from(queue, limit)
 end
 
 for i = 1, ntiers do
-  local share = tonumber(ARGV[6 + i]) or 0
+  local share = tonumber(ARGV[10 + i]) or 0
   if share > 0 then pop_from(KEYS[first_queue + i - 1], share) end
 end
 for i = 1, ntiers do
@@ -126,4 +137,16 @@ if #taken >= n then
     end
   end
 end
-return {taken, expired, cancelled, malformed, 0, jobs_taken, 0}
+if #taken > 0 then
+  -- The batch as wire.encode_batch writes it, the envelopes' bytes unchanged.
+  local batch = '{"id":' .. cjson.encode(ARGV[8]) .. ',"dispatcher":' .. cjson.encode(ARGV[9])
+    .. ',"formed_ms":' .. ARGV[2] .. ',"envelopes":[' .. table.concat(taken, ',') .. '],"attempt":0}'
+  redis.call('LPUSH', KEYS[9], batch)
+  redis.call('LREM', credits, 1, credit)
+  redis.call('HINCRBY', stats, 'batches_formed', 1)
+  redis.call('HINCRBY', stats, 'requests_batched', #taken)
+  if jobs_taken < #taken then redis.call('SET', KEYS[5], ARGV[2], 'PX', 60000) end
+end
+local size = #taken
+if ARGV[10] ~= '1' then taken = {} end
+return {taken, expired, cancelled, malformed, 0, jobs_taken, 0, size, 0}
