@@ -166,7 +166,11 @@ async def serve_inference(
         log.exception("request.unexpected_error", request_id=request_id, error=type(exc).__name__)
         error = ApiError("INTERNAL", "internal error")
         status, payload, headers = error.status, msgspec.json.encode(error.body(request_id)), {}
-    head = [_JSON, (b"content-length", str(len(payload)).encode())]
+    head = [
+        _JSON,
+        (b"content-length", str(len(payload)).encode()),
+        (b"x-request-id", request_id.encode()),
+    ]
     head += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
     await send({"type": "http.response.start", "status": status, "headers": head})
     await send({"type": "http.response.body", "body": payload})

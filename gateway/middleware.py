@@ -43,7 +43,8 @@ class ClientLeft(Exception):
     """The client disconnected before its body arrived."""
 
 
-# A route served without the app: (scope, body, receive, send).
+# A route served without the app: (scope, body, receive, send); it sends every
+# header itself, x-request-id (the scope's REQUEST_ID) included.
 Direct = Callable[[Scope, bytes, Receive, Send], Awaitable[None]]
 
 
@@ -84,8 +85,8 @@ class RequestIdAndLimits:
         except ClientLeft:
             return
         direct = self.direct.get((scope["method"], scope["path"]))
-        if direct is not None:  # the body is read: what receive brings next is the disconnect
-            await direct(scope, body, receive, send_with_id)
+        if direct is not None:  # it sends the x-request-id header itself
+            await direct(scope, body, receive, send)
             return
         await self.app(scope, _replay(body, receive), send_with_id)
 

@@ -59,10 +59,7 @@ class Quota:
     def charges(self, key: KeyEntry, tier: Tier, input_chars: int) -> list[Charge]:
         rates = key.rate_limits if key.rate_limits is not None else tier.rate_limits
         windows = self._windows(key.id, tuple(rates), tier.cost_limit)
-        return [
-            w if w.kind == "requests" else w._replace(counter=w.counter._replace(cost=input_chars))
-            for w in windows
-        ]
+        return [w if w.kind == "requests" else _costing(w, input_chars) for w in windows]
 
     @lru_cache(maxsize=4096)  # noqa: B019 (one Quota per process, for its life)
     def _windows(self, key_id: str, rates: tuple[str, ...], cost_limit: str | None) -> list[Charge]:
@@ -99,6 +96,13 @@ class Quota:
         over its key's queued bound): a charge of minus the cost."""
         counters = [c.counter for c in self.charges(key, tier, input_chars)]
         await self.queue.admit([c._replace(cost=-c.cost) for c in counters])
+
+
+def _costing(charge: Charge, cost: int) -> Charge:
+    """A cost limit's charge for this request's cost (built directly: a
+    namedtuple's ``_replace`` costs more than the rest of the charge)."""
+    key, _, amount, window_s = charge.counter
+    return Charge(charge.item, Counter(key, cost, amount, window_s), charge.kind, charge.what)
 
 
 def _result(charges: list[Charge], admitted: Admitted) -> QuotaResult:
