@@ -5,8 +5,9 @@ At most one runs at a time, fleet-wide, under a Redis lock with a TTL
 may hold it. For each registered process whose heartbeat key is gone (or
 unreadable):
 
-- a dispatcher: its inflight envelopes go back to the FRONT of their tier
-  queues and the credits it held go back to ``ready``;
+- a dispatcher: the credits it held go back to ``ready`` (it holds no
+  envelopes: a batch is formed and handed off in one step; an inflight list
+  left by an earlier version goes back to the FRONT of its tier queues);
 - a worker: its credits are withdrawn, and the batch in its processing list
   goes back to ``batches`` with ``attempt + 1`` or, once the attempts reach
   the policy's ``workers.max_attempts``, to the capped dead-letter list, with

@@ -1,7 +1,7 @@
 """The throughput table: one stack, open-loop load at several rates, and the
 CPU each kind of process spent per request.
 
-Starts a private Redis and ``infergate up`` on it, then for each rate runs
+Starts ``infergate up`` (which starts its own Redis), then for each rate runs
 ``loadtest.bench`` (a separate process) and reads, from /proc, the CPU time
 of the gateways, the dispatchers, the workers, Redis and the load generator
 over that run. CPU per request is CPU seconds over requests sent.
@@ -15,6 +15,8 @@ Linux only (/proc). Everything runs on this machine, as the README's table says.
 import argparse
 import json
 import os
+import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -23,7 +25,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from infergate.redis_server import RedisServer, free_port
+import redis
 
 KINDS = ("gateway", "dispatcher", "worker", "redis", "loadgen")
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -74,6 +76,33 @@ def cpu_by_kind(up_pid: int, redis_pid: int) -> dict[str, float]:
     return totals
 
 
+def redis_calls(port: int) -> int:
+    """Commands Redis has run (those inside Lua scripts included), from INFO commandstats."""
+    with redis.Redis(port=port) as client:
+        stats: dict[str, dict[str, int]] = client.info("commandstats")
+    return sum(int(v["calls"]) for v in stats.values())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def redis_of(up_pid: int) -> tuple[int, int]:
+    """The pid and port of the redis-server ``up`` started."""
+    for pid in children(up_pid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        # Redis sets its process title: "redis-server 127.0.0.1:PORT".
+        found = re.search(rb"redis-server\S*\s+\S*:(\d+)", b" ".join(argv))
+        if found:
+            return pid, int(found.group(1))
+    raise SystemExit("sweep: no redis-server under infergate up (is REDIS_URL set?)")
+
+
 def wait_ready(url: str, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -104,6 +133,7 @@ def _run_rate(
     out: str,
 ) -> dict[str, Any]:
     before = cpu_by_kind(up_pid, redis_pid)
+    calls_before = redis_calls(args.redis_port)
     bench = subprocess.Popen(
         [
             sys.executable,
@@ -128,12 +158,14 @@ def _run_rate(
         loadgen = max(loadgen, cpu_s(bench.pid))
         time.sleep(0.2)
     after = cpu_by_kind(up_pid, redis_pid)
+    calls = redis_calls(args.redis_port) - calls_before
     report: dict[str, Any] = json.loads(Path(out).read_text())
     sent = report["sent"]
     cpu = {k: after[k] - before[k] for k in KINDS if k != "loadgen"}
     cpu["loadgen"] = loadgen
     report["cpu_us_per_request"] = {k: round(v / sent * 1e6, 1) for k, v in cpu.items()}
     report["cpu_cores"] = {k: round(v / report["elapsed_s"], 2) for k, v in cpu.items()}
+    report["redis_commands_per_request"] = round(calls / sent, 1)
     return report
 
 
@@ -143,7 +175,9 @@ def render(report: dict[str, Any]) -> str:
     return (
         f"{report['rate']:>7.0f} req/s  p50 {t['p50_ms']:>7}  p95 {t['p95_ms']:>7}  "
         f"p99 {t['p99_ms']:>7}  ok {t['success_rate'] * 100:6.2f}%  batch {t['mean_batch']:>5}  "
-        "µs/req " + " ".join(f"{k} {cpu[k]:.0f}" for k in KINDS)
+        "µs/req "
+        + " ".join(f"{k} {cpu[k]:.0f}" for k in KINDS)
+        + f"  redis cmds/req {report['redis_commands_per_request']}"
     )
 
 
@@ -169,10 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
 
-    redis = RedisServer().start()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "REDIS_URL": redis.url}
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # up starts its own
     log = Path(args.log).open("ab") if args.log else None  # noqa: SIM115 (closed below)
     up = subprocess.Popen(
         [
@@ -199,9 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         wait_ready(url)
         time.sleep(2.0)  # pacing: every worker's first heartbeat is in the fleet view
-        assert redis.proc is not None
+        redis_pid, args.redis_port = redis_of(up.pid)
         for rate in rates:
-            report = run_rate(args, url, args.keys, rate, up.pid, redis.proc.pid)
+            report = run_rate(args, url, args.keys, rate, up.pid, redis_pid)
             print(render(report), flush=True)
             reports.append(report)
     finally:
@@ -210,7 +243,6 @@ def main(argv: list[str] | None = None) -> int:
             up.wait(30)
         except subprocess.TimeoutExpired:
             up.kill()
-        redis.stop()
         if log is not None:
             log.close()
     if args.json_out:
