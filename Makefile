@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install install-torch test lint up up-loadtest bench real-model-check clean FORCE
+.PHONY: install install-torch test lint up up-loadtest bench sweep real-model-check clean FORCE
 
 # The install is editable in strict mode: a tree of links under build/ that
 # maps the folders onto the one import root, `infergate` (pyproject.toml), and
@@ -56,6 +56,9 @@ up-loadtest: install   ## the stack the benchmark numbers in README come from
 
 bench: install         ## open-loop benchmark against a running `make up-loadtest`
 	$(BIN)/python -m infergate.loadtest.bench --keys loadtest/keys.json --rate $${RATE:-1000} --duration $${DURATION:-20}
+
+sweep: install         ## the README's throughput table: its own stack, several rates, CPU per process kind
+	$(BIN)/python -m infergate.loadtest.sweep --rates $${RATES:-10,1000,2000,3000,4000} --duration $${DURATION:-20}
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -76,6 +76,7 @@ class EdgeProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         # What to run if the connection is lost while the app holds a request.
         self._on_lost: Callable[[], None] | None = None
+        self._lost = False
 
     @classmethod
     def with_limits(cls, limits: EdgeLimits) -> type["EdgeProtocol"]:
@@ -146,10 +147,16 @@ class EdgeProtocol(HttpToolsProtocol):
 
     def _watch_disconnect(self, callback: Callable[[], None] | None) -> None:
         """The request's hook (``service.OnDisconnect``): one slot per
-        connection, since a connection runs one request at a time."""
+        connection, since a connection runs one request at a time. A
+        connection already lost (the client left before its request began to
+        wait) runs the callback at once."""
+        if callback is not None and self._lost:
+            self.loop.call_soon(callback)
+            return
         self._on_lost = callback
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = True
         lost, self._on_lost = self._on_lost, None
         super().connection_lost(exc)
         if lost is not None:

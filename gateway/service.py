@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 from infergate.base import clock, logs, tracing, wire
-from infergate.base.errors import STORE_ERRORS
+from infergate.base.errors import STORE_ERRORS, UNAVAILABLE
 from infergate.base.fleet import FleetView, fleet_reading, worker_capacity_rps
 from infergate.base.heartbeat import Heartbeater
 from infergate.base.loops import Supervised
@@ -480,7 +480,8 @@ class Gateway:
             quota = await self.quota.charge(key, tier, input_chars, queue_on, envelope)
         except STORE_ERRORS as exc:
             self.metrics.refusals.labels(key.tier, "redis").inc()
-            self.fleet.mark_unreachable()
+            if isinstance(exc, UNAVAILABLE):  # not a script's own error: Redis itself
+                self.fleet.mark_unreachable()
             raise redis_unreachable() from exc
         headers = quota.headers()
         if not quota.allowed:

@@ -224,15 +224,17 @@ class Worker:
             self.credit_offer = asyncio.ensure_future(self.queue.offer_credit())
 
     async def _credit_offered(self) -> bool:
-        """Whether this batch's early offer went through."""
+        """Whether this batch's credit was offered early. An offer whose reply
+        was lost may have gone through (and a dispatcher may hold it): it
+        counts as offered, never offered twice; if it was in fact lost, the
+        idle worker's ``ensure_credit`` puts it back."""
         offer, self.credit_offer = self.credit_offer, None
         if offer is None:
             return False
         try:
             await offer
         except STORE_ERRORS as exc:
-            log.warning("worker.early_credit_failed", error=type(exc).__name__)
-            return False
+            log.warning("worker.early_credit_unsure", error=type(exc).__name__)
         return True
 
     def _keep(self, env: wire.Envelope, result: wire.Result) -> None:
@@ -365,9 +367,8 @@ class Worker:
         is done); once stopping, for ``publish_grace_s``, after which the
         batch stays in processing and the reaper runs it again. Returns the
         next batch if the ack moved one into processing."""
-        credit: Credit = "none" if stop.is_set() else "offer"
-        if await self._credit_offered():
-            credit = "held" if stop.is_set() else "next"
+        offered = await self._credit_offered()
+        credit: Credit = "none" if stop.is_set() else "next" if offered else "offer"
         keep, self.answers_to_keep = self.answers_to_keep, []
         following: bytes | None = None
 

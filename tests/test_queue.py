@@ -450,3 +450,39 @@ async def test_an_answer_takes_the_next_batch_in_the_same_step_and_can_be_repeat
     last = await q.worker.answer_batch({"gw": reply}, "next", clock.now_ms(), b"batch B")
     assert last is None
     assert await q.redis.llen(q.keys.processing("w1")) == 0
+
+
+async def test_admit_starts_over_from_counters_it_cannot_trust(q: Faces) -> None:
+    """Redis contents are not trusted: a counter that is text, '007', of
+    another type, or a window that never ends, never breaks or blocks a key."""
+    keys = [q.gateway.counter_key(name) for name in ("text", "zeros", "list", "forever")]
+    await q.redis.set(keys[0], "abc")
+    await q.redis.set(keys[1], "007")
+    await q.redis.rpush(keys[2], "x")
+    await q.redis.set(keys[3], 10)  # over its limit of 5, and no TTL
+    counters = [Counter(k, 1, 5, 60) for k in keys[:3]]
+    admitted = await q.gateway.admit(counters, "free", env(1, "free"))
+    assert admitted.admitted
+    assert admitted.counts == [1, 1, 1]
+    refused = await q.gateway.admit([Counter(keys[3], 1, 5, 60)])
+    assert not refused.admitted
+    assert 0 < await q.redis.ttl(keys[3]) <= 60  # refused, and its window now ends
+
+
+async def test_a_heartbeat_of_another_type_reads_as_expired(q: Faces) -> None:
+    now = clock.now_ms()
+    await q.store.beat(wire.Heartbeat("worker", "w-ok", now, now, batch_ms=100.0), 5_000)
+    await q.redis.sadd(q.keys.members("worker"), "w-hash")
+    await q.redis.hset(q.keys.heartbeat("worker", "w-hash"), "a", "b")
+    snapshot = await q.store.fleet_snapshot(now)
+    assert [w.id for w in snapshot.workers] == ["w-ok"]
+
+
+async def test_an_offer_answer_run_twice_offers_one_credit(q: Faces) -> None:
+    await q.redis.lpush(q.keys.processing("w1"), b"batch A")
+    reply = wire.Reply([wire.Result("r1", "bA", 1, "w1", 0, 100, output="out")])
+    await q.worker.answer_batch({"gw": reply}, "offer", clock.now_ms(), b"batch A")
+    assert await q.dispatcher.wait_credit(1) == "w1"  # a dispatcher holds it now
+    # The reply to that step was lost: the worker runs it again.
+    await q.worker.answer_batch({"gw": reply}, "offer", clock.now_ms(), b"batch A")
+    assert await q.redis.llen(q.keys.ready) == 0  # no second credit beside the held one

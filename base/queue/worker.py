@@ -22,7 +22,7 @@ class KeptAnswer(NamedTuple):
 
 
 # What answering a batch does with the worker's credit (ack_batch.lua).
-Credit = Literal["offer", "none", "held", "next"]
+Credit = Literal["offer", "none", "next"]
 
 
 class WorkerQueue:
@@ -78,8 +78,8 @@ class WorkerQueue:
     ) -> bytes | None:
         """Publish one reply per gateway and store the jobs' results, then ack
         ``batch`` and settle the worker's credit (``ack_batch.lua``: offer
-        it, take it back, or leave it offered and maybe take the next batch
-        into processing, returned here), in one transaction: a job's result is
+        it, take it back, or leave it offered and take the next batch into
+        processing, returned here), in one transaction: a job's result is
         stored by the same step that finishes its batch. If the reply to the
         transaction is lost, the batch is run again; gateways ignore the
         duplicate and a job's result is stored again. One round trip."""

@@ -4,9 +4,10 @@
 -- names, a counter that expires `expiry` seconds after the charge that
 -- opened its window). A request over any limit is charged to none: the
 -- counters only ever hold what was admitted, across every gateway, and a
--- refusal has nothing to refund. A counter that is not a number (Redis
--- contents are not trusted) starts again from zero, and one without an
--- expiry gets its window's, so no key can be blocked for ever.
+-- refusal has nothing to refund. A counter that is not a canonical integer
+-- (Redis contents are not trusted: text, '007', a list) starts again from
+-- zero, and one without an expiry gets its window's, refused or not, so no
+-- key can be blocked for ever.
 -- A refund is a charge of minus the cost.
 -- KEYS[1..n] the counters  KEYS[n+1] queue:{tier}  KEYS[n+2] doorbell
 --   (without those two: charge only)
@@ -19,10 +20,18 @@ local n = tonumber(ARGV[1])
 local counts = {}
 local admitted = 1
 for i = 1, n do
-  local raw = redis.call('GET', KEYS[i])
-  if raw and (#raw > 18 or not string.match(raw, '^%-?%d+$')) then
-    redis.call('DEL', KEYS[i])
+  local key = KEYS[i]
+  local kind = redis.call('TYPE', key)['ok']
+  local raw = false
+  if kind == 'string' then raw = redis.call('GET', key) end
+  -- Only a counter INCRBY can count on: '0', or an integer without leading
+  -- zeros, in 18 digits. Anything else (another type, text, '007') starts over.
+  local valid = raw and (raw == '0' or (#raw <= 18 and string.match(raw, '^%-?[1-9]%d*$')))
+  if kind ~= 'none' and not valid then
+    redis.call('DEL', key)
     raw = false
+  elseif raw and redis.call('TTL', key) == -1 then
+    redis.call('EXPIRE', key, ARGV[3 * i + 2])  -- a window that never ends, ended
   end
   local count = tonumber(raw or '0')
   counts[i] = count
