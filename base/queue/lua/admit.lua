@@ -17,31 +17,37 @@
 --          count_1, ttl_ms_1, ..., count_n, ttl_ms_n}: a counter after the
 -- charge (before it, if refused), and the ms left in its window (-2: none open).
 local n = tonumber(ARGV[1])
-local counts = {}
+local counts, ttls = {}, {}
 local admitted = 1
 for i = 1, n do
-  local key = KEYS[i]
-  local kind = redis.call('TYPE', key)['ok']
-  local raw = false
-  if kind == 'string' then raw = redis.call('GET', key) end
+  local key, window_ms = KEYS[i], tonumber(ARGV[3 * i + 2]) * 1000
+  local raw = redis.pcall('GET', key)  -- an error: a key of another type
   -- Only a counter INCRBY can count on: '0', or an integer without leading
   -- zeros, in 18 digits. Anything else (another type, text, '007') starts over.
-  local valid = raw and (raw == '0' or (#raw <= 18 and string.match(raw, '^%-?[1-9]%d*$')))
-  if kind ~= 'none' and not valid then
+  if raw and not (type(raw) == 'string'
+      and (raw == '0' or (#raw <= 18 and string.match(raw, '^%-?[1-9]%d*$')))) then
     redis.call('DEL', key)
     raw = false
-  elseif raw and redis.call('TTL', key) == -1 then
-    redis.call('EXPIRE', key, ARGV[3 * i + 2])  -- a window that never ends, ended
   end
-  local count = tonumber(raw or '0')
-  counts[i] = count
-  if count + tonumber(ARGV[3 * i]) > tonumber(ARGV[3 * i + 1]) then admitted = 0 end
+  ttls[i] = -2
+  if raw then
+    ttls[i] = redis.call('PTTL', key)
+    if ttls[i] == -1 then  -- a window that never ends, ended
+      redis.call('PEXPIRE', key, window_ms)
+      ttls[i] = window_ms
+    end
+  end
+  counts[i] = tonumber(raw or '0')
+  if counts[i] + tonumber(ARGV[3 * i]) > tonumber(ARGV[3 * i + 1]) then admitted = 0 end
 end
 local reply = {admitted, 0}
 if admitted == 1 then
   for i = 1, n do
     counts[i] = redis.call('INCRBY', KEYS[i], ARGV[3 * i])
-    if redis.call('TTL', KEYS[i]) == -1 then redis.call('EXPIRE', KEYS[i], ARGV[3 * i + 2]) end
+    if ttls[i] < 0 then  -- this charge opened the window
+      ttls[i] = tonumber(ARGV[3 * i + 2]) * 1000
+      redis.call('PEXPIRE', KEYS[i], ttls[i])
+    end
   end
   if #KEYS > n then
     reply[2] = redis.call('LPUSH', KEYS[n + 1], ARGV[2])
@@ -51,6 +57,6 @@ if admitted == 1 then
 end
 for i = 1, n do
   reply[2 * i + 1] = counts[i]
-  reply[2 * i + 2] = redis.call('PTTL', KEYS[i])
+  reply[2 * i + 2] = ttls[i]
 end
 return reply
