@@ -142,7 +142,9 @@ def encode(obj: Envelope | Reply | Result | Heartbeat | Batch | ScaleSignal) -> 
 def encode_batch(
     batch_id: str, dispatcher: str, formed_ms: int, envelopes: list[bytes], attempt: int = 0
 ) -> bytes:
-    """Encode a batch from envelopes as they came out of Redis, without re-encoding them."""
+    """Encode a batch from envelopes as they came out of Redis, without
+    re-encoding them: the bytes ``take.lua`` writes when it forms a batch
+    (tests/test_queue.py holds the two to the same bytes)."""
     return _json_encoder.encode(
         _RawBatch(batch_id, dispatcher, formed_ms, [msgspec.Raw(e) for e in envelopes], attempt)
     )

@@ -223,19 +223,17 @@ class Worker:
         if not self.stopping.is_set():
             self.credit_offer = asyncio.ensure_future(self.queue.offer_credit())
 
-    async def _credit_offered(self) -> bool:
-        """Whether this batch's credit was offered early. An offer whose reply
-        was lost may have gone through (and a dispatcher may hold it): it
-        counts as offered, never offered twice; if it was in fact lost, the
-        idle worker's ``ensure_credit`` puts it back."""
+    async def _credit_offer_sent(self) -> None:
+        """Wait for this batch's early offer. One whose reply was lost may have
+        gone through (and a dispatcher may hold it): it is never sent twice;
+        if it was in fact lost, the idle worker's ``ensure_credit`` puts it back."""
         offer, self.credit_offer = self.credit_offer, None
         if offer is None:
-            return False
+            return
         try:
             await offer
         except STORE_ERRORS as exc:
             log.warning("worker.early_credit_unsure", error=type(exc).__name__)
-        return True
 
     def _keep(self, env: wire.Envelope, result: wire.Result) -> None:
         """With the result cache on for this request, keep its answer (stored
@@ -367,8 +365,10 @@ class Worker:
         is done); once stopping, for ``publish_grace_s``, after which the
         batch stays in processing and the reaper runs it again. Returns the
         next batch if the ack moved one into processing."""
-        offered = await self._credit_offered()
-        credit: Credit = "none" if stop.is_set() else "next" if offered else "offer"
+        if self.credit_offer is None:  # a batch that never reached the backend
+            self._free_for_next_batch()
+        await self._credit_offer_sent()
+        credit: Credit = "none" if stop.is_set() else "next"
         keep, self.answers_to_keep = self.answers_to_keep, []
         following: bytes | None = None
 

@@ -87,6 +87,8 @@ async def test_take_is_priority_ordered_and_fifo_within_a_tier(q: Faces) -> None
     batch, unreadable = wire.decode_batch(data)
     assert (batch.id, batch.dispatcher, unreadable) == ("b1", "d1", 0)
     assert [e.id for e in batch.envelopes] == ["r3", "r5", "r1", "r4", "r0"]
+    # The same bytes as its Python twin writes, envelopes unchanged.
+    assert data == wire.encode_batch("b1", "d1", batch.formed_ms, taken.envelopes)
     assert await q.redis.llen(q.keys.credits("d1")) == 0
     assert (await q.stats())["requests_batched"] == 5
     assert await q.redis.llen(q.keys.queue("free")) == 1
@@ -134,7 +136,8 @@ async def test_handoff_and_worker_round_trip(q: Faces) -> None:
     pubsub = q.redis.pubsub()
     await pubsub.subscribe(q.keys.reply_channel("gw"))
     reply = wire.Reply([wire.Result("r1", "b1", 1, "w1", 0, 100, output="out")])
-    await q.worker.answer_batch({"gw": reply}, "offer", clock.now_ms(), data)
+    await q.worker.offer_credit()  # as the backend call returned
+    assert await q.worker.answer_batch({"gw": reply}, "next", clock.now_ms(), data) is None
     assert await q.redis.llen(q.keys.processing("w1")) == 0
     assert await q.redis.lrange(q.keys.ready, 0, -1) == [b"w1"]
     msg = None
@@ -420,12 +423,13 @@ async def test_a_worker_answers_and_acks_after_redis_forgot_the_scripts(q: Faces
     await q.redis.lpush(q.keys.processing("w1"), b"the batch")
     await q.redis.script_flush()  # as a restarted or failed-over Redis would have
     reply = wire.Reply([wire.Result("r1", "b1", 1, "w1", 0, 100, output="out")])
-    await q.worker.answer_batch({"gw": reply}, "offer", clock.now_ms(), b"the batch")
+    await q.worker.offer_credit()
+    await q.worker.answer_batch({"gw": reply}, "next", clock.now_ms(), b"the batch")
     assert await q.redis.llen(q.keys.processing("w1")) == 0
     assert await q.redis.lrange(q.keys.ready, 0, -1) == [b"w1"]
     # And the next answer needs no reload: one round trip again.
     await q.redis.lpush(q.keys.processing("w1"), b"the next batch")
-    await q.worker.answer_batch({"gw": reply}, "offer", clock.now_ms(), b"the next batch")
+    await q.worker.answer_batch({"gw": reply}, "next", clock.now_ms(), b"the next batch")
     assert await q.redis.llen(q.keys.processing("w1")) == 0
 
 
@@ -478,11 +482,12 @@ async def test_a_heartbeat_of_another_type_reads_as_expired(q: Faces) -> None:
     assert [w.id for w in snapshot.workers] == ["w-ok"]
 
 
-async def test_an_offer_answer_run_twice_offers_one_credit(q: Faces) -> None:
+async def test_an_answer_run_twice_offers_one_credit(q: Faces) -> None:
     await q.redis.lpush(q.keys.processing("w1"), b"batch A")
     reply = wire.Reply([wire.Result("r1", "bA", 1, "w1", 0, 100, output="out")])
-    await q.worker.answer_batch({"gw": reply}, "offer", clock.now_ms(), b"batch A")
+    await q.worker.offer_credit()  # as the backend call returned
+    await q.worker.answer_batch({"gw": reply}, "next", clock.now_ms(), b"batch A")
     assert await q.dispatcher.wait_credit(1) == "w1"  # a dispatcher holds it now
     # The reply to that step was lost: the worker runs it again.
-    await q.worker.answer_batch({"gw": reply}, "offer", clock.now_ms(), b"batch A")
+    await q.worker.answer_batch({"gw": reply}, "next", clock.now_ms(), b"batch A")
     assert await q.redis.llen(q.keys.ready) == 0  # no second credit beside the held one

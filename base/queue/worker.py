@@ -22,7 +22,7 @@ class KeptAnswer(NamedTuple):
 
 
 # What answering a batch does with the worker's credit (ack_batch.lua).
-Credit = Literal["offer", "none", "next"]
+Credit = Literal["none", "next"]
 
 
 class WorkerQueue:
@@ -77,9 +77,9 @@ class WorkerQueue:
         keep: Sequence[KeptAnswer] = (),
     ) -> bytes | None:
         """Publish one reply per gateway and store the jobs' results, then ack
-        ``batch`` and settle the worker's credit (``ack_batch.lua``: offer
-        it, take it back, or leave it offered and take the next batch into
-        processing, returned here), in one transaction: a job's result is
+        ``batch`` and settle the worker's credit (``ack_batch.lua``: take it
+        back, or leave it offered and take the next batch into processing,
+        returned here), in one transaction: a job's result is
         stored by the same step that finishes its batch. If the reply to the
         transaction is lost, the batch is run again; gateways ignore the
         duplicate and a job's result is stored again. One round trip."""
@@ -94,13 +94,7 @@ class WorkerQueue:
             queue_on(
                 pipe,
                 self.store.scripts.ack_batch,
-                [
-                    keys.processing(self.worker_id),
-                    keys.ready,
-                    keys.doorbell,
-                    keys.batches,
-                    *keys.job_queues,
-                ],
+                [keys.processing(self.worker_id), keys.ready, keys.batches],
                 [self.worker_id, credit, batch],
             )
 
