@@ -2,6 +2,9 @@
 layer, against a real Redis."""
 
 import asyncio
+import os
+import signal
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -491,3 +494,32 @@ async def test_an_answer_run_twice_offers_one_credit(q: Faces) -> None:
     # The reply to that step was lost: the worker runs it again.
     await q.worker.answer_batch({"gw": reply}, "next", clock.now_ms(), b"batch A")
     assert await q.redis.llen(q.keys.ready) == 0  # no second credit beside the held one
+
+
+async def test_pipelined_calls_fail_when_redis_hangs_and_go_on_once_it_answers() -> None:
+    """A Redis that stops answering (here: SIGSTOP) fails the calls in flight
+    at the client's socket timeout, not never; once it answers again, the
+    next call goes out on a fresh connection."""
+    server = RedisServer().start()
+    store = Store.connect(server.url, "t", name="test")
+    try:
+        gateway = GatewayQueue(store, "gw")
+        assert (await gateway.admit([], "free", env(1, "free"))).admitted
+        assert server.proc is not None
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            async with asyncio.timeout(10):
+                results = await asyncio.gather(
+                    *(gateway.admit([], "free", env(i, "free")) for i in range(3)),
+                    return_exceptions=True,
+                )
+            assert all(isinstance(r, STORE_ERRORS) for r in results), results
+            assert time.monotonic() - started < 6
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        async with asyncio.timeout(10):
+            assert (await gateway.admit([], "free", env(9, "free"))).admitted
+    finally:
+        await store.close()
+        server.stop()

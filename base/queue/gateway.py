@@ -8,8 +8,10 @@ from typing import NamedTuple
 from infergate.base import clock, wire
 from infergate.base.errors import STORE_ERRORS
 from infergate.base.queue import dead_letters
+from infergate.base.queue.resp import RawConnection
 from infergate.base.queue.store import Store
 from redis.asyncio.client import PubSub
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 
 class Counter(NamedTuple):
@@ -31,21 +33,27 @@ class Admitted(NamedTuple):
 
 
 class ReplySubscription:
-    """This gateway's reply channel and the jobs-done channel, subscribed."""
+    """This gateway's reply channel and the jobs-done channel, subscribed:
+    messages read straight from the subscribed connection (``resp``)."""
 
     def __init__(self, pubsub: PubSub, jobs_done: bytes, job_prefix: str) -> None:
-        self._pubsub = pubsub
+        if pubsub.connection is None:
+            raise RedisConnectionError("the subscription has no connection")
+        self._raw = RawConnection(pubsub.connection)
         self._jobs_done = jobs_done
         self._job_prefix = job_prefix
 
     async def next_message(self, timeout_s: float) -> tuple[bytes | None, list[str]]:
         """The next reply's raw bytes, or the ids of jobs just finished (one
         of the two), or (None, []) if nothing came within ``timeout_s``."""
-        message = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=timeout_s)
-        if message is None or message.get("type") != "message":
+        message = await self._raw.next_push(timeout_s)
+        if isinstance(message, Exception):
+            raise message
+        # [b"message", channel, data]; a subscribe confirmation is skipped
+        if not isinstance(message, list) or len(message) != 3 or message[0] != b"message":
             return None, []
-        data: bytes = message["data"]
-        if message.get("channel") == self._jobs_done:
+        _, channel, data = message
+        if channel == self._jobs_done:
             keys = data.decode(errors="replace").split()
             return None, [k.removeprefix(self._job_prefix) for k in keys]
         return data, []

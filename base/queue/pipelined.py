@@ -1,29 +1,37 @@
 """Script calls of many concurrent requests, written to Redis together.
 
 redis-py spends more CPU on one command's way through its client (a
-connection taken from the pool and given back under a lock, retries,
-observability hooks) than Redis spends running it. On the gateway's hot
-path every request makes one call (``admit.lua``), so the calls are queued
-here and sent by one flushing task (packed by hiredis, in C): whatever is queued goes out as one write
-on one connection, its replies are read in order, and what arrives during
-that round trip goes out in the next. Under load the batches grow by
-themselves; alone, a call goes out at once.
+connection taken from the pool and given back under a lock, a timeout
+context per reply, retries, observability hooks) than Redis spends running
+it. On the gateway's hot path every request makes one call (``admit.lua``),
+so the calls are queued here and sent by one flushing task, packed by
+hiredis (in C): whatever is queued goes out as one write, its replies are
+read in order, and what arrives during that round trip goes out in the
+next. Under load the batches grow by themselves; alone, a call goes out at
+once.
+
+The calls go over one connection of the client's pool that this class
+holds, read straight from its stream (``resp.RawConnection``). A round
+trip that takes longer than the client's socket timeout ends the
+connection, as redis-py would: a hung Redis fails the calls instead of
+holding them.
 
 Nothing is re-sent after an error, as everywhere (``store.connect``): a
-call whose reply was lost fails with the connection's error. The one
-exception is NOSCRIPT (a restarted or failed-over Redis has no scripts):
-Redis refused those calls without running them, so they are sent once more
-after the script is loaded.
+call whose reply was lost fails with the connection's error, and the next
+flush opens a new connection. The one exception is NOSCRIPT (a restarted or
+failed-over Redis has no scripts): Redis refused those calls without running
+them, so they are sent once more after the script is loaded.
 """
 
 import asyncio
 from typing import Any
 
 from hiredis import pack_command
+from infergate.base.queue.resp import RawConnection
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import NoScriptError
 
 
 class _Call:
@@ -53,6 +61,7 @@ class Pipelined:
         self.redis = redis
         self._queued: list[_Call] = []
         self._flusher: asyncio.Task[None] | None = None
+        self._link: RawConnection | None = None
 
     def call(self, script: AsyncScript, keys: list[str], args: list[Any]) -> "asyncio.Future[Any]":
         """EVALSHA ``script`` with ``keys`` and ``args``; the future gets its reply."""
@@ -62,6 +71,13 @@ class Pipelined:
             self._flusher = asyncio.ensure_future(self._flush())
         return future
 
+    async def close(self) -> None:
+        """Stop flushing (what is queued fails) and give the connection back."""
+        if self._flusher is not None:
+            self._flusher.cancel()
+            await asyncio.gather(self._flusher, return_exceptions=True)
+        await self._drop_link()
+
     async def _flush(self) -> None:
         try:
             while self._queued:
@@ -70,43 +86,54 @@ class Pipelined:
                     await self._send(batch)
                 except BaseException as exc:
                     _fail(batch, exc)
+                    await self._drop_link()
                     if isinstance(exc, asyncio.CancelledError):
                         raise
         finally:
             self._flusher = None
-            # Cancelled (the process stops): nothing queued is left waiting.
-            _fail(self._queued, RedisConnectionError("the Redis client is closing"))
-            self._queued = []
+            if self._queued:  # cancelled (the process stops): nothing is left waiting
+                _fail(self._queued, RedisConnectionError("the Redis client is closing"))
+                self._queued = []
 
     async def _send(self, batch: list[_Call]) -> None:
         """One write, then the replies in order. A connection error fails
-        every call of the batch not yet answered (the caller fails them)."""
-        pool = self.redis.connection_pool
-        connection = await pool.get_connection()  # type: ignore[no-untyped-call]
+        every call of the batch (the caller fails them)."""
+        link = self._link or await self._open_link()
+        link.write(b"".join([pack_command(c.command) for c in batch]))
+        replies = await link.replies(len(batch), link.connection.socket_timeout)
         missing: list[_Call] = []
-        try:
-            await connection.send_packed_command(b"".join(pack_command(c.command) for c in batch))
-            for call in batch:
-                try:
-                    call.settle(await connection.read_response())
-                except NoScriptError as exc:
-                    if call.resent:
-                        call.settle(exc=exc)
-                    else:
-                        missing.append(call)
-                except ResponseError as exc:  # this call's own error (the script's)
-                    call.settle(exc=exc)
-        except BaseException:
-            await connection.disconnect()
-            raise
-        finally:
-            await pool.release(connection)
+        for call, reply in zip(batch, replies, strict=True):
+            if isinstance(reply, NoScriptError) and not call.resent:
+                missing.append(call)
+            elif isinstance(reply, Exception):  # this call's own error (the script's)
+                call.settle(exc=reply)
+            else:
+                call.settle(reply)
         if missing:
             for script in {id(c.script): c.script for c in missing}.values():
                 await self.redis.script_load(script.script)
             for call in missing:
                 call.resent = True
             self._queued[:0] = missing
+
+    async def _open_link(self) -> RawConnection:
+        pool = self.redis.connection_pool
+        connection = await pool.get_connection()  # type: ignore[no-untyped-call]
+        try:
+            self._link = RawConnection(connection)
+        except BaseException:
+            await pool.release(connection)
+            raise
+        return self._link
+
+    async def _drop_link(self) -> None:
+        link, self._link = self._link, None
+        if link is None:
+            return
+        try:
+            await link.connection.disconnect()
+        finally:
+            await self.redis.connection_pool.release(link.connection)
 
 
 def _fail(batch: list[_Call], exc: BaseException) -> None:

@@ -80,6 +80,7 @@ class Store:
         return cls(connect(url, block_s=block_s, name=name), Keys(namespace))
 
     async def close(self) -> None:
+        await self.pipelined.close()
         await self.redis.aclose()
 
     async def move_oldest(self, source: str, destination: str, timeout_s: float) -> bytes | None:
