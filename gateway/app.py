@@ -21,6 +21,7 @@ from infergate.gateway.api import (
     StatusResponse,
     inference_request_body,
 )
+from infergate.gateway.edge import FastRoute, Headers
 from infergate.gateway.errors import ERRORS, ApiError, ErrorBody
 from infergate.gateway.jobs import Jobs
 from infergate.gateway.middleware import (
@@ -31,7 +32,7 @@ from infergate.gateway.middleware import (
     Scope,
     Send,
 )
-from infergate.gateway.service import Call, Gateway
+from infergate.gateway.service import Call, Gateway, OnDisconnect
 from litestar import Litestar, Request, Response, delete, get, post
 from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import OpenAPIConfig
@@ -132,46 +133,52 @@ async def inference(request: Request[Any, Any, Any]) -> Response[InferenceRespon
 _JSON = (b"content-type", b"application/json")
 
 
-async def serve_inference(
-    gateway: Gateway, scope: Scope, body: bytes, receive: Receive, send: Send
-) -> None:
-    """POST /v1/inference straight from ASGI: the hot path skips Litestar's
-    routing, signature model and response machinery (about a fifth of the
-    gateway's CPU per request), with the same answers, headers and error shape."""
-    request_id = str(scope[REQUEST_ID])
-    wanted = {b"authorization": None, b"traceparent": None, b"tracestate": None}
-    for name, value in scope["headers"]:
-        if name in wanted:
-            wanted[name] = value.decode("latin-1")
-    call = Call(
-        request_id,
-        wanted[b"authorization"],
-        body,
-        scope.get(ON_DISCONNECT),
-        wanted[b"traceparent"],
-        wanted[b"tracestate"],
-    )
+async def answer_inference(
+    gateway: Gateway,
+    request_id: str,
+    headers: Headers,
+    body: bytes,
+    on_disconnect: OnDisconnect | None,
+) -> tuple[int, Headers, bytes]:
+    """POST /v1/inference without Litestar: its status, headers (all but
+    content-length) and body. The hot path skips Litestar's routing,
+    signature model and response machinery, with the same answers, headers
+    and error shape. The HTTP edge serves it straight from the connection
+    (``edge.FastRoute``); ``serve_inference`` serves it from ASGI."""
+    authorization = traceparent = tracestate = None
+    for name, value in headers:
+        if name == b"authorization":
+            authorization = value.decode("latin-1")
+        elif name == b"traceparent":
+            traceparent = value.decode("latin-1")
+        elif name == b"tracestate":
+            tracestate = value.decode("latin-1")
+    call = Call(request_id, authorization, body, on_disconnect, traceparent, tracestate)
     try:
-        result, headers = await gateway.infer(call)
+        result, extra = await gateway.infer(call)
         status, payload = HTTP_200_OK, msgspec.json.encode(result)
     except ApiError as exc:
         if exc.status < 500:
             logs.limited(log, "request.refused", status=exc.status, code=exc.code)
-        status, payload, headers = (
-            exc.status,
-            msgspec.json.encode(exc.body(request_id)),
-            exc.all_headers(),
-        )
+        status, payload = exc.status, msgspec.json.encode(exc.body(request_id))
+        extra = exc.all_headers()
     except Exception as exc:
         log.exception("request.unexpected_error", request_id=request_id, error=type(exc).__name__)
         error = ApiError("INTERNAL", "internal error")
-        status, payload, headers = error.status, msgspec.json.encode(error.body(request_id)), {}
-    head = [
-        _JSON,
-        (b"content-length", str(len(payload)).encode()),
-        (b"x-request-id", request_id.encode()),
-    ]
-    head += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+        status, payload, extra = error.status, msgspec.json.encode(error.body(request_id)), {}
+    head = [_JSON, (b"x-request-id", request_id.encode())]
+    head += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in extra.items()]
+    return status, head, payload
+
+
+async def serve_inference(
+    gateway: Gateway, scope: Scope, body: bytes, receive: Receive, send: Send
+) -> None:
+    """POST /v1/inference from ASGI (``answer_inference``)."""
+    status, head, payload = await answer_inference(
+        gateway, str(scope[REQUEST_ID]), scope["headers"], body, scope.get(ON_DISCONNECT)
+    )
+    head.append((b"content-length", str(len(payload)).encode()))
     await send({"type": "http.response.start", "status": status, "headers": head})
     await send({"type": "http.response.body", "body": payload})
 
@@ -433,4 +440,24 @@ def create_asgi(gateway: Gateway) -> Any:
         lambda: gateway.policy.current.document.limits.max_body_bytes,
         count_refused,
         direct={("POST", "/v1/inference"): fast_inference},
+    )
+
+
+def inference_route(gateway: Gateway) -> FastRoute:
+    """POST /v1/inference for the HTTP edge to serve without ASGI."""
+
+    def count_refused(status: int) -> None:  # refused before its key was read
+        gateway.metrics.requests.labels(NO_TIER, str(status)).inc()
+
+    async def answer(
+        request_id: str, headers: Headers, body: bytes, on_disconnect: OnDisconnect
+    ) -> tuple[int, Headers, bytes]:
+        return await answer_inference(gateway, request_id, headers, body, on_disconnect)
+
+    return FastRoute(
+        b"POST",
+        b"/v1/inference",
+        answer,
+        lambda: gateway.policy.current.document.limits.max_body_bytes,
+        count_refused,
     )

@@ -18,13 +18,21 @@ forever. This protocol adds, per connection:
   closed as soon as it is accepted.
 
 The idle keep-alive time is uvicorn's ``timeout_keep_alive``; the body's
-size limit, which follows the live policy, is in ``middleware.py``. Each refusal is one info log
+size limit, which follows the live policy, is in ``middleware.py`` (and in
+``_FastCycle`` for a fast route).
+
+A fast route (``FastRoute``: POST /v1/inference) is served from here,
+without ASGI: its request becomes a ``_FastCycle``, which uvicorn's protocol
+drives as it drives its own request cycles (body, disconnect, pipelining,
+keep-alive, graceful shutdown), and its response goes out in one write.
+Every other request, and one with a query string, goes through ASGI. Each refusal is one info log
 line (rate-limited), never a traceback, and costs O(limit) memory: what a
 chunk of the socket can bring beyond the limit is never kept.
 """
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -32,7 +40,7 @@ from infergate.base import logs
 from infergate.gateway.errors import ApiError
 from infergate.gateway.limits import EdgeLimits
 from infergate.gateway.middleware import ON_DISCONNECT, new_request_id
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 log = logs.get(__name__)
 
@@ -41,17 +49,31 @@ def error_response(error: ApiError, request_id: str) -> bytes:
     """A complete HTTP/1.1 response in the one error shape, closing the connection."""
     body = msgspec.json.encode(error.body(request_id))
     head = [
-        f"HTTP/1.1 {error.status} {_REASONS.get(error.status, '')}",
         "content-type: application/json",
         f"content-length: {len(body)}",
         "connection: close",
         *(f"{k}: {v}" for k, v in error.all_headers().items()),
+        f"x-request-id: {request_id}",
     ]
-    head.append(f"x-request-id: {request_id}")
-    return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
+    return STATUS_LINE[error.status] + ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
 
 
-_REASONS = {408: "Request Timeout", 431: "Request Header Fields Too Large"}
+Headers = list[tuple[bytes, bytes]]
+# Registers the callback to run if the connection is lost (None clears it).
+DisconnectHook = Callable[[Callable[[], None] | None], None]
+
+
+@dataclass(frozen=True)
+class FastRoute:
+    """A route the edge serves itself, from the request's head and body."""
+
+    method: bytes
+    path: bytes
+    # (request id, headers, body, disconnect hook) -> (status, headers, body);
+    # it never raises: every failure is an answer in the one error shape.
+    answer: Callable[[str, Headers, bytes, DisconnectHook], Awaitable[tuple[int, Headers, bytes]]]
+    max_body_bytes: Callable[[], int]  # read per request: the live policy's
+    on_refused: Callable[[int], None]  # a status the edge answered itself (413)
 
 
 # Where a connection is in its request: the limits that apply.
@@ -79,10 +101,13 @@ class EdgeProtocol(HttpToolsProtocol):
         self._lost = False
 
     @classmethod
-    def with_limits(cls, limits: EdgeLimits) -> type["EdgeProtocol"]:
-        return type("EdgeProtocol", (cls,), {"limits": limits, "sweeper": None})
+    def with_limits(
+        cls, limits: EdgeLimits, route: FastRoute | None = None
+    ) -> type["EdgeProtocol"]:
+        return type("EdgeProtocol", (cls,), {"limits": limits, "route": route, "sweeper": None})
 
     sweeper: "_Sweeper | None" = None
+    route: FastRoute | None = None
 
     # -- connection --------------------------------------------------------
 
@@ -142,8 +167,27 @@ class EdgeProtocol(HttpToolsProtocol):
             return
         self._phase = _BODY
         self._since = self.loop.time()
+        route = self.route
+        if (
+            route is not None
+            and self.url == route.path
+            and self.parser.get_method() == route.method
+            and not self.parser.should_upgrade()
+        ):
+            self._start_fast(route)
+            return
         self.scope[ON_DISCONNECT] = self._watch_disconnect  # type: ignore[literal-required]
         super().on_headers_complete()
+
+    def _start_fast(self, route: FastRoute) -> None:
+        """A fast route's request: a cycle uvicorn's protocol can drive."""
+        keep_alive = self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
+        existing, self.cycle = self.cycle, _FastCycle(self, route, keep_alive)  # type: ignore[assignment]
+        if existing is None or existing.response_complete:
+            self._start_asgi_task(self.cycle, None)  # type: ignore[arg-type]
+        else:  # a pipelined request waits for the one before it
+            self.flow.pause_reading()
+            self.pipeline.appendleft((self.cycle, None))  # type: ignore[arg-type]
 
     def _watch_disconnect(self, callback: Callable[[], None] | None) -> None:
         """The request's hook (``service.OnDisconnect``): one slot per
@@ -163,14 +207,21 @@ class EdgeProtocol(HttpToolsProtocol):
             lost()
 
     def on_body(self, body: bytes) -> None:
-        if not self._refused:
+        if self._refused:
+            return
+        if isinstance(self.cycle, _FastCycle):
+            self.cycle.take(body)
+        else:
             super().on_body(body)
 
     def on_message_complete(self) -> None:
         if self._refused:
             return
         self._phase = _APP  # the app has the whole request: no edge time limit
-        super().on_message_complete()
+        if isinstance(self.cycle, _FastCycle):
+            self.cycle.complete()
+        else:
+            super().on_message_complete()
 
     def on_response_complete(self) -> None:
         self._on_lost = None
@@ -209,6 +260,131 @@ class EdgeProtocol(HttpToolsProtocol):
         transport.close()
         # Nothing more is parsed from this connection.
         self.parser = _Closed()  # type: ignore[assignment]
+
+
+class _Wakeup:
+    """The one wait of a fast cycle for more of its body (or a disconnect)."""
+
+    __slots__ = ("_waiter",)
+
+    def __init__(self) -> None:
+        self._waiter: asyncio.Future[None] | None = None
+
+    def set(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def wait(self) -> None:
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+
+class _FastCycle:
+    """One request of a fast route. It has what uvicorn's protocol reads and
+    sets on a request cycle (``message_event``, ``disconnected``,
+    ``response_complete``, ``keep_alive``, ``run_asgi``), so uvicorn starts,
+    queues (pipelining) and ends it like its own; the body is kept up to the
+    route's limit, the answer is written in one piece."""
+
+    def __init__(self, protocol: EdgeProtocol, route: FastRoute, keep_alive: bool) -> None:
+        self.protocol = protocol
+        self.route = route
+        self.keep_alive = keep_alive
+        self.headers = protocol.headers  # this request's (the next one gets a new list)
+        self.expect_100 = protocol.expect_100_continue
+        self.limit = route.max_body_bytes()
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self.too_large = _declared_length(self.headers) > self.limit
+        self.more_body = True
+        self.disconnected = False
+        self.response_complete = False
+        self.message_event = _Wakeup()
+
+    # -- the protocol's side ---------------------------------------------------
+
+    def take(self, chunk: bytes) -> None:
+        self.size += len(chunk)
+        if self.size > self.limit:
+            self.too_large = True
+            self.chunks.clear()
+        elif not self.too_large:
+            self.chunks.append(chunk)
+        self.message_event.set()
+
+    def complete(self) -> None:
+        self.more_body = False
+        self.message_event.set()
+
+    # -- the request -------------------------------------------------------------
+
+    async def run_asgi(self, app: object) -> None:  # the name uvicorn calls
+        try:
+            await self._serve()
+        except Exception as exc:  # a bug here: never a hung connection
+            log.exception("edge.fast_route_failed", error=type(exc).__name__)
+            self.protocol.transport.close()
+
+    async def _serve(self) -> None:
+        protocol, route = self.protocol, self.route
+        request_id = new_request_id()
+        while self.more_body and not self.too_large and not self.disconnected:
+            if self.expect_100:
+                self.expect_100 = False
+                protocol.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            await self.message_event.wait()
+        if self.disconnected:
+            return
+        if self.too_large:
+            self._refuse_too_large(request_id)
+            return
+        body = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
+        self.chunks = []
+        status, headers, payload = await route.answer(
+            request_id, self.headers, body, protocol._watch_disconnect
+        )
+        if protocol.flow.write_paused and not self.disconnected:
+            await protocol.flow.drain()
+        if self.disconnected:
+            return
+        protocol.transport.write(self._response(status, headers, payload))
+        self._finish()
+
+    def _response(self, status: int, headers: Headers, payload: bytes) -> bytes:
+        out = [STATUS_LINE[status]]
+        for name, value in self.protocol.server_state.default_headers:
+            out += (name, b": ", value, b"\r\n")
+        for name, value in headers:
+            out += (name, b": ", value, b"\r\n")
+        out.append(b"content-length: %d\r\n" % len(payload))
+        if not self.keep_alive:
+            out.append(b"connection: close\r\n")
+        out += (b"\r\n", payload)
+        return b"".join(out)
+
+    def _refuse_too_large(self, request_id: str) -> None:
+        logs.limited(log, "request.refused", status=413, code="PAYLOAD_TOO_LARGE")
+        self.route.on_refused(413)
+        error = ApiError("PAYLOAD_TOO_LARGE", f"the request body is over {self.limit} bytes")
+        self.keep_alive = False
+        self.protocol.transport.write(error_response(error, request_id))
+        self._finish()
+
+    def _finish(self) -> None:
+        self.response_complete = True
+        if not self.keep_alive:
+            self.protocol.transport.close()
+        self.protocol.on_response_complete()
+
+
+def _declared_length(headers: Headers) -> int:
+    for name, value in headers:
+        if name == b"content-length":
+            return int(value) if value.isdigit() else 0
+    return 0
 
 
 class _Sweeper:

@@ -13,7 +13,7 @@ from types import FrameType
 
 import uvicorn
 from infergate.base import clock, logs
-from infergate.gateway.app import create_asgi
+from infergate.gateway.app import create_asgi, inference_route
 from infergate.gateway.edge import EdgeProtocol
 from infergate.gateway.limits import EdgeLimits
 from infergate.gateway.service import Gateway
@@ -44,7 +44,7 @@ async def serve(
     config = uvicorn.Config(
         create_asgi(gateway),
         loop="uvloop",
-        http=EdgeProtocol.with_limits(limits),
+        http=EdgeProtocol.with_limits(limits, inference_route(gateway)),
         timeout_keep_alive=max(1, round(limits.keep_alive_s)),
         lifespan="on",
         access_log=False,

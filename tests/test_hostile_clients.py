@@ -271,3 +271,62 @@ def test_a_slow_body_gets_408(cluster: Cluster) -> None:
     assert status == 408
     assert_error_shape(status, headers, body, "REQUEST_TIMEOUT")
     assert served(cluster)
+
+
+def test_pipelined_requests_are_answered_in_order_on_one_connection(cluster: Cluster) -> None:
+    """The edge serves POST /v1/inference itself; pipelined requests, one of
+    another route among them, still get their answers in order, and an
+    HTTP/1.0 request's answer closes the connection."""
+    secret = auth("paid")["Authorization"]
+
+    def infer(text: str, version: str = "1.1") -> bytes:
+        body = json.dumps({"input": text}).encode()
+        return (
+            f"POST /v1/inference HTTP/{version}\r\nHost: x\r\nAuthorization: {secret}\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode() + body
+
+    sock = connect(cluster)
+    sock.sendall(
+        infer("first")
+        + b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+        + infer("second")
+        + infer("third", "1.0")
+    )
+    data = b""
+    while chunk := sock.recv(65536):  # until the HTTP/1.0 answer closes the connection
+        data += chunk
+    sock.close()
+    answers = []
+    while data:
+        head, _, data = data.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        headers = {k.lower(): v.strip() for k, _, v in (x.partition(":") for x in lines[1:])}
+        size = int(headers["content-length"])
+        answers.append((int(lines[0].split()[1]), headers, json.loads(data[:size])))
+        data = data[size:]
+    assert [a[0] for a in answers] == [200, 200, 200, 200]
+    assert answers[0][2]["output"].endswith("first")
+    assert answers[1][2] == {"status": "ok"}
+    assert answers[2][2]["output"].endswith("second")
+    assert answers[3][2]["output"].endswith("third")
+    assert answers[3][1]["connection"] == "close"
+    assert all(a[1]["x-request-id"] for a in answers[::2])
+
+
+def test_expect_100_continue_gets_its_interim_answer(cluster: Cluster) -> None:
+    secret = auth("paid")["Authorization"]
+    body = json.dumps({"input": "after the interim"}).encode()
+    sock = connect(cluster)
+    sock.sendall(
+        (
+            f"POST /v1/inference HTTP/1.1\r\nHost: x\r\nAuthorization: {secret}\r\n"
+            f"Expect: 100-continue\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode()
+    )
+    assert sock.recv(64).startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+    sock.sendall(body)
+    status, _, answer = response(sock)
+    sock.close()
+    assert status == 200
+    assert answer["output"].endswith("after the interim")
