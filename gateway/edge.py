@@ -155,14 +155,17 @@ class EdgeProtocol(HttpToolsProtocol):
             self._refuse(431, f"more than {self.limits.max_headers} headers")
             return
         # The whole head may have come in one chunk, past data_received's check.
-        head = len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers)
+        head = len(self.url)
+        largest = 0
+        for name, value in self.headers:
+            size = len(name) + len(value)
+            head += size + 4
+            if size > largest:
+                largest = size
         if head > self.limits.max_head_bytes:
             self._refuse(431, f"the request head is over {self.limits.max_head_bytes} bytes")
             return
-        if (
-            max((len(n) + len(v) for n, v in self.headers), default=0)
-            > self.limits.max_header_bytes
-        ):
+        if largest > self.limits.max_header_bytes:
             self._refuse(431, f"a header is over {self.limits.max_header_bytes} bytes")
             return
         self._phase = _BODY

@@ -58,6 +58,7 @@ _tracer = tracing.tracer(__name__)
 RETRY_NO_WORKER_MS = 1_000
 RETRY_REDIS_MS = 1_000
 RETRY_DRAINING_MS = 100
+KNOWN_KEYS_MAX = 10_000
 
 # The fleet counters /v1/status always shows (0 until something happens).
 COUNTERS = (
@@ -180,6 +181,10 @@ class Gateway:
         self.admitted = 0
         self.refused_for_capacity = 0
         self.draining = False
+        # Authorization headers already matched to a key of the active policy
+        # (no SHA-256 per request); emptied when the policy changes.
+        self._keys_policy: Policy | None = None
+        self._keys_known: dict[str, KeyEntry] = {}
         self.heartbeat = Heartbeater(
             self.store,
             lambda: wire.Heartbeat(
@@ -260,6 +265,19 @@ class Gateway:
     def authenticate(self, authorization: str | None, policy: Policy) -> KeyEntry:
         if not authorization:
             raise ApiError("UNAUTHENTICATED", "missing API key; send 'Authorization: Bearer <key>'")
+        if policy is not self._keys_policy:  # a new policy: what was known may not hold
+            self._keys_policy, self._keys_known = policy, {}
+        key = self._keys_known.get(authorization)
+        if key is None:
+            key = self._key_of(authorization, policy)
+            if len(self._keys_known) < KNOWN_KEYS_MAX:  # only keys that exist: bounded
+                self._keys_known[authorization] = key
+        if key.disabled:
+            raise ApiError("KEY_DISABLED", "this API key is disabled")
+        return key
+
+    @staticmethod
+    def _key_of(authorization: str, policy: Policy) -> KeyEntry:
         scheme, _, secret = authorization.strip().partition(" ")
         secret = secret.strip()
         if scheme.lower() != "bearer" or not secret:
@@ -270,8 +288,6 @@ class Gateway:
         key = policy.key_for_digest(digest(secret))
         if key is None:
             raise ApiError("UNAUTHENTICATED", "unknown API key")
-        if key.disabled:
-            raise ApiError("KEY_DISABLED", "this API key is disabled")
         return key
 
     async def infer(self, call: Call) -> tuple[InferenceResponse, dict[str, str]]:
@@ -342,7 +358,7 @@ class Gateway:
     ) -> tuple[InferenceResponse, dict[str, str]]:
         body, tier = self.read_body(call.body, policy, key)
         share = Share.of(policy, key, body.input)
-        cached = await self._cached(share)
+        cached = None if share is None or share.digest is None else await self._cached(share)
         if cached is not None:
             headers = await self.charge_quota(key, tier, len(body.input))
             self.metrics.cache_hits.labels(key.tier).inc()

@@ -39,9 +39,9 @@ class ReplySubscription:
     def __init__(self, pubsub: PubSub, jobs_done: bytes, job_prefix: str) -> None:
         if pubsub.connection is None:
             raise RedisConnectionError("the subscription has no connection")
-        self._raw = RawConnection(pubsub.connection)
-        self._jobs_done = jobs_done
-        self._job_prefix = job_prefix
+        self._raw: RawConnection = RawConnection(pubsub.connection)
+        self._jobs_done: bytes = jobs_done
+        self._job_prefix: str = job_prefix
 
     async def next_message(self, timeout_s: float) -> tuple[bytes | None, list[str]]:
         """The next reply's raw bytes, or the ids of jobs just finished (one
