@@ -152,8 +152,15 @@ class HttpPool:
         self.idle.clear()
 
 
-def post_bytes(host: str, path: str, headers: dict[str, str], body: bytes) -> bytes:
-    """A complete HTTP/1.1 POST, ready to write."""
-    lines = [f"POST {path} HTTP/1.1", f"Host: {host}", f"Content-Length: {len(body)}"]
-    lines += [f"{k}: {v}" for k, v in headers.items()]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+class PostTemplate:
+    """A POST's request line and headers, prepared once: each request only
+    adds its Content-Length and body."""
+
+    def __init__(self, host: str, path: str, headers: dict[str, str]) -> None:
+        lines = [f"POST {path} HTTP/1.1", f"Host: {host}"]
+        lines += [f"{k}: {v}" for k, v in headers.items()]
+        self.head = ("\r\n".join(lines) + "\r\nContent-Length: ").encode("latin-1")
+
+    def with_body(self, body: bytes) -> bytes:
+        """A complete HTTP/1.1 POST, ready to write."""
+        return b"%s%d\r\n\r\n%s" % (self.head, len(body), body)
