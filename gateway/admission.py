@@ -42,12 +42,17 @@ class Admission:
         measured = self.fleet.capacity_rps(policy.document.batching.max_batch_size)
         return measured * policy.document.capacity.target_utilization
 
-    def _ahead(self, tier: str) -> tuple[int, int]:
-        """(work queued at this tier and above, work queued at this tier)."""
+    def _sync(self) -> None:
+        """A new fleet view already counts what was admitted before it."""
         snapshot = self.fleet.snapshot
         if snapshot is not self._snapshot_seen:
             self._snapshot_seen = snapshot
             self._admitted_since = dict.fromkeys(TIERS, 0)
+
+    def _ahead(self, tier: str) -> tuple[int, int]:
+        """(work queued at this tier and above, work queued at this tier)."""
+        self._sync()
+        snapshot = self.fleet.snapshot
         depth = snapshot.queue_depth if snapshot is not None else {}
         total = 0
         own = 0
@@ -82,13 +87,13 @@ class Admission:
         """Count a request let in since the last view: at the decision, before
         its round trip to Redis, so that every request of a burst decided in
         one go counts the ones decided before it."""
-        self._ahead(tier)  # a new view resets the counts first
+        self._sync()
         self._admitted_since[tier] += 1
 
     def released(self, tier: str) -> None:
         """A request counted by ``admitted`` was not queued after all (its
         quota refused it, or Redis failed)."""
-        self._ahead(tier)
+        self._sync()
         self._admitted_since[tier] = max(0, self._admitted_since[tier] - 1)
 
     def decide(self, policy: Policy, tier: str) -> Decision:

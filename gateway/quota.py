@@ -108,6 +108,13 @@ def _costing(charge: Charge, cost: int) -> Charge:
 def _result(charges: list[Charge], admitted: Admitted) -> QuotaResult:
     """The headers' limit (the request limit closest to running out), and the
     first limit that refused, if one did."""
+    # The usual case, one request limit (a cost limit or not; request limits
+    # come first): no search.
+    one_request_limit = len(charges) == 1 or (len(charges) > 1 and charges[1].kind != "requests")
+    if admitted.admitted and one_request_limit and charges[0].kind == "requests":
+        amount = charges[0].item.amount
+        left_s = _left_s(charges[0], admitted.ttls_ms[0])
+        return QuotaResult(True, amount, max(0, amount - admitted.counts[0]), left_s)
     windows = list(zip(charges, admitted.counts, admitted.ttls_ms, strict=True))
     limit = remaining = None
     reset_s = None

@@ -8,13 +8,14 @@ import re
 from collections.abc import AsyncIterator, Iterable
 from typing import Any, cast
 
+import msgspec
 import pytest
 from infergate.base.fleet import FleetView
-from infergate.base.queue.gateway import GatewayQueue
+from infergate.base.queue.gateway import Admitted, GatewayQueue
 from infergate.base.queue.store import FleetSnapshot, Store
 from infergate.base.wire import Heartbeat
 from infergate.gateway.admission import Admission, Decision
-from infergate.gateway.quota import Quota, QuotaResult
+from infergate.gateway.quota import Quota, QuotaResult, _result
 from infergate.policies import KeyEntry, Policy, parse_policy
 
 from tests.helpers import as_yaml, key_entry, policy
@@ -498,3 +499,38 @@ def test_reset_header_format() -> None:
         "x-ratelimit-reset-requests": "3.142s",
     }
     assert QuotaResult(True).headers() == {}
+
+
+@pytest.mark.parametrize(
+    ("rates", "counts", "ttls_ms", "expected"),
+    [
+        # one request limit and a cost limit: the request limit's numbers
+        (["10/second"], [3, 5000], [500, 40_000], QuotaResult(True, 10, 7, 0.5)),
+        # a window not open yet: all of it is left
+        (["10/second"], [1, 12], [-1, -1], QuotaResult(True, 10, 9, 1.0)),
+        # two request limits: the one closest to running out
+        (
+            ["10/second", "100/minute"],
+            [3, 98, 12],
+            [500, 9_000, 9_000],
+            QuotaResult(True, 100, 2, 9.0),
+        ),
+    ],
+)
+def test_the_headers_name_the_request_limit_closest_to_running_out(
+    rates: list[str], counts: list[int], ttls_ms: list[int], expected: QuotaResult
+) -> None:
+    key = KeyEntry(id="k", tier="paid", sha256="0" * 64, rate_limits=rates)
+    pol = parse_policy(as_yaml(policy()), "p.yaml")
+    tier = pol.tiers["paid"]
+    tier_with_cost = msgspec.structs.replace(tier, cost_limit="1000000/minute")
+    quota = Quota(cast(GatewayQueue, _Names()))
+    charges = quota.charges(key, tier_with_cost, 12)
+    assert _result(charges, Admitted(True, 1, counts, ttls_ms)) == expected
+
+
+class _Names:
+    """What ``Quota`` asks of its queue to name counters (no Redis involved)."""
+
+    def counter_key(self, name: str) -> str:
+        return "rl:" + name
