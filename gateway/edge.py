@@ -31,7 +31,7 @@ chunk of the socket can bring beyond the limit is never kept.
 """
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,10 +45,17 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 log = logs.get(__name__)
 
 
-def error_response(error: ApiError, request_id: str) -> bytes:
-    """A complete HTTP/1.1 response in the one error shape, closing the connection."""
+Headers = list[tuple[bytes, bytes]]
+
+
+def error_response(
+    error: ApiError, request_id: str, default_headers: Sequence[tuple[bytes, bytes]] = ()
+) -> bytes:
+    """A complete HTTP/1.1 response in the one error shape, closing the
+    connection (after the server's own headers, date and server, if given)."""
     body = msgspec.json.encode(error.body(request_id))
     head = [
+        *(f"{k.decode('latin-1')}: {v.decode('latin-1')}" for k, v in default_headers),
         "content-type: application/json",
         f"content-length: {len(body)}",
         "connection: close",
@@ -58,7 +65,6 @@ def error_response(error: ApiError, request_id: str) -> bytes:
     return STATUS_LINE[error.status] + ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
 
 
-Headers = list[tuple[bytes, bytes]]
 # Registers the callback to run if the connection is lost (None clears it).
 DisconnectHook = Callable[[Callable[[], None] | None], None]
 
@@ -252,14 +258,20 @@ class EdgeProtocol(HttpToolsProtocol):
                 408, f"the request body did not arrive within {self.limits.body_timeout_s:g} s"
             )
 
+    def send_400_response(self, msg: str) -> None:
+        """What the HTTP parser cannot read (uvicorn answers it in plain
+        text): 400 in the one error shape, connection closed."""
+        self._refuse(400, "the request is not valid HTTP/1.1")
+
     def _refuse(self, status: int, message: str) -> None:
-        code = "REQUEST_TIMEOUT" if status == 408 else "HEADERS_TOO_LARGE"
+        code = {400: "INVALID_INPUT", 408: "REQUEST_TIMEOUT"}.get(status, "HEADERS_TOO_LARGE")
         logs.limited(log, "edge.refused", status=status, code=code)
         self._refused = True
         transport = self.transport
         if transport is None or transport.is_closing():
             return
-        transport.write(error_response(ApiError(code, message), new_request_id()))
+        default = self.server_state.default_headers
+        transport.write(error_response(ApiError(code, message), new_request_id(), default))
         transport.close()
         # Nothing more is parsed from this connection.
         self.parser = _Closed()  # type: ignore[assignment]
@@ -349,12 +361,18 @@ class _FastCycle:
         status, headers, payload = await route.answer(
             request_id, self.headers, body, protocol._watch_disconnect
         )
-        if protocol.flow.write_paused and not self.disconnected:
+        if protocol.flow.write_paused and not self._gone():
             await protocol.flow.drain()
-        if self.disconnected:
+        if self._gone():
             return
         protocol.transport.write(self._response(status, headers, payload))
         self._finish()
+
+    def _gone(self) -> bool:
+        """The client left (uvicorn marks only the connection's latest cycle:
+        with pipelining, that may be a later request than this one)."""
+        protocol = self.protocol
+        return self.disconnected or protocol._lost or protocol.transport.is_closing()
 
     def _response(self, status: int, headers: Headers, payload: bytes) -> bytes:
         out = [STATUS_LINE[status]]
@@ -373,7 +391,9 @@ class _FastCycle:
         self.route.on_refused(413)
         error = ApiError("PAYLOAD_TOO_LARGE", f"the request body is over {self.limit} bytes")
         self.keep_alive = False
-        self.protocol.transport.write(error_response(error, request_id))
+        if not self._gone():
+            default = self.protocol.server_state.default_headers
+            self.protocol.transport.write(error_response(error, request_id, default))
         self._finish()
 
     def _finish(self) -> None:
@@ -384,9 +404,14 @@ class _FastCycle:
 
 
 def _declared_length(headers: Headers) -> int:
+    """The Content-Length (the parser checked its form); one too long to
+    read as a number is larger than any limit."""
     for name, value in headers:
         if name == b"content-length":
-            return int(value) if value.isdigit() else 0
+            digits = value.lstrip(b"0")
+            if len(digits) > 18:
+                return 1 << 62
+            return int(digits) if digits.isdigit() else 0
     return 0
 
 

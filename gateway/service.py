@@ -181,8 +181,7 @@ class Gateway:
         self.admitted = 0
         self.refused_for_capacity = 0
         self.draining = False
-        # Authorization headers already matched to a key of the active policy
-        # (no SHA-256 per request); emptied when the policy changes.
+        # Secrets already matched to a key of the active policy (``_key_of``).
         self._keys_policy: Policy | None = None
         self._keys_known: dict[str, KeyEntry] = {}
         self.heartbeat = Heartbeater(
@@ -265,19 +264,6 @@ class Gateway:
     def authenticate(self, authorization: str | None, policy: Policy) -> KeyEntry:
         if not authorization:
             raise ApiError("UNAUTHENTICATED", "missing API key; send 'Authorization: Bearer <key>'")
-        if policy is not self._keys_policy:  # a new policy: what was known may not hold
-            self._keys_policy, self._keys_known = policy, {}
-        key = self._keys_known.get(authorization)
-        if key is None:
-            key = self._key_of(authorization, policy)
-            if len(self._keys_known) < KNOWN_KEYS_MAX:  # only keys that exist: bounded
-                self._keys_known[authorization] = key
-        if key.disabled:
-            raise ApiError("KEY_DISABLED", "this API key is disabled")
-        return key
-
-    @staticmethod
-    def _key_of(authorization: str, policy: Policy) -> KeyEntry:
         scheme, _, secret = authorization.strip().partition(" ")
         secret = secret.strip()
         if scheme.lower() != "bearer" or not secret:
@@ -285,9 +271,25 @@ class Gateway:
                 "UNAUTHENTICATED",
                 "malformed Authorization header; send 'Authorization: Bearer <key>'",
             )
-        key = policy.key_for_digest(digest(secret))
+        key = self._key_of(secret, policy)
         if key is None:
             raise ApiError("UNAUTHENTICATED", "unknown API key")
+        if key.disabled:
+            raise ApiError("KEY_DISABLED", "this API key is disabled")
+        return key
+
+    def _key_of(self, secret: str, policy: Policy) -> KeyEntry | None:
+        """The policy's key for ``secret``. A secret already matched is
+        remembered (no SHA-256 per request): only secrets of the policy's own
+        keys, so the memory is as bounded as the policy; a new policy
+        forgets them all."""
+        if policy is not self._keys_policy:
+            self._keys_policy, self._keys_known = policy, {}
+        key = self._keys_known.get(secret)
+        if key is None:
+            key = policy.key_for_digest(digest(secret))
+            if key is not None and len(self._keys_known) < KNOWN_KEYS_MAX:
+                self._keys_known[secret] = key
         return key
 
     async def infer(self, call: Call) -> tuple[InferenceResponse, dict[str, str]]:

@@ -250,6 +250,7 @@ def test_a_chunked_body_obeys_a_live_edited_limit(cluster: Cluster) -> None:
         status, headers, body = _chunked(cluster, 1900)
         assert status == 413
         assert_error_shape(status, headers, body, "PAYLOAD_TOO_LARGE")
+        assert "date" in headers  # the server's own headers, as on every answer
         assert _chunked(cluster, 600)[0] == 200
     finally:
         write_policy(cluster.policy_path, policy())
@@ -330,3 +331,57 @@ def test_expect_100_continue_gets_its_interim_answer(cluster: Cluster) -> None:
     sock.close()
     assert status == 200
     assert answer["output"].endswith("after the interim")
+
+
+def test_a_client_leaving_with_pipelined_requests_in_flight_costs_no_traceback(
+    cluster: Cluster,
+) -> None:
+    """The connection's first request is answered to a closed socket: nothing
+    is written, nothing is logged as an error (checked at teardown)."""
+    secret = auth("paid")["Authorization"]
+    body = json.dumps({"input": "left early"}).encode()
+    one = (
+        f"POST /v1/inference HTTP/1.1\r\nHost: x\r\nAuthorization: {secret}\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    for _ in range(5):
+        sock = connect(cluster)
+        sock.sendall(one * 3)
+        sock.close()
+    assert served(cluster)
+
+
+def test_a_content_length_with_thousands_of_leading_zeros_is_still_a_length(
+    cluster: Cluster,
+) -> None:
+    secret = auth("paid")["Authorization"]
+    body = json.dumps({"input": "zeros"}).encode()
+    sock = connect(cluster)
+    sock.sendall(
+        (
+            f"POST /v1/inference HTTP/1.1\r\nHost: x\r\nAuthorization: {secret}\r\n"
+            f"Content-Length: {'0' * 5000}{len(body)}\r\n\r\n"
+        ).encode()
+        + body
+    )
+    status, _, answer = response(sock)
+    sock.close()
+    assert status == 200
+    assert answer["output"].endswith("zeros")
+    # One the parser cannot read as a length (it overflows) is not HTTP: 400,
+    # in the one error shape.
+    sock = connect(cluster)
+    sock.sendall(
+        (
+            f"POST /v1/inference HTTP/1.1\r\nHost: x\r\nAuthorization: {secret}\r\n"
+            f"Content-Length: 9{'0' * 40}\r\n\r\n"
+        ).encode()
+    )
+    try:
+        status, headers, answer = response(sock)
+    finally:
+        sock.close()
+    assert status == 400
+    assert_error_shape(status, headers, answer, "INVALID_INPUT")
+    assert "date" in headers
+    assert served(cluster)

@@ -523,3 +523,25 @@ async def test_pipelined_calls_fail_when_redis_hangs_and_go_on_once_it_answers()
     finally:
         await store.close()
         server.stop()
+
+
+async def test_pipelined_calls_go_on_after_redis_restarts_without_a_failed_call() -> None:
+    """The held connection died with the old Redis: the next call notices it
+    before writing, opens a new one, and reloads the script Redis forgot."""
+    server = RedisServer().start()
+    store = Store.connect(server.url, "t", name="test")
+    try:
+        gateway = GatewayQueue(store, "gw")
+        assert (await gateway.admit([], "free", env(1, "free"))).admitted
+        server.stop()
+        server.start()
+        async with asyncio.timeout(10):
+            while True:  # until the old connection's end has been seen
+                link = store.pipelined._link
+                if link is None or not link.usable():
+                    break
+                await asyncio.sleep(0.01)
+            assert (await gateway.admit([], "free", env(2, "free"))).admitted
+    finally:
+        await store.close()
+        server.stop()

@@ -24,9 +24,11 @@ them, so they are sent once more after the script is loaded.
 """
 
 import asyncio
+import contextlib
 from typing import Any
 
 from hiredis import pack_command
+from infergate.base.errors import UNAVAILABLE
 from infergate.base.queue.resp import RawConnection
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
@@ -86,7 +88,8 @@ class Pipelined:
                     await self._send(batch)
                 except BaseException as exc:
                     _fail(batch, exc)
-                    await self._drop_link()
+                    with contextlib.suppress(Exception):  # a broken link is dropped anyway
+                        await self._drop_link()
                     if isinstance(exc, asyncio.CancelledError):
                         raise
         finally:
@@ -96,22 +99,33 @@ class Pipelined:
                 self._queued = []
 
     async def _send(self, batch: list[_Call]) -> None:
-        """One write, then the replies in order. A connection error fails
-        every call of the batch (the caller fails them)."""
-        link = self._link or await self._open_link()
+        """One write, then the replies in order, each call settled as its
+        reply arrives. A connection error fails the calls not yet answered
+        (the caller fails them; a settled call stays settled)."""
+        link = self._link
+        if link is None or not link.usable():
+            await self._drop_link()
+            link = await self._open_link()
         link.write(b"".join([pack_command(c.command) for c in batch]))
-        replies = await link.replies(len(batch), link.connection.socket_timeout)
         missing: list[_Call] = []
-        for call, reply in zip(batch, replies, strict=True):
+        lost: list[Exception] = []
+
+        def settle(i: int, reply: Any) -> None:
+            call = batch[i]
             if isinstance(reply, NoScriptError) and not call.resent:
                 missing.append(call)
-            elif isinstance(reply, Exception):  # this call's own error (the script's)
+            elif isinstance(reply, Exception):  # this call's own error (the script's) ...
                 call.settle(exc=reply)
+                if isinstance(reply, UNAVAILABLE):  # ... or a primary no longer primary
+                    lost.append(reply)
             else:
                 call.settle(reply)
+
+        await link.replies(len(batch), link.connection.socket_timeout, settle)
+        if lost:  # a new connection asks Sentinel where the primary is now
+            await self._drop_link()
         if missing:
-            for script in {id(c.script): c.script for c in missing}.values():
-                await self.redis.script_load(script.script)
+            await _load_scripts(link, [c.script for c in missing])
             for call in missing:
                 call.resent = True
             self._queued[:0] = missing
@@ -120,11 +134,17 @@ class Pipelined:
         pool = self.redis.connection_pool
         connection = await pool.get_connection()  # type: ignore[no-untyped-call]
         try:
-            self._link = RawConnection(connection)
+            link = RawConnection(connection)
+            if not link.usable():  # an idle one of the pool's, from before a restart
+                await connection.disconnect()
+                await connection.connect()
+                link = RawConnection(connection)
         except BaseException:
+            await connection.disconnect()
             await pool.release(connection)
             raise
-        return self._link
+        self._link = link
+        return link
 
     async def _drop_link(self) -> None:
         link, self._link = self._link, None
@@ -134,6 +154,22 @@ class Pipelined:
             await link.connection.disconnect()
         finally:
             await self.redis.connection_pool.release(link.connection)
+
+
+async def _load_scripts(link: RawConnection, scripts: list[AsyncScript]) -> None:
+    """SCRIPT LOAD on the connection that just answered NOSCRIPT (it is up;
+    one of the pool's might be from before a restart)."""
+    distinct = list({s.sha: s for s in scripts}.values())
+    loads: list[tuple[Any, ...]] = [("SCRIPT", "LOAD", s.script) for s in distinct]
+    link.write(b"".join([pack_command(c) for c in loads]))
+    errors: list[Exception] = []
+    await link.replies(
+        len(distinct),
+        link.connection.socket_timeout,
+        lambda i, reply: errors.append(reply) if isinstance(reply, Exception) else None,
+    )
+    if errors:
+        raise errors[0]
 
 
 def _fail(batch: list[_Call], exc: BaseException) -> None:

@@ -1,38 +1,32 @@
 """Replies read straight from a connection redis-py opened.
 
 redis-py opens the connection (address, Sentinel, TLS, AUTH, db, client
-name, as configured); what goes through it afterwards on the hot paths (the
-pipelined script calls, the reply channel) is read here, from its stream,
-with one hiredis reader: no pool, lock, timeout context or hook per reply.
-An error reply comes back as the exception redis-py would raise for it.
+name, protocol, as configured); what goes through it afterwards on the hot
+paths (the pipelined script calls, the reply channel) is read here, from its
+stream, with one hiredis reader: no pool, lock, timeout context or hook per
+reply. An error reply comes back as the exception redis-py would raise for
+it; a push the server sends on its own (RESP3: maintenance notices) is
+skipped, as redis-py skips it.
 """
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import hiredis
+from redis._parsers import BaseParser
 from redis.asyncio.connection import AbstractConnection
-from redis.exceptions import (
-    BusyLoadingError,
-    InvalidResponse,
-    NoScriptError,
-    ReadOnlyError,
-    ResponseError,
-)
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import InvalidResponse, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-# Redis's error prefixes that mean something to the code around (``errors.py``).
-_ERRORS: dict[str, type[Exception]] = {
-    "NOSCRIPT": NoScriptError,
-    "READONLY": ReadOnlyError,
-    "LOADING": BusyLoadingError,
-}
+# What the reader returns while a reply is incomplete (False is a RESP3 value).
+_MORE = object()
 
 
 def _error(reply: ResponseError) -> Exception:
-    message = str(reply)
-    return _ERRORS.get(message.split(" ", 1)[0], ResponseError)(message)
+    error: Exception = BaseParser.parse_error(str(reply))  # type: ignore[no-untyped-call]
+    return error
 
 
 class RawConnection:
@@ -45,40 +39,49 @@ class RawConnection:
             raise RedisConnectionError("the connection is not open")
         self.stream = stream
         self.writer = writer
-        self.parser = hiredis.Reader(protocolError=InvalidResponse, replyError=ResponseError)
+        self.parser = hiredis.Reader(
+            protocolError=InvalidResponse, replyError=ResponseError, notEnoughData=_MORE
+        )
         self.timed_out = False
+
+    def usable(self) -> bool:
+        """Still open, not cut by a timeout, not closed by the server."""
+        return not (self.timed_out or self.writer.is_closing() or self.stream.at_eof())
 
     def write(self, data: bytes) -> None:
         self.writer.write(data)
 
-    async def replies(self, n: int, timeout_s: float | None) -> list[Any]:
-        """The next ``n`` replies, in order (an error reply as its exception).
-        One timer for all of them: past ``timeout_s`` the connection is cut
-        and this raises, as redis-py's socket timeout would."""
-        out: list[Any] = []
+    async def replies(
+        self, n: int, timeout_s: float | None, each: Callable[[int, Any], None]
+    ) -> None:
+        """Hand the next ``n`` replies, in order, to ``each(i, reply)`` as they
+        arrive (an error reply as its exception). One timer for all of them:
+        past ``timeout_s`` the connection is cut and this raises, as
+        redis-py's socket timeout would; the replies already handed stay so."""
         timer = None
+        i = 0
         try:
-            while len(out) < n:
+            while i < n:
                 reply = self.parser.gets()
-                if reply is not False:
-                    out.append(_error(reply) if isinstance(reply, ResponseError) else reply)
-                    continue
-                if timer is None and timeout_s is not None:
-                    timer = asyncio.get_running_loop().call_later(timeout_s, self._time_out)
-                await self._read()
+                if reply is _MORE:
+                    if timer is None and timeout_s is not None:
+                        timer = asyncio.get_running_loop().call_later(timeout_s, self._time_out)
+                    await self._read()
+                elif not isinstance(reply, hiredis.PushNotification):
+                    each(i, _error(reply) if isinstance(reply, ResponseError) else reply)
+                    i += 1
         finally:
             if timer is not None:
                 timer.cancel()
-        return out
 
     async def next_push(self, timeout_s: float) -> Any:
-        """The next message pushed on a subscribed connection, or None if
-        none came within ``timeout_s`` (the connection stays as it was)."""
+        """The next message on a subscribed connection, or None if none came
+        within ``timeout_s`` (the connection stays as it was)."""
         reply = self.parser.gets()
-        if reply is False:
+        if reply is _MORE:
             try:
                 async with asyncio.timeout(timeout_s):
-                    while reply is False:
+                    while reply is _MORE:
                         await self._read()
                         reply = self.parser.gets()
             except TimeoutError:
