@@ -31,6 +31,7 @@ chunk of the socket can bring beyond the limit is never kept.
 """
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +40,7 @@ import msgspec
 from infergate.base import logs
 from infergate.gateway.errors import ApiError
 from infergate.gateway.limits import EdgeLimits
-from infergate.gateway.middleware import ON_DISCONNECT, new_request_id
+from infergate.gateway.middleware import ON_DISCONNECT, content_length, new_request_id
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 log = logs.get(__name__)
@@ -277,6 +278,21 @@ class EdgeProtocol(HttpToolsProtocol):
         self.parser = _Closed()  # type: ignore[assignment]
 
 
+class _WithoutParserWarnings(logging.Filter):
+    """uvicorn logs a warning for every request its parser rejects, before
+    the edge answers it; the edge's own line (``edge.refused``) is
+    rate-limited, so uvicorn's is dropped: a hostile client cannot flood the log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "Invalid HTTP request received."
+
+
+def quiet_parser_warnings() -> None:
+    logger = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, _WithoutParserWarnings) for f in logger.filters):
+        logger.addFilter(_WithoutParserWarnings())
+
+
 class _Wakeup:
     """The one wait of a fast cycle for more of its body (or a disconnect)."""
 
@@ -404,14 +420,9 @@ class _FastCycle:
 
 
 def _declared_length(headers: Headers) -> int:
-    """The Content-Length (the parser checked its form); one too long to
-    read as a number is larger than any limit."""
     for name, value in headers:
         if name == b"content-length":
-            digits = value.lstrip(b"0")
-            if len(digits) > 18:
-                return 1 << 62
-            return int(digits) if digits.isdigit() else 0
+            return content_length(value)
     return 0
 
 

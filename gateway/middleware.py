@@ -33,6 +33,16 @@ def new_request_id() -> str:
     return os.urandom(8).hex()
 
 
+def content_length(value: bytes) -> int:
+    """A Content-Length header's number (the HTTP parser checked its form;
+    0 if it is not one). One too long to read, even zero-padded, is larger
+    than any body limit."""
+    digits = value.lstrip(b"0")
+    if len(digits) > 18:
+        return 1 << 62
+    return int(digits) if digits.isdigit() else 0
+
+
 class BodyRefused(Exception):
     def __init__(self, error: ApiError) -> None:
         super().__init__(error.message)
@@ -95,7 +105,7 @@ class RequestIdAndLimits:
         too_large = ApiError("PAYLOAD_TOO_LARGE", f"the request body is over {limit} bytes")
         for name, value in scope["headers"]:
             if name == b"content-length":
-                if value.isdigit() and int(value) > limit:
+                if content_length(value) > limit:
                     raise BodyRefused(too_large)
                 break
         chunks: list[bytes] = []

@@ -385,3 +385,35 @@ def test_a_content_length_with_thousands_of_leading_zeros_is_still_a_length(
     assert_error_shape(status, headers, answer, "INVALID_INPUT")
     assert "date" in headers
     assert served(cluster)
+
+
+def test_a_zero_padded_length_on_an_asgi_route_is_no_500(cluster: Cluster) -> None:
+    secret = auth("paid")["Authorization"]
+    body = json.dumps({"input": "a job"}).encode()
+    sock = connect(cluster)
+    sock.sendall(
+        (
+            f"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nAuthorization: {secret}\r\n"
+            f"Content-Length: {'0' * 5000}{len(body)}\r\n\r\n"
+        ).encode()
+        + body
+    )
+    try:
+        status, _, _ = response(sock)
+    finally:
+        sock.close()
+    assert status < 500
+
+
+def test_unreadable_http_repeated_does_not_flood_the_log(cluster: Cluster) -> None:
+    for _ in range(30):
+        sock = connect(cluster)
+        sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+        try:
+            status, headers, body = response(sock)
+        finally:
+            sock.close()
+        assert status == 400
+        assert_error_shape(status, headers, body, "INVALID_INPUT")
+    assert cluster.gateways[0].output().count("Invalid HTTP request") == 0
+    assert served(cluster)

@@ -28,7 +28,7 @@ import contextlib
 from typing import Any
 
 from hiredis import pack_command
-from infergate.base.errors import UNAVAILABLE
+from infergate.base.errors import STORE_ERRORS, UNAVAILABLE
 from infergate.base.queue.resp import RawConnection
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
@@ -124,6 +124,8 @@ class Pipelined:
         await link.replies(len(batch), link.connection.socket_timeout, settle)
         if lost:  # a new connection asks Sentinel where the primary is now
             await self._drop_link()
+            _fail(missing, lost[0])  # not run on this primary; nothing sent twice
+            return
         if missing:
             await _load_scripts(link, [c.script for c in missing])
             for call in missing:
@@ -140,8 +142,10 @@ class Pipelined:
                 await connection.connect()
                 link = RawConnection(connection)
         except BaseException:
-            await connection.disconnect()
-            await pool.release(connection)
+            try:
+                await connection.disconnect()
+            finally:
+                await pool.release(connection)
             raise
         self._link = link
         return link
@@ -173,8 +177,12 @@ async def _load_scripts(link: RawConnection, scripts: list[AsyncScript]) -> None
 
 
 def _fail(batch: list[_Call], exc: BaseException) -> None:
-    error = (
-        exc if isinstance(exc, Exception) else RedisConnectionError("the Redis client is closing")
-    )
+    """Fail every call not yet settled, with a store error (what callers answer 503 to)."""
+    if isinstance(exc, STORE_ERRORS):
+        error: Exception = exc  # type: ignore[assignment]
+    elif isinstance(exc, Exception):
+        error = RedisConnectionError(f"the Redis connection failed: {type(exc).__name__}")
+    else:
+        error = RedisConnectionError("the Redis client is closing")
     for call in batch:
         call.settle(exc=error)

@@ -5,8 +5,10 @@ name, protocol, as configured); what goes through it afterwards on the hot
 paths (the pipelined script calls, the reply channel) is read here, from its
 stream, with one hiredis reader: no pool, lock, timeout context or hook per
 reply. An error reply comes back as the exception redis-py would raise for
-it; a push the server sends on its own (RESP3: maintenance notices) is
-skipped, as redis-py skips it.
+it. A push the server sends on its own (RESP3 maintenance notices, on Redis
+Cloud or Software) is skipped on the pipelined connection: redis-py would
+relax its timeouts or reconnect on one, this one does not; a server that
+then closes the connection is noticed before the next write.
 """
 
 import asyncio
@@ -46,7 +48,9 @@ class RawConnection:
 
     def usable(self) -> bool:
         """Still open, not cut by a timeout, not closed by the server."""
-        return not (self.timed_out or self.writer.is_closing() or self.stream.at_eof())
+        # (``at_eof`` waits for the buffer to be read: the end itself is enough.)
+        ended = self.stream.at_eof() or bool(getattr(self.stream, "_eof", False))
+        return not (self.timed_out or self.writer.is_closing() or ended)
 
     def write(self, data: bytes) -> None:
         self.writer.write(data)
