@@ -425,12 +425,17 @@ def create_app(gateway: Gateway) -> Litestar:
     return app
 
 
+def count_refused_inference(gateway: Gateway, status: int) -> None:
+    """An inference request refused before its key was read (413): no tier."""
+    gateway.metrics.requests.labels(NO_TIER, str(status)).inc()
+
+
 def create_asgi(gateway: Gateway) -> Any:
     """The Litestar app wrapped in the request-id and body-limit middleware."""
 
     def count_refused(scope: dict[str, Any], status: int) -> None:
-        if scope.get("path") == "/v1/inference":  # refused before its key was read
-            gateway.metrics.requests.labels(NO_TIER, str(status)).inc()
+        if scope.get("path") == "/v1/inference":
+            count_refused_inference(gateway, status)
 
     async def fast_inference(scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
         await serve_inference(gateway, scope, body, receive, send)
@@ -446,9 +451,6 @@ def create_asgi(gateway: Gateway) -> Any:
 def inference_route(gateway: Gateway) -> FastRoute:
     """POST /v1/inference for the HTTP edge to serve without ASGI."""
 
-    def count_refused(status: int) -> None:  # refused before its key was read
-        gateway.metrics.requests.labels(NO_TIER, str(status)).inc()
-
     async def answer(
         request_id: str, headers: Headers, body: bytes, on_disconnect: OnDisconnect
     ) -> tuple[int, Headers, bytes]:
@@ -459,5 +461,5 @@ def inference_route(gateway: Gateway) -> FastRoute:
         b"/v1/inference",
         answer,
         lambda: gateway.policy.current.document.limits.max_body_bytes,
-        count_refused,
+        lambda status: count_refused_inference(gateway, status),
     )

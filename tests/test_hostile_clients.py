@@ -75,14 +75,32 @@ def response(sock: socket.socket) -> tuple[int, dict[str, str], dict]:
             raise ConnectionError(f"closed without a response: {data[:200]!r}")
         data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    status, headers = parse_head(head)
     while len(body) < int(headers.get("content-length", "0")):
         chunk = sock.recv(65536)
         if not chunk:
             break
         body += chunk
-    return int(lines[0].split()[1]), headers, json.loads(body) if body else {}
+    return status, headers, json.loads(body) if body else {}
+
+
+def parse_head(head: bytes) -> tuple[int, dict[str, str]]:
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    return int(lines[0].split()[1]), headers
+
+
+def post(
+    path: str, body: bytes, *, head: str = "", length: str | None = None, version: str = "1.1"
+) -> bytes:
+    """A POST with the paid key: ``head`` adds header lines, ``length`` replaces
+    the Content-Length (the body is sent as given)."""
+    secret = auth("paid")["Authorization"]
+    size = str(len(body)) if length is None else length
+    return (
+        f"POST {path} HTTP/{version}\r\nHost: x\r\nAuthorization: {secret}\r\n{head}"
+        f"Content-Length: {size}\r\n\r\n"
+    ).encode() + body
 
 
 def assert_error_shape(status: int, headers: dict[str, str], body: dict, code: str) -> None:
@@ -278,14 +296,9 @@ def test_pipelined_requests_are_answered_in_order_on_one_connection(cluster: Clu
     """The edge serves POST /v1/inference itself; pipelined requests, one of
     another route among them, still get their answers in order, and an
     HTTP/1.0 request's answer closes the connection."""
-    secret = auth("paid")["Authorization"]
 
     def infer(text: str, version: str = "1.1") -> bytes:
-        body = json.dumps({"input": text}).encode()
-        return (
-            f"POST /v1/inference HTTP/{version}\r\nHost: x\r\nAuthorization: {secret}\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n"
-        ).encode() + body
+        return post("/v1/inference", json.dumps({"input": text}).encode(), version=version)
 
     sock = connect(cluster)
     sock.sendall(
@@ -301,10 +314,9 @@ def test_pipelined_requests_are_answered_in_order_on_one_connection(cluster: Clu
     answers = []
     while data:
         head, _, data = data.partition(b"\r\n\r\n")
-        lines = head.decode("latin-1").split("\r\n")
-        headers = {k.lower(): v.strip() for k, _, v in (x.partition(":") for x in lines[1:])}
+        status, headers = parse_head(head)
         size = int(headers["content-length"])
-        answers.append((int(lines[0].split()[1]), headers, json.loads(data[:size])))
+        answers.append((status, headers, json.loads(data[:size])))
         data = data[size:]
     assert [a[0] for a in answers] == [200, 200, 200, 200]
     assert answers[0][2]["output"].endswith("first")
@@ -316,15 +328,9 @@ def test_pipelined_requests_are_answered_in_order_on_one_connection(cluster: Clu
 
 
 def test_expect_100_continue_gets_its_interim_answer(cluster: Cluster) -> None:
-    secret = auth("paid")["Authorization"]
     body = json.dumps({"input": "after the interim"}).encode()
     sock = connect(cluster)
-    sock.sendall(
-        (
-            f"POST /v1/inference HTTP/1.1\r\nHost: x\r\nAuthorization: {secret}\r\n"
-            f"Expect: 100-continue\r\nContent-Length: {len(body)}\r\n\r\n"
-        ).encode()
-    )
+    sock.sendall(post("/v1/inference", b"", head="Expect: 100-continue\r\n", length=str(len(body))))
     assert sock.recv(64).startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
     sock.sendall(body)
     status, _, answer = response(sock)
@@ -338,12 +344,7 @@ def test_a_client_leaving_with_pipelined_requests_in_flight_costs_no_traceback(
 ) -> None:
     """The connection's first request is answered to a closed socket: nothing
     is written, nothing is logged as an error (checked at teardown)."""
-    secret = auth("paid")["Authorization"]
-    body = json.dumps({"input": "left early"}).encode()
-    one = (
-        f"POST /v1/inference HTTP/1.1\r\nHost: x\r\nAuthorization: {secret}\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
-    ).encode() + body
+    one = post("/v1/inference", json.dumps({"input": "left early"}).encode())
     for _ in range(5):
         sock = connect(cluster)
         sock.sendall(one * 3)
@@ -354,16 +355,9 @@ def test_a_client_leaving_with_pipelined_requests_in_flight_costs_no_traceback(
 def test_a_content_length_with_thousands_of_leading_zeros_is_still_a_length(
     cluster: Cluster,
 ) -> None:
-    secret = auth("paid")["Authorization"]
     body = json.dumps({"input": "zeros"}).encode()
     sock = connect(cluster)
-    sock.sendall(
-        (
-            f"POST /v1/inference HTTP/1.1\r\nHost: x\r\nAuthorization: {secret}\r\n"
-            f"Content-Length: {'0' * 5000}{len(body)}\r\n\r\n"
-        ).encode()
-        + body
-    )
+    sock.sendall(post("/v1/inference", body, length=f"{'0' * 5000}{len(body)}"))
     status, _, answer = response(sock)
     sock.close()
     assert status == 200
@@ -371,12 +365,7 @@ def test_a_content_length_with_thousands_of_leading_zeros_is_still_a_length(
     # One the parser cannot read as a length (it overflows) is not HTTP: 400,
     # in the one error shape.
     sock = connect(cluster)
-    sock.sendall(
-        (
-            f"POST /v1/inference HTTP/1.1\r\nHost: x\r\nAuthorization: {secret}\r\n"
-            f"Content-Length: 9{'0' * 40}\r\n\r\n"
-        ).encode()
-    )
+    sock.sendall(post("/v1/inference", b"", length=f"9{'0' * 40}"))
     try:
         status, headers, answer = response(sock)
     finally:
@@ -388,16 +377,9 @@ def test_a_content_length_with_thousands_of_leading_zeros_is_still_a_length(
 
 
 def test_a_zero_padded_length_on_an_asgi_route_is_no_500(cluster: Cluster) -> None:
-    secret = auth("paid")["Authorization"]
     body = json.dumps({"input": "a job"}).encode()
     sock = connect(cluster)
-    sock.sendall(
-        (
-            f"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nAuthorization: {secret}\r\n"
-            f"Content-Length: {'0' * 5000}{len(body)}\r\n\r\n"
-        ).encode()
-        + body
-    )
+    sock.sendall(post("/v1/jobs", body, length=f"{'0' * 5000}{len(body)}"))
     try:
         status, _, _ = response(sock)
     finally:

@@ -2,9 +2,11 @@
 layer, against a real Redis."""
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -405,11 +407,7 @@ async def test_a_failing_call_fails_alone_and_a_lost_redis_fails_every_call(q: F
 
 
 async def test_every_queued_call_fails_with_a_store_error_when_redis_is_gone() -> None:
-    server = RedisServer().start()
-    store = Store.connect(server.url, "t", name="test")
-    try:
-        gateway = GatewayQueue(store, "gw")
-        assert (await gateway.admit([], "free", env(1, "free"))).admitted
+    async with own_redis() as (server, _, gateway):
         server.stop()
         async with asyncio.timeout(10):  # failing, not hanging
             results = await asyncio.gather(
@@ -417,9 +415,6 @@ async def test_every_queued_call_fails_with_a_store_error_when_redis_is_gone() -
                 return_exceptions=True,
             )
         assert all(isinstance(r, STORE_ERRORS) for r in results), results
-    finally:
-        await store.close()
-        server.stop()
 
 
 async def test_a_worker_answers_and_acks_after_redis_forgot_the_scripts(q: Faces) -> None:
@@ -500,11 +495,7 @@ async def test_pipelined_calls_fail_when_redis_hangs_and_go_on_once_it_answers()
     """A Redis that stops answering (here: SIGSTOP) fails the calls in flight
     at the client's socket timeout, not never; once it answers again, the
     next call goes out on a fresh connection."""
-    server = RedisServer().start()
-    store = Store.connect(server.url, "t", name="test")
-    try:
-        gateway = GatewayQueue(store, "gw")
-        assert (await gateway.admit([], "free", env(1, "free"))).admitted
+    async with own_redis() as (server, _, gateway):
         assert server.proc is not None
         os.kill(server.proc.pid, signal.SIGSTOP)
         try:
@@ -520,19 +511,12 @@ async def test_pipelined_calls_fail_when_redis_hangs_and_go_on_once_it_answers()
             os.kill(server.proc.pid, signal.SIGCONT)
         async with asyncio.timeout(10):
             assert (await gateway.admit([], "free", env(9, "free"))).admitted
-    finally:
-        await store.close()
-        server.stop()
 
 
 async def test_pipelined_calls_go_on_after_redis_restarts_without_a_failed_call() -> None:
     """The held connection died with the old Redis: the next call notices it
     before writing, opens a new one, and reloads the script Redis forgot."""
-    server = RedisServer().start()
-    store = Store.connect(server.url, "t", name="test")
-    try:
-        gateway = GatewayQueue(store, "gw")
-        assert (await gateway.admit([], "free", env(1, "free"))).admitted
+    async with own_redis() as (server, store, gateway):
         server.stop()
         server.start()
         async with asyncio.timeout(10):
@@ -542,6 +526,18 @@ async def test_pipelined_calls_go_on_after_redis_restarts_without_a_failed_call(
                     break
                 await asyncio.sleep(0.01)
             assert (await gateway.admit([], "free", env(2, "free"))).admitted
+
+
+@contextlib.asynccontextmanager
+async def own_redis() -> AsyncIterator[tuple[RedisServer, Store, GatewayQueue]]:
+    """A Redis of the test's own (it stops, hangs or restarts it), a store on
+    it, and a gateway that has made one call already."""
+    server = RedisServer().start()
+    store = Store.connect(server.url, "t", name="test")
+    try:
+        gateway = GatewayQueue(store, "gw")
+        assert (await gateway.admit([], "free", env(1, "free"))).admitted
+        yield server, store, gateway
     finally:
         await store.close()
         server.stop()
