@@ -24,6 +24,7 @@ class Keys:
         self.ready = self.prefix + "ready"
         self.doorbell = self.prefix + "doorbell"
         self.last_dispatch = self.prefix + "last-dispatch"
+        self.batch_rule = self.prefix + "batch-rule"
         self.stats = self.prefix + "stats"
         self.cancelled = self.prefix + "cancelled"
         self.dead_letter = self.prefix + "dead-letter"

@@ -167,9 +167,23 @@ class GatewayMetrics(PolicyWatching):
         }
 
 
-class DispatcherMetrics(PolicyWatching):
+class TakeCounts(Protocol):
+    @property
+    def size(self) -> int: ...
+    @property
+    def expired(self) -> int: ...
+    @property
+    def cancelled(self) -> int: ...
+    @property
+    def malformed(self) -> int: ...
+
+
+class Forming:
+    """Batches formed, and envelopes dropped while forming them: by
+    dispatchers for idle workers, and by workers for their own next batch
+    (the same series in both, so their sum is the fleet's)."""
+
     def __init__(self, registry: CollectorRegistry) -> None:
-        super().__init__(registry)
         self.batches_formed = Counter(
             "infergate_batches_formed", "Batches handed to workers", registry=registry
         )
@@ -182,6 +196,25 @@ class DispatcherMetrics(PolicyWatching):
             ["reason"],
             registry=registry,
         )
+        self._dropped = {reason: self.dropped.labels(reason) for reason in DROP_REASONS}
+
+    def count(self, taken: TakeCounts) -> None:
+        if taken.size:
+            self.batches_formed.inc()
+            self.requests_batched.inc(taken.size)
+        for reason, count in (
+            ("expired", taken.expired),
+            ("cancelled", taken.cancelled),
+            ("malformed", taken.malformed),
+        ):
+            if count:
+                self._dropped[reason].inc(count)
+
+
+class DispatcherMetrics(PolicyWatching):
+    def __init__(self, registry: CollectorRegistry) -> None:
+        super().__init__(registry)
+        self.forming = Forming(registry)
         self.batches_retried = Counter(
             "infergate_batches_retried",
             "Batches of dead or hung workers run again",
@@ -197,8 +230,6 @@ class DispatcherMetrics(PolicyWatching):
             "Envelopes of dead dispatchers returned to their queues",
             registry=registry,
         )
-        for reason in DROP_REASONS:
-            self.dropped.labels(reason)
         # The autoscaling signal (base/autoscale.py): what an HPA or KEDA scales on.
         self.desired_workers = Gauge(
             "infergate_autoscale_desired_workers",
@@ -221,6 +252,7 @@ class DispatcherMetrics(PolicyWatching):
 class WorkerMetrics(Common):
     def __init__(self, registry: CollectorRegistry) -> None:
         super().__init__(registry)
+        self.forming = Forming(registry)
         self.batch_size = Histogram(
             "infergate_batch_size",
             "Requests per batch run by the backend",

@@ -21,7 +21,6 @@ the reaper does if the dispatcher dies.
 """
 
 import asyncio
-import os
 import time
 from dataclasses import dataclass
 
@@ -37,7 +36,8 @@ from infergate.base.metrics import (
     watch_policy_and_redis,
 )
 from infergate.base.probes import Probes
-from infergate.base.queue.dispatcher import DispatcherQueue, TakeResult
+from infergate.base.queue.dispatcher import DispatcherQueue
+from infergate.base.queue.forming import Rule, TakeResult, new_batch_id
 from infergate.base.queue.policy_copy import keep_policy
 from infergate.base.queue.recovery import RecoveryQueue
 from infergate.base.queue.store import Store
@@ -58,6 +58,11 @@ def _trace_of(envelope: bytes) -> str | None:
         return wire.decode_envelope(envelope).trace
     except msgspec.DecodeError:
         return None
+
+
+# How often the batching rule is published for the workers (it holds for
+# forming.RULE_TTL_MS).
+RULE_REFRESH_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -118,6 +123,8 @@ class Dispatcher:
             self.store, self.status, settings.heartbeat_interval_ms, settings.heartbeat_ttl_ms
         )
         self.dispatching = Supervised("dispatch", self.dispatch_once, 0)
+        # Workers form their next batch themselves by the rule published here.
+        self.rule_publishing = Supervised("batch-rule", self._publish_rule, RULE_REFRESH_S)
         self.scale_signal = ScaleSignalLoop(self.store, self.id, policy, self.metrics)
         self._unsure = False
 
@@ -179,20 +186,29 @@ class Dispatcher:
             await self.form_one(credit)
         self._unsure = False
 
+    def forming_rule(self) -> Rule:
+        """The batching rule now: the policy's, and the pacing interval the fleet gives."""
+        rule = self.rule
+        return Rule(
+            n=rule.max_batch_size,
+            interval_ms=self.pacing_interval_ms(rule),
+            headroom=rule.jobs_headroom,
+            min_slots=rule.min_slots,
+        )
+
+    async def _publish_rule(self) -> None:
+        await self.queue.publish_rule(self.forming_rule())
+
     async def form_one(self, credit: str) -> None:
         """Holding ``credit``, wait for work and hand off one batch."""
         while True:
-            rule = self.rule
-            batch_id = os.urandom(6).hex()
+            batch_id = new_batch_id()
             started_ns = time.time_ns()
             taken = await self.queue.take(
                 credit,
                 batch_id,
-                rule.max_batch_size,
                 clock.now_ms(),
-                rule.min_slots,
-                self.pacing_interval_ms(rule),
-                rule.jobs_headroom,
+                self.forming_rule(),
                 with_envelopes=tracing.enabled,
             )
             if taken.worker_gone:
@@ -205,10 +221,8 @@ class Dispatcher:
             if taken.wait_ms > 0:
                 await asyncio.sleep(taken.wait_ms / 1000.0)
                 continue
+            self.metrics.forming.count(taken)
             if taken.expired or taken.cancelled or taken.malformed:
-                self.metrics.dropped.labels("expired").inc(taken.expired)
-                self.metrics.dropped.labels("cancelled").inc(taken.cancelled)
-                self.metrics.dropped.labels("malformed").inc(taken.malformed)
                 log.info(
                     "take.dropped",
                     expired=taken.expired,
@@ -222,8 +236,6 @@ class Dispatcher:
 
     def _formed(self, credit: str, batch_id: str, taken: TakeResult, started_ns: int) -> None:
         self.batches_formed += 1
-        self.metrics.batches_formed.inc()
-        self.metrics.requests_batched.inc(taken.size)
         log.debug("batch.formed", batch_id=batch_id, size=taken.size, credit=credit)
         if tracing.enabled:
             # The batch-forming step as a span, linked to every request it carries.
@@ -253,6 +265,7 @@ class Dispatcher:
         await self.fleet.start()
         self.reaper.start()
         self.dispatching.start()
+        self.rule_publishing.start()
         self.metrics_reading.start()
         self.scale_signal.start()
         log.info("dispatcher.started", dispatcher_id=self.id)
@@ -260,6 +273,7 @@ class Dispatcher:
             await stop.wait()
         finally:
             await self.dispatching.stop()
+            await self.rule_publishing.stop()
             await self.scale_signal.stop()
             await self.metrics_reading.stop()
             await self.reaper.stop()

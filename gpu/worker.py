@@ -1,10 +1,13 @@
-"""A GPU worker: offer a credit, take one batch, run it, publish the replies.
+"""A GPU worker: take one batch, run it, publish the replies, and form the
+next batch itself.
 
-The credit for the next batch goes out the moment the backend call returns,
-so the next batch is formed (then, from what is queued then) while this
-one's replies are built; the transaction that answers this batch moves that
-next batch into processing, so the backend starts it without another round
-trip.
+The transaction that answers a batch (publishes its replies, acks it) also
+forms the worker's next batch straight into its processing list, from what
+is queued at that moment, in priority order (``take.lua``, 'worker'): under
+load the backend starts its next call one round trip after the last one
+returned, with no dispatcher, credit or pull between them. With nothing
+queued, the same step offers the worker's credit, and a dispatcher forms
+its next batch when work arrives (``pull_batch``).
 
 The batch sits in ``processing:{worker}`` while it runs; it leaves only when
 the replies have been published (``answer_batch``). A worker that dies
@@ -31,10 +34,11 @@ from infergate.base.heartbeat import Heartbeater
 from infergate.base.loops import Backoff, retry_until_done
 from infergate.base.metrics import WorkerMetrics
 from infergate.base.probes import Probes
+from infergate.base.queue.forming import TakeResult
 from infergate.base.queue.recovery import RecoveryQueue
 from infergate.base.queue.replies import failure_replies, group_by_gateway
 from infergate.base.queue.store import Store
-from infergate.base.queue.worker import Credit, KeptAnswer, WorkerQueue
+from infergate.base.queue.worker import KeptAnswer, WorkerQueue
 from infergate.base.settings import ProcessSettings
 from infergate.gpu.backend import Backend, BackendError
 from prometheus_client import CollectorRegistry
@@ -83,8 +87,6 @@ class Worker:
         self._recent: deque[tuple[float, int]] = deque()  # (monotonic s, requests) per batch
         # Answers of the batch in hand for the result cache, stored with its answer.
         self.answers_to_keep: list[KeptAnswer] = []
-        # The credit offered as the backend call returned (``_free_for_next_batch``).
-        self.credit_offer: asyncio.Future[None] | None = None
         self.heartbeat = Heartbeater(
             self.store, self.status, settings.heartbeat_interval_ms, settings.heartbeat_ttl_ms
         )
@@ -187,7 +189,6 @@ class Worker:
         distinct = list(dict.fromkeys(inputs))
         outcome_of = dict(zip(distinct, await self._infer_isolating(distinct), strict=True))
         infer_ms = round(clock.elapsed_ms(started))
-        self._free_for_next_batch()
         results = []
         for env in live:
             # Reported as served by the model, whichever copy ran: the keys of a
@@ -215,25 +216,6 @@ class Worker:
             failed=failed,
         )
         return group_by_gateway(results)
-
-    def _free_for_next_batch(self) -> None:
-        """The backend is free: offer the credit now, so the next batch forms
-        while this one's replies are built (``_answer`` waits for the offer
-        before the ack). Not while stopping: a leaving worker takes no batch."""
-        if not self.stopping.is_set():
-            self.credit_offer = asyncio.ensure_future(self.queue.offer_credit())
-
-    async def _credit_offer_sent(self) -> None:
-        """Wait for this batch's early offer. One whose reply was lost may have
-        gone through (and a dispatcher may hold it): it is never sent twice;
-        if it was in fact lost, the idle worker's ``ensure_credit`` puts it back."""
-        offer, self.credit_offer = self.credit_offer, None
-        if offer is None:
-            return
-        try:
-            await offer
-        except STORE_ERRORS as exc:
-            log.warning("worker.early_credit_unsure", error=type(exc).__name__)
 
     def _keep(self, env: wire.Envelope, result: wire.Result) -> None:
         """With the result cache on for this request, keep its answer (stored
@@ -364,23 +346,31 @@ class Worker:
         """Publish and ack: retried for as long as the worker lives (the work
         is done); once stopping, for ``publish_grace_s``, after which the
         batch stays in processing and the reaper runs it again. Returns the
-        next batch if the ack moved one into processing."""
-        if self.credit_offer is None:  # a batch that never reached the backend
-            self._free_for_next_batch()
-        await self._credit_offer_sent()
-        credit: Credit = "none" if stop.is_set() else "next"
+        next batch if the answer formed one (or moved in one waiting)."""
         keep, self.answers_to_keep = self.answers_to_keep, []
-        following: bytes | None = None
+        taken: TakeResult | None = None
 
         async def answer() -> None:
-            nonlocal following
-            following = await self.queue.answer_batch(replies, credit, clock.now_ms(), batch, keep)
+            nonlocal taken
+            taken = await self.queue.answer_batch(
+                replies, clock.now_ms(), batch, keep, leaving=stop.is_set()
+            )
 
         if not await retry_until_done(
             "batch.publish", answer, stop, grace_after_stop_s=self.settings.publish_grace_s
         ):
             log.error("batch.left_for_the_reaper", worker_id=self.id)
-        return following
+        if taken is None:
+            return None
+        self.metrics.forming.count(taken)
+        if taken.expired or taken.cancelled or taken.malformed:
+            log.info(
+                "take.dropped",
+                expired=taken.expired,
+                cancelled=taken.cancelled,
+                malformed=taken.malformed,
+            )
+        return taken.batch
 
 
 def _result(

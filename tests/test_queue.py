@@ -8,14 +8,14 @@ import signal
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 import pytest
 from infergate.base import clock, wire
 from infergate.base.errors import STORE_ERRORS
 from infergate.base.queue.dead_letters import DEAD_LETTER_CAP
-from infergate.base.queue.dispatcher import DispatcherQueue, TakeResult
+from infergate.base.queue.dispatcher import DispatcherQueue
+from infergate.base.queue.forming import Rule, TakeResult
 from infergate.base.queue.gateway import Counter, GatewayQueue
 from infergate.base.queue.recovery import RecoveryQueue
 from infergate.base.queue.store import Store
@@ -71,14 +71,27 @@ def ids(envelopes: list[bytes]) -> list[str]:
     return [wire.decode_envelope(e).id for e in envelopes]
 
 
+def rule(n: int, slots: list[int] | None = None, interval_ms: int = 0, headroom: int = -1) -> Rule:
+    return Rule(n, interval_ms, headroom, min_slots=tuple(slots or [0, 0, 0]))
+
+
 async def take(
-    q: Faces, n: int, slots: list[int] | None = None, dispatcher: str = "d1", **kw: Any
+    q: Faces,
+    n: int,
+    slots: list[int] | None = None,
+    dispatcher: str = "d1",
+    now: int | None = None,
+    min_interval_ms: int = 0,
+    jobs_headroom: int = -1,
 ) -> TakeResult:
     """A batch formed by ``dispatcher`` with a credit of w1 it holds."""
     await q.redis.rpush(q.keys.credits(dispatcher), "w1")
-    now = kw.pop("now", clock.now_ms())
     return await q.dispatcher_as(dispatcher).take(
-        "w1", "b1", n, now, slots or [0, 0, 0], with_envelopes=True, **kw
+        "w1",
+        "b1",
+        now or clock.now_ms(),
+        rule(n, slots, min_interval_ms, jobs_headroom),
+        with_envelopes=True,
     )
 
 
@@ -127,7 +140,7 @@ async def test_handoff_and_worker_round_trip(q: Faces) -> None:
     await q.worker.offer_credit()
     assert await q.dispatcher.wait_credit(1) == "w1"
     await q.gateway.enqueue("paid", env(1, "paid"))
-    taken = await q.dispatcher.take("w1", "b1", 100, clock.now_ms(), [0, 0, 0])
+    taken = await q.dispatcher.take("w1", "b1", clock.now_ms(), rule(100))
     assert taken.size == 1
     assert taken.envelopes == []  # not asked for
     assert await q.redis.llen(q.keys.credits("d1")) == 0
@@ -141,8 +154,9 @@ async def test_handoff_and_worker_round_trip(q: Faces) -> None:
     pubsub = q.redis.pubsub()
     await pubsub.subscribe(q.keys.reply_channel("gw"))
     reply = wire.Reply([wire.Result("r1", "b1", 1, "w1", 0, 100, output="out")])
-    await q.worker.offer_credit()  # as the backend call returned
-    assert await q.worker.answer_batch({"gw": reply}, "next", clock.now_ms(), data) is None
+    answered = await q.worker.answer_batch({"gw": reply}, clock.now_ms(), data)
+    assert answered is not None
+    assert answered.batch is None
     assert await q.redis.llen(q.keys.processing("w1")) == 0
     assert await q.redis.lrange(q.keys.ready, 0, -1) == [b"w1"]
     msg = None
@@ -241,7 +255,7 @@ async def _batch_in_processing(q: Faces, attempt: int = 0) -> bytes:
     assert await q.dispatcher.wait_credit(1) == "w1"
     for i in range(3):
         await q.gateway.enqueue("free", env(i, "free"))
-    taken = await q.dispatcher.take("w1", "b1", 10, clock.now_ms(), [0, 0, 0])
+    taken = await q.dispatcher.take("w1", "b1", clock.now_ms(), rule(10))
     assert taken.size == 3
     data = await q.worker.pull_batch(1)
     assert data is not None
@@ -256,7 +270,7 @@ async def test_a_stalled_dispatcher_forms_nothing_with_a_credit_the_reaper_took_
     await q.gateway.enqueue("paid", env(1, "paid"))
     # The dispatcher stalls past its heartbeat: the reaper returns its credit.
     assert await q.recovery.requeue_dispatcher("d1") == (0, 1)
-    taken = await q.dispatcher.take("w1", "b1", 10, clock.now_ms(), [0, 0, 0])
+    taken = await q.dispatcher.take("w1", "b1", clock.now_ms(), rule(10))
     assert taken.credit_lost
     assert taken.size == 0
     assert await q.redis.llen(q.keys.batches) == 0  # nothing runs twice
@@ -324,7 +338,7 @@ def test_a_batch_with_an_unreadable_envelope_keeps_the_readable_ones() -> None:
 async def test_take_refuses_for_a_credit_whose_worker_has_gone(q: Faces) -> None:
     await q.gateway.enqueue("paid", env(1, "paid"))
     await q.redis.rpush(q.keys.credits("d1"), "w-gone")
-    taken = await q.dispatcher.take("w-gone", "b1", 10, clock.now_ms(), [0, 0, 0])
+    taken = await q.dispatcher.take("w-gone", "b1", clock.now_ms(), rule(10))
     assert taken.worker_gone
     assert taken.envelopes == []
     assert await q.redis.llen(q.keys.queue("paid")) == 1
@@ -421,37 +435,112 @@ async def test_a_worker_answers_and_acks_after_redis_forgot_the_scripts(q: Faces
     await q.redis.lpush(q.keys.processing("w1"), b"the batch")
     await q.redis.script_flush()  # as a restarted or failed-over Redis would have
     reply = wire.Reply([wire.Result("r1", "b1", 1, "w1", 0, 100, output="out")])
-    await q.worker.offer_credit()
-    await q.worker.answer_batch({"gw": reply}, "next", clock.now_ms(), b"the batch")
+    await q.worker.answer_batch({"gw": reply}, clock.now_ms(), b"the batch")
     assert await q.redis.llen(q.keys.processing("w1")) == 0
     assert await q.redis.lrange(q.keys.ready, 0, -1) == [b"w1"]
     # And the next answer needs no reload: one round trip again.
     await q.redis.lpush(q.keys.processing("w1"), b"the next batch")
-    await q.worker.answer_batch({"gw": reply}, "next", clock.now_ms(), b"the next batch")
+    await q.worker.answer_batch({"gw": reply}, clock.now_ms(), b"the next batch")
     assert await q.redis.llen(q.keys.processing("w1")) == 0
 
 
-async def test_an_answer_takes_the_next_batch_in_the_same_step_and_can_be_repeated(
+async def _answer(q: Faces, batch: bytes) -> TakeResult:
+    reply = wire.Reply([wire.Result("r", "b", 1, "w1", 0, 100, output="out")])
+    answered = await q.worker.answer_batch({"gw": reply}, clock.now_ms(), batch)
+    assert answered is not None
+    return answered
+
+
+async def test_an_answer_forms_the_next_batch_by_the_published_rule_and_can_be_repeated(
     q: Faces,
 ) -> None:
-    """'next': the credit went out as the backend returned; the answer moves
-    the batch formed meanwhile into processing. Run twice (its reply lost),
-    it gives the same next batch and moves nothing more."""
+    """A worker that answers its batch forms its next one in the same step,
+    in priority order, straight into its processing list; no credit goes
+    out. Run twice (its reply lost), it gives the same batch back and takes
+    nothing more."""
+    await q.dispatcher.publish_rule(rule(2))
     await q.redis.lpush(q.keys.processing("w1"), b"batch A")
-    await q.worker.offer_credit()  # early, as the backend call returned
+    for i, tier in enumerate(["free", "enterprise", "paid"]):
+        await q.gateway.enqueue(tier, env(i, tier))
+    first = await _answer(q, b"batch A")
+    again = await _answer(q, b"batch A")
+    assert first.batch is not None
+    assert first.batch == again.batch
+    assert (first.size, again.size) == (2, 0)
+    batch, _ = wire.decode_batch(first.batch)
+    assert [e.id for e in batch.envelopes] == ["r1", "r2"]
+    assert batch.dispatcher == "w1"  # formed by the worker itself
+    assert await q.redis.lrange(q.keys.processing("w1"), 0, -1) == [first.batch]
+    assert await q.redis.llen(q.keys.ready) == 0
+    assert await q.redis.llen(q.keys.queue("free")) == 1
+    assert await q.redis.llen(q.keys.doorbell) == 1  # work left behind, for idle workers
+    assert (await q.stats())["requests_batched"] == 2
+
+
+async def test_an_answer_runs_a_waiting_batch_first_and_pays_for_it_with_its_credit(
+    q: Faces,
+) -> None:
+    """A batch already on the batches list (retried, or formed for an idle
+    worker) goes first: this worker runs it and offers its credit in its place."""
+    await q.dispatcher.publish_rule(rule(10))
+    await q.redis.lpush(q.keys.processing("w1"), b"batch A")
     await q.redis.lpush(q.keys.batches, b"batch B", b"batch C")  # B is the oldest
-    reply = wire.Reply([wire.Result("r1", "bA", 1, "w1", 0, 100, output="out")])
-    first = await q.worker.answer_batch({"gw": reply}, "next", clock.now_ms(), b"batch A")
-    again = await q.worker.answer_batch({"gw": reply}, "next", clock.now_ms(), b"batch A")
-    assert first == again == b"batch B"
-    assert await q.redis.lrange(q.keys.processing("w1"), 0, -1) == [b"batch B"]
+    await q.gateway.enqueue("enterprise", env(1, "enterprise"))
+    first = await _answer(q, b"batch A")
+    again = await _answer(q, b"batch A")
+    assert first.batch == again.batch == b"batch B"
     assert await q.redis.lrange(q.keys.batches, 0, -1) == [b"batch C"]
-    assert await q.redis.lrange(q.keys.ready, 0, -1) == [b"w1"]  # left as offered
-    # Nothing waiting: nothing moved, and the processing list is empty.
-    await q.redis.delete(q.keys.batches)
-    last = await q.worker.answer_batch({"gw": reply}, "next", clock.now_ms(), b"batch B")
-    assert last is None
+    assert await q.redis.lrange(q.keys.ready, 0, -1) == [b"w1"]
+    assert await q.redis.llen(q.keys.queue("enterprise")) == 1  # left for a credit
+
+
+async def test_an_answer_offers_the_credit_with_no_rule_a_bad_rule_or_pacing(q: Faces) -> None:
+    await q.gateway.enqueue("paid", env(1, "paid"))
+    now = clock.now_ms()
+    await q.redis.set(q.keys.last_dispatch, now)
+    pacing = msgspec.json.encode(rule(10, interval_ms=60_000))
+    unreadable = [
+        b"junk",
+        b'{"n": 1000, "interval_ms": 0, "headroom": 0, "quiet_ms": 0, "min_slots": [0, 0, 0]}',
+        b'{"n": 5}',
+        pacing,
+    ]
+    for published in [None, *unreadable]:
+        if published is not None:
+            await q.redis.set(q.keys.batch_rule, published)
+        await q.redis.lpush(q.keys.processing("w1"), b"batch A")
+        answered = await _answer(q, b"batch A")
+        assert answered.batch is None, published
+        assert await q.redis.lrange(q.keys.ready, 0, -1) == [b"w1"]  # once, never twice
+        assert await q.redis.llen(q.keys.queue("paid")) == 1
+        assert await q.redis.llen(q.keys.processing("w1")) == 0
+
+
+async def test_a_worker_drops_what_expired_or_was_cancelled_as_it_forms(q: Faces) -> None:
+    await q.dispatcher.publish_rule(rule(10))
+    await q.gateway.enqueue("free", env(1, "free", deadline_in_ms=-1))
+    await q.gateway.enqueue("free", env(2, "free"))
+    await q.gateway.enqueue("free", env(3, "free"))
+    await q.gateway.cancel("r2", clock.now_ms() + 60_000)
+    await q.redis.lpush(q.keys.processing("w1"), b"batch A")
+    answered = await _answer(q, b"batch A")
+    assert (answered.size, answered.expired, answered.cancelled) == (1, 1, 1)
+    assert answered.batch is not None
+    assert [e.id for e in wire.decode_batch(answered.batch)[0].envelopes] == ["r3"]
+
+
+async def test_a_leaving_worker_acks_and_takes_its_credit_back(q: Faces) -> None:
+    await q.dispatcher.publish_rule(rule(10))
+    await q.gateway.enqueue("free", env(1, "free"))
+    await q.worker.offer_credit()
+    await q.redis.lpush(q.keys.processing("w1"), b"batch A")
+    reply = wire.Reply([wire.Result("r", "b", 1, "w1", 0, 100, output="out")])
+    assert (
+        await q.worker.answer_batch({"gw": reply}, clock.now_ms(), b"batch A", leaving=True) is None
+    )
     assert await q.redis.llen(q.keys.processing("w1")) == 0
+    assert await q.redis.llen(q.keys.ready) == 0
+    assert await q.redis.llen(q.keys.queue("free")) == 1
 
 
 async def test_admit_starts_over_from_counters_it_cannot_trust(q: Faces) -> None:
@@ -482,12 +571,10 @@ async def test_a_heartbeat_of_another_type_reads_as_expired(q: Faces) -> None:
 
 async def test_an_answer_run_twice_offers_one_credit(q: Faces) -> None:
     await q.redis.lpush(q.keys.processing("w1"), b"batch A")
-    reply = wire.Reply([wire.Result("r1", "bA", 1, "w1", 0, 100, output="out")])
-    await q.worker.offer_credit()  # as the backend call returned
-    await q.worker.answer_batch({"gw": reply}, "next", clock.now_ms(), b"batch A")
+    await _answer(q, b"batch A")  # nothing queued: the credit goes out
     assert await q.dispatcher.wait_credit(1) == "w1"  # a dispatcher holds it now
     # The reply to that step was lost: the worker runs it again.
-    await q.worker.answer_batch({"gw": reply}, "next", clock.now_ms(), b"batch A")
+    await _answer(q, b"batch A")
     assert await q.redis.llen(q.keys.ready) == 0  # no second credit beside the held one
 
 

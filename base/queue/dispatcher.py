@@ -1,34 +1,19 @@
 """What a dispatcher may do in Redis: hold an idle worker's credit, form a
-batch with it and hand it off (one step), and return what it holds when it
-stops."""
+batch with it and hand it off (one step), publish the batching rule for
+workers that form their next batch themselves, and return what it holds
+when it stops."""
 
-from collections.abc import Sequence
-from typing import Any
-
-import msgspec
+from infergate.base.queue.forming import (
+    RULE_TTL_MS,
+    Rule,
+    TakeResult,
+    encode_rule,
+    take_args,
+    take_keys,
+    take_result,
+)
 from infergate.base.queue.store import Store
 from infergate.base.tiers import TIERS
-
-
-class TakeResult(msgspec.Struct, frozen=True):
-    # The batch handed off: its size, and its envelopes when asked for.
-    size: int
-    envelopes: list[bytes]
-    expired: int
-    cancelled: int
-    malformed: int
-    # > 0: pacing says come back after this many ms (nothing was taken).
-    wait_ms: int = 0
-    # How many of the envelopes are jobs.
-    jobs: int = 0
-    # The credit's worker has gone (stopped, or died) while the credit was held.
-    worker_gone: bool = False
-    # The credit is no longer this dispatcher's (the reaper took it back).
-    credit_lost: bool = False
-
-
-# A fleet with no synchronous batch for this long runs jobs without headroom.
-JOBS_QUIET_MS = 2_000
 
 
 async def requeue(store: Store, dispatcher_id: str) -> tuple[int, int]:
@@ -71,59 +56,35 @@ class DispatcherQueue:
         self,
         credit: str,
         batch_id: str,
-        n: int,
         now_ms: int,
-        min_slots: Sequence[int],
-        min_interval_ms: int = 0,
-        jobs_headroom: int = -1,
+        rule: Rule,
         with_envelopes: bool = False,
     ) -> TakeResult:
-        """Form a batch of up to ``n`` envelopes for the worker of ``credit``
-        and hand it off with the credit, in one step (``take.lua``):
+        """Form a batch of up to ``rule.n`` envelopes for the worker of
+        ``credit`` and hand it off with the credit, in one step (``take.lua``):
         synchronous requests first; jobs after them, and alone only with
-        ``jobs_headroom`` other workers idle (-1: no jobs). Nothing if that
+        ``rule.headroom`` other workers idle (-1: no jobs). Nothing if that
         worker has gone or the credit is no longer held here."""
         keys = self.keys
-        raw: Any = await self.store.scripts.take(
-            keys=[
-                keys.credits(self.dispatcher_id),
-                keys.stats,
-                keys.doorbell,
-                keys.cancelled,
-                keys.last_dispatch,
-                keys.ready,
-                keys.jobs_queued,
-                keys.heartbeat("worker", credit),
-                keys.batches,
-                *keys.queues,
-                *keys.job_queues,
-            ],
-            args=[
-                n,
+        raw = await self.store.scripts.take(
+            keys=take_keys(
+                keys, keys.credits(self.dispatcher_id), keys.heartbeat("worker", credit)
+            ),
+            args=take_args(
+                keys,
+                "dispatch+envelopes" if with_envelopes else "dispatch",
                 now_ms,
-                min_interval_ms,
-                jobs_headroom,
-                keys.job_prefix,
-                JOBS_QUIET_MS,
                 credit,
                 batch_id,
                 self.dispatcher_id,
-                "1" if with_envelopes else "0",
-                *min_slots,
-            ],
+                rule=rule,
+            ),
         )
-        envelopes, expired, cancelled, malformed, wait_ms, jobs, gone, size, lost = raw
-        return TakeResult(
-            int(size),
-            list(envelopes),
-            int(expired),
-            int(cancelled),
-            int(malformed),
-            int(wait_ms),
-            int(jobs),
-            bool(gone),
-            bool(lost),
-        )
+        return take_result(raw)
+
+    async def publish_rule(self, rule: Rule) -> None:
+        """The batching rule, for workers that form their next batch themselves."""
+        await self.store.redis.set(self.keys.batch_rule, encode_rule(rule), px=RULE_TTL_MS)
 
     async def drop_credit(self, credit: str) -> None:
         """Forget a held credit whose worker has gone."""

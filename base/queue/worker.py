@@ -1,11 +1,13 @@
 """What a worker may do in Redis: offer its credit, pull a batch into its
 processing list, and answer the batch: publish its replies, store its jobs'
-results and its answers for the cache, and ack it, in one transaction."""
+results and its answers for the cache, ack it and form the next batch
+straight into its processing list, in one transaction."""
 
 from collections.abc import Mapping, Sequence
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 from infergate.base import wire
+from infergate.base.queue.forming import TakeResult, new_batch_id, take_args, take_keys, take_result
 from infergate.base.queue.replies import deliver_replies
 from infergate.base.queue.scripts import execute, queue_on
 from infergate.base.queue.store import Store
@@ -19,10 +21,6 @@ class KeptAnswer(NamedTuple):
     fingerprint: str
     output: str
     ttl_ms: int
-
-
-# What answering a batch does with the worker's credit (ack_batch.lua).
-Credit = Literal["none", "next"]
 
 
 class WorkerQueue:
@@ -71,19 +69,23 @@ class WorkerQueue:
     async def answer_batch(
         self,
         replies: Mapping[str, wire.Reply],
-        credit: Credit,
         now_ms: int,
         batch: bytes,
         keep: Sequence[KeptAnswer] = (),
-    ) -> bytes | None:
-        """Publish one reply per gateway and store the jobs' results, then ack
-        ``batch`` and settle the worker's credit (``ack_batch.lua``: take it
-        back, or leave it offered and take the next batch into processing,
-        returned here), in one transaction: a job's result is
-        stored by the same step that finishes its batch. If the reply to the
-        transaction is lost, the batch is run again; gateways ignore the
-        duplicate and a job's result is stored again. One round trip."""
+        leaving: bool = False,
+    ) -> TakeResult | None:
+        """Publish one reply per gateway, store the jobs' results and the
+        answers to keep, then ack ``batch``, in one transaction: a job's
+        result is stored by the same step that finishes its batch. Then,
+        unless ``leaving`` (``ack_batch.lua``: the credit is taken back),
+        form this worker's next batch straight into its processing list
+        (``take.lua``, 'worker'), or offer its credit when there is nothing
+        to take; returned, with the batch in ``TakeResult.batch``. If the
+        reply to the transaction is lost, it is run again: gateways ignore
+        the duplicate, a job's result is stored again, and the same next
+        batch comes back. One round trip."""
         keys = self.keys
+        scripts = self.store.scripts
 
         def build(pipe: Pipeline) -> None:
             deliver_replies(pipe, self.store, replies, now_ms)
@@ -91,13 +93,14 @@ class WorkerQueue:
                 pipe.set(
                     keys.cache(answer.digest, answer.fingerprint), answer.output, px=answer.ttl_ms
                 )
-            queue_on(
-                pipe,
-                self.store.scripts.ack_batch,
-                [keys.processing(self.worker_id), keys.ready, keys.batches],
-                [self.worker_id, credit, batch],
+            processing = keys.processing(self.worker_id)
+            if leaving:
+                queue_on(pipe, scripts.ack_batch, [processing, keys.ready], [self.worker_id, batch])
+                return
+            args = take_args(
+                keys, "worker", now_ms, self.worker_id, new_batch_id(), self.worker_id, batch
             )
+            queue_on(pipe, scripts.take, take_keys(keys, processing, keys.batch_rule), args)
 
-        results = await execute(self.store.redis, self.store.scripts, build)
-        following: bytes | None = results[-1]
-        return following
+        results = await execute(self.store.redis, scripts, build)
+        return None if leaving else take_result(results[-1])

@@ -1,8 +1,15 @@
--- take: form a batch for the worker whose credit this dispatcher holds, and
--- hand it off, in one step: up to n live envelopes out of the tier queues,
--- oldest first within a tier, as one batch on the batches list, paid for by
--- the credit. Nothing sits between the queues and the batch, so nothing is
--- held by a dispatcher that dies. Each tier first gets its minimum share of
+-- take: form a batch, at the moment a worker can run it: up to n live
+-- envelopes out of the tier queues, oldest first within a tier, as one
+-- batch. Two callers:
+--   a dispatcher holding an idle worker's credit ('dispatch'): the batch goes
+--     onto the batches list, paid for by the credit, for that worker to pull;
+--   a worker that has just answered its batch ('worker'): the answered batch
+--     leaves its processing list, and the next one is formed straight into
+--     it, in the same step (no credit, no dispatcher, no pull). With nothing
+--     to take (or pacing says wait, or no dispatcher has published the
+--     batching rule), its credit goes onto `ready` instead, for a dispatcher.
+-- Nothing sits between the queues and the batch, so nothing is held by a
+-- process that dies. Each tier first gets its minimum share of
 -- the batch (if it has work), then the rest is filled in strict priority
 -- order (KEYS order). Envelopes past their deadline, cancelled, or
 -- unreadable (not JSON, or without a numeric deadline_ms and string id,
@@ -23,52 +30,128 @@
 -- divided by the number of workers), fleet-wide. Workers then start evenly
 -- staggered instead of all at once, so a request waits at most about one
 -- interval for a worker. A batch of jobs only does not count for pacing.
--- KEYS[1] credits:{dispatcher}  KEYS[2] stats  KEYS[3] doorbell
+-- KEYS[1] credits:{dispatcher} ('dispatch') or processing:{worker} ('worker')
+-- KEYS[2] stats  KEYS[3] doorbell
 -- KEYS[4] cancelled (zset: request id -> expiry epoch ms)  KEYS[5] last-dispatch
 -- KEYS[6] ready  KEYS[7] jobs-queued (hash: key id -> jobs queued)
--- KEYS[8] the heartbeat of the worker whose credit this dispatcher holds
+-- KEYS[8] 'dispatch': the heartbeat of the worker whose credit this
+--   dispatcher holds; 'worker': the batching rule the dispatchers publish
+--   (JSON: n, interval_ms, headroom, quiet_ms, min_slots)
 -- KEYS[9] batches
 -- KEYS[10..9+T] queue:{tier}, highest priority first; KEYS[10+T..9+2T] jobs:{tier}
--- Nothing is taken if the credit is no longer this dispatcher's (it stalled
+-- A dispatcher takes nothing if the credit is no longer its own (it stalled
 -- past its heartbeat and the reaper returned the credit: a batch now would
 -- run beside the one another dispatcher forms with it), or if its worker's
 -- heartbeat is gone (it stopped or died while its credit was held: a batch
 -- for it would wait for another worker).
--- ARGV[1] n   ARGV[2] now (epoch ms)   ARGV[3] min_interval_ms
--- ARGV[4] headroom (idle workers a jobs-only batch must leave; -1: take no job)
--- ARGV[5] the job record key prefix   ARGV[6] quiet_ms
--- ARGV[7] the credit (worker id)  ARGV[8] the batch id  ARGV[9] the dispatcher id
--- ARGV[10] '1' to return the batch's envelopes (for tracing), '0' not to
--- ARGV[11..10+T] minimum slots per tier
+-- ARGV[1] 'dispatch', 'dispatch+envelopes' (return the batch's envelopes,
+--   for tracing) or 'worker'
+-- ARGV[2] now (epoch ms)  ARGV[3] the credit (worker id)  ARGV[4] the batch id
+-- ARGV[5] who forms it (the dispatcher's id, or the worker's)
+-- ARGV[6] the job record key prefix
+-- ARGV[7] 'worker': the batch just answered (as pulled); 'dispatch': unused
+-- 'dispatch' only (a worker reads them from KEYS[8]):
+-- ARGV[8] n  ARGV[9] min_interval_ms
+-- ARGV[10] headroom (idle workers a jobs-only batch must leave; -1: take no job)
+-- ARGV[11] quiet_ms  ARGV[12..11+T] minimum slots per tier
 -- Returns {envelopes (if asked), expired, cancelled, malformed, wait_ms,
--- jobs taken, worker gone, batch size, credit lost}: wait_ms > 0 means
--- nothing was taken: come back after that long; worker gone = 1: drop the
--- credit; credit lost = 1: it is not this dispatcher's any more.
-local credits, stats, doorbell, cancelled_set = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local ready, jobs_queued = KEYS[6], KEYS[7]
-local n = tonumber(ARGV[1])
+-- jobs taken, worker gone, batch size, credit lost, the batch ('worker') or
+-- false}: wait_ms > 0 means a dispatcher took nothing: come back after that
+-- long; worker gone = 1: drop the credit; credit lost = 1: it is not this
+-- dispatcher's any more.
+local mode = ARGV[1]
+local for_worker = mode == 'worker'
+local own, stats, doorbell, cancelled_set = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local ready, jobs_queued, batches = KEYS[6], KEYS[7], KEYS[9]
 local now = tonumber(ARGV[2])
-local min_interval = tonumber(ARGV[3])
-local headroom = tonumber(ARGV[4])
-local job_prefix = ARGV[5]
-local quiet_ms = tonumber(ARGV[6])
-local credit = ARGV[7]
+local credit = ARGV[3]
+local job_prefix = ARGV[6]
 local first_queue = 10
-if redis.call('LPOS', credits, credit) == false then return {{}, 0, 0, 0, 0, 0, 0, 0, 1} end
-if redis.call('EXISTS', KEYS[8]) == 0 then return {{}, 0, 0, 0, 0, 0, 1, 0, 0} end
 local ntiers = (#KEYS - first_queue + 1) / 2
 local first_job_queue = first_queue + ntiers
+
+local function result(size, wait, gone, lost, batch)
+  return {{}, 0, 0, 0, wait, 0, gone, size, lost, batch}
+end
+
+local function offer_credit()
+  -- the worker's credit onto `ready`, once; with jobs waiting, ring the
+  -- doorbell (a dispatcher waiting for headroom to run them may have it now)
+  redis.call('LREM', ready, 0, credit)
+  redis.call('LPUSH', ready, credit)
+  for i = 1, ntiers do
+    if redis.call('LLEN', KEYS[first_job_queue + i - 1]) > 0 then
+      redis.call('LPUSH', doorbell, '1')
+      redis.call('LTRIM', doorbell, 0, 0)
+      return
+    end
+  end
+end
+
+local function published_rule()
+  -- the batching rule as a dispatcher published it; nil if absent or not
+  -- readable (Redis contents are not trusted)
+  local raw = redis.call('GET', KEYS[8])
+  if type(raw) ~= 'string' then return nil end
+  local ok, rule = pcall(cjson.decode, raw)
+  if not ok or type(rule) ~= 'table' or type(rule.min_slots) ~= 'table' then return nil end
+  for _, field in ipairs({'n', 'interval_ms', 'headroom', 'quiet_ms'}) do
+    if type(rule[field]) ~= 'number' then return nil end
+  end
+  if rule.n < 1 or rule.n > 100 then return nil end
+  local slots = {}
+  for i = 1, ntiers do
+    local share = rule.min_slots[i]
+    if type(share) ~= 'number' then return nil end
+    slots[i] = share
+  end
+  return rule.n, rule.interval_ms, rule.headroom, rule.quiet_ms, slots
+end
+
+local n, min_interval, headroom, quiet_ms, min_slots
+if for_worker then
+  -- The answered batch leaves processing. A step that finds it gone was
+  -- run before (its reply was lost), or the reaper took the batch: either
+  -- way, whatever it moved in then is the answer again, and nothing more
+  -- is formed or offered.
+  if redis.call('LREM', own, 0, ARGV[7]) == 0 or redis.call('LLEN', own) > 0 then
+    return result(0, 0, 0, 0, redis.call('LINDEX', own, -1))
+  end
+  -- A batch already waiting (a retried one, or one formed for an idle
+  -- worker) is run first; this worker's credit pays for another in its place.
+  local waiting = redis.call('LMOVE', batches, own, 'RIGHT', 'LEFT')
+  if waiting then
+    offer_credit()
+    return result(0, 0, 0, 0, waiting)
+  end
+  n, min_interval, headroom, quiet_ms, min_slots = published_rule()
+  if n == nil then
+    offer_credit()
+    return result(0, 0, 0, 0, false)
+  end
+else
+  if redis.call('LPOS', own, credit) == false then return result(0, 0, 0, 1, false) end
+  if redis.call('EXISTS', KEYS[8]) == 0 then return result(0, 0, 1, 0, false) end
+  n, min_interval = tonumber(ARGV[8]), tonumber(ARGV[9])
+  headroom, quiet_ms = tonumber(ARGV[10]), tonumber(ARGV[11])
+  min_slots = {}
+  for i = 1, ntiers do min_slots[i] = tonumber(ARGV[11 + i]) or 0 end
+end
 local taken, expired, cancelled, malformed, jobs_taken = {}, 0, 0, 0, 0
-local last = tonumber(redis.call('GET', KEYS[5]) or '0')
+local last = tonumber(redis.call('GET', KEYS[5])) or 0
 
 if min_interval > 0 then
   local wait = last + min_interval - now
   if wait > 0 then
     local queued = 0
     for i = 1, ntiers do queued = queued + redis.call('LLEN', KEYS[first_queue + i - 1]) end
-    if queued > 0 and queued < n then return {taken, 0, 0, 0, wait, 0, 0, 0, 0} end
+    if queued > 0 and queued < n then
+      if for_worker then offer_credit() return result(0, 0, 0, 0, false) end
+      return result(0, wait, 0, 0, false)
+    end
   end
 end
+
 local check_cancelled = redis.call('ZCARD', cancelled_set) > 0
 
 local function left_queue(env, status)
@@ -112,8 +195,7 @@ local function pop_from(queue, limit)
 end
 
 for i = 1, ntiers do
-  local share = tonumber(ARGV[10 + i]) or 0
-  if share > 0 then pop_from(KEYS[first_queue + i - 1], share) end
+  if min_slots[i] > 0 then pop_from(KEYS[first_queue + i - 1], min_slots[i]) end
 end
 for i = 1, ntiers do
   pop_from(KEYS[first_queue + i - 1], n)
@@ -137,16 +219,24 @@ if #taken >= n then
     end
   end
 end
+local batch = false
 if #taken > 0 then
   -- The batch as wire.encode_batch writes it, the envelopes' bytes unchanged.
-  local batch = '{"id":' .. cjson.encode(ARGV[8]) .. ',"dispatcher":' .. cjson.encode(ARGV[9])
+  batch = '{"id":' .. cjson.encode(ARGV[4]) .. ',"dispatcher":' .. cjson.encode(ARGV[5])
     .. ',"formed_ms":' .. ARGV[2] .. ',"envelopes":[' .. table.concat(taken, ',') .. '],"attempt":0}'
-  redis.call('LPUSH', KEYS[9], batch)
-  redis.call('LREM', credits, 1, credit)
+  if for_worker then
+    redis.call('LPUSH', own, batch)
+  else
+    redis.call('LPUSH', batches, batch)
+    redis.call('LREM', own, 1, credit)
+    batch = false
+  end
   redis.call('HINCRBY', stats, 'batches_formed', 1)
   redis.call('HINCRBY', stats, 'requests_batched', #taken)
   if jobs_taken < #taken then redis.call('SET', KEYS[5], ARGV[2], 'PX', 60000) end
+elseif for_worker then
+  offer_credit()
 end
 local size = #taken
-if ARGV[10] ~= '1' then taken = {} end
-return {taken, expired, cancelled, malformed, 0, jobs_taken, 0, size, 0}
+if mode ~= 'dispatch+envelopes' then taken = {} end
+return {taken, expired, cancelled, malformed, 0, jobs_taken, 0, size, 0, batch}
