@@ -103,9 +103,9 @@ local function published_rule()
   for i = 1, ntiers do
     local share = rule.min_slots[i]
     if type(share) ~= 'number' then return nil end
-    slots[i] = share
+    slots[i] = math.floor(share)
   end
-  return rule.n, rule.interval_ms, rule.headroom, rule.quiet_ms, slots
+  return math.floor(rule.n), rule.interval_ms, rule.headroom, rule.quiet_ms, slots
 end
 
 local n, min_interval, headroom, quiet_ms, min_slots
@@ -132,10 +132,10 @@ if for_worker then
 else
   if redis.call('LPOS', own, credit) == false then return result(0, 0, 0, 1, false) end
   if redis.call('EXISTS', KEYS[8]) == 0 then return result(0, 0, 1, 0, false) end
-  n, min_interval = tonumber(ARGV[8]), tonumber(ARGV[9])
+  n, min_interval = math.floor(tonumber(ARGV[8])), tonumber(ARGV[9])
   headroom, quiet_ms = tonumber(ARGV[10]), tonumber(ARGV[11])
   min_slots = {}
-  for i = 1, ntiers do min_slots[i] = tonumber(ARGV[11 + i]) or 0 end
+  for i = 1, ntiers do min_slots[i] = math.floor(tonumber(ARGV[11 + i]) or 0) end
 end
 local taken, expired, cancelled, malformed, jobs_taken = {}, 0, 0, 0, 0
 local last = tonumber(redis.call('GET', KEYS[5])) or 0
@@ -167,30 +167,39 @@ local function left_queue(env, status)
   end
 end
 
+local function consider(raw)
+  -- one envelope off a queue: taken, or dropped and counted
+  local ok, env = pcall(cjson.decode, raw)
+  if not ok or type(env) ~= 'table' or type(env.deadline_ms) ~= 'number'
+      or type(env.id) ~= 'string' or type(env.gateway) ~= 'string'
+      or type(env.input) ~= 'string' then
+    malformed = malformed + 1
+  elseif env.deadline_ms <= now then
+    expired = expired + 1
+    left_queue(env, 'expired')
+  elseif check_cancelled and redis.call('ZSCORE', cancelled_set, env.id) then
+    cancelled = cancelled + 1
+    redis.call('ZREM', cancelled_set, env.id)
+  else
+    taken[#taken + 1] = raw
+    if env.job == true then
+      jobs_taken = jobs_taken + 1
+      left_queue(env, 'running')
+    end
+    return 1
+  end
+  return 0
+end
+
 local function pop_from(queue, limit)
+  -- The oldest envelopes are read a chunk at a time (no more than could be
+  -- taken, so each one read leaves the queue) and trimmed off together.
   local got = 0
   while got < limit and #taken < n do
-    local raw = redis.call('RPOP', queue)
-    if not raw then return end
-    local ok, env = pcall(cjson.decode, raw)
-    if not ok or type(env) ~= 'table' or type(env.deadline_ms) ~= 'number'
-        or type(env.id) ~= 'string' or type(env.gateway) ~= 'string'
-        or type(env.input) ~= 'string' then
-      malformed = malformed + 1
-    elseif env.deadline_ms <= now then
-      expired = expired + 1
-      left_queue(env, 'expired')
-    elseif check_cancelled and redis.call('ZSCORE', cancelled_set, env.id) then
-      cancelled = cancelled + 1
-      redis.call('ZREM', cancelled_set, env.id)
-    else
-      taken[#taken + 1] = raw
-      got = got + 1
-      if env.job == true then
-        jobs_taken = jobs_taken + 1
-        left_queue(env, 'running')
-      end
-    end
+    local chunk = redis.call('LRANGE', queue, -math.min(limit - got, n - #taken), -1)
+    if #chunk == 0 then return end
+    for j = #chunk, 1, -1 do got = got + consider(chunk[j]) end
+    redis.call('LTRIM', queue, 0, -(#chunk + 1))
   end
 end
 
