@@ -349,11 +349,14 @@ class Worker:
         next batch if the answer formed one (or moved in one waiting)."""
         keep, self.answers_to_keep = self.answers_to_keep, []
         taken: TakeResult | None = None
+        # Decided once: a retry (its reply lost) must repeat the same step, or
+        # a next batch the first attempt formed would be left in processing.
+        leaving = stop.is_set()
 
         async def answer() -> None:
             nonlocal taken
             taken = await self.queue.answer_batch(
-                replies, clock.now_ms(), batch, keep, leaving=stop.is_set()
+                replies, clock.now_ms(), batch, keep, leaving=leaving
             )
 
         if not await retry_until_done(
@@ -362,6 +365,10 @@ class Worker:
             log.error("batch.left_for_the_reaper", worker_id=self.id)
         if taken is None:
             return None
+        if taken.credit_lost and not leaving:
+            # The batch had gone (the reaper took it, or it was unreadable):
+            # no credit went out in that step.
+            await retry_until_done("worker.credit", self._keep_credit_offered, stop)
         self.metrics.forming.count(taken)
         if taken.expired or taken.cancelled or taken.malformed:
             log.info(

@@ -477,11 +477,10 @@ async def test_an_answer_forms_the_next_batch_by_the_published_rule_and_can_be_r
     assert (await q.stats())["requests_batched"] == 2
 
 
-async def test_an_answer_runs_a_waiting_batch_first_and_pays_for_it_with_its_credit(
-    q: Faces,
-) -> None:
-    """A batch already on the batches list (retried, or formed for an idle
-    worker) goes first: this worker runs it and offers its credit in its place."""
+async def test_an_answer_runs_a_waiting_batch_first_and_offers_no_credit(q: Faces) -> None:
+    """A batch already on the batches list (one the reaper retried) goes
+    first. No credit is offered for it: one would let a dispatcher form a
+    batch ahead of every worker, again and again."""
     await q.dispatcher.publish_rule(rule(10))
     await q.redis.lpush(q.keys.processing("w1"), b"batch A")
     await q.redis.lpush(q.keys.batches, b"batch B", b"batch C")  # B is the oldest
@@ -490,8 +489,23 @@ async def test_an_answer_runs_a_waiting_batch_first_and_pays_for_it_with_its_cre
     again = await _answer(q, b"batch A")
     assert first.batch == again.batch == b"batch B"
     assert await q.redis.lrange(q.keys.batches, 0, -1) == [b"batch C"]
+    assert await q.redis.llen(q.keys.ready) == 0
+    assert await q.redis.llen(q.keys.queue("enterprise")) == 1
+    assert not first.credit_lost
+
+
+async def test_an_answer_whose_batch_is_gone_says_so_and_puts_out_no_credit(q: Faces) -> None:
+    """The reaper took the batch (or it was dead-lettered): nothing in hand,
+    and the step cannot tell whether the credit is out, so it says so."""
+    await q.dispatcher.publish_rule(rule(10))
+    await q.gateway.enqueue("free", env(1, "free"))
+    gone = await _answer(q, b"batch A")
+    assert gone.credit_lost
+    assert gone.batch is None
+    assert await q.redis.llen(q.keys.ready) == 0
+    assert await q.redis.llen(q.keys.queue("free")) == 1
+    assert await q.worker.ensure_credit()  # what the worker does then
     assert await q.redis.lrange(q.keys.ready, 0, -1) == [b"w1"]
-    assert await q.redis.llen(q.keys.queue("enterprise")) == 1  # left for a credit
 
 
 async def test_an_answer_offers_the_credit_with_no_rule_a_bad_rule_or_pacing(q: Faces) -> None:
@@ -514,6 +528,12 @@ async def test_an_answer_offers_the_credit_with_no_rule_a_bad_rule_or_pacing(q: 
         assert await q.redis.lrange(q.keys.ready, 0, -1) == [b"w1"]  # once, never twice
         assert await q.redis.llen(q.keys.queue("paid")) == 1
         assert await q.redis.llen(q.keys.processing("w1")) == 0
+    # A rule key of another type is no rule either (not a failed step).
+    await q.redis.delete(q.keys.batch_rule)
+    await q.redis.rpush(q.keys.batch_rule, "x")
+    await q.redis.lpush(q.keys.processing("w1"), b"batch A")
+    assert (await _answer(q, b"batch A")).batch is None
+    assert await q.redis.lrange(q.keys.ready, 0, -1) == [b"w1"]
 
 
 async def test_a_worker_drops_what_expired_or_was_cancelled_as_it_forms(q: Faces) -> None:

@@ -58,7 +58,9 @@
 -- jobs taken, worker gone, batch size, credit lost, the batch ('worker') or
 -- false}: wait_ms > 0 means a dispatcher took nothing: come back after that
 -- long; worker gone = 1: drop the credit; credit lost = 1: it is not this
--- dispatcher's any more.
+-- dispatcher's any more ('dispatch'), or the answered batch was gone and
+-- nothing is in hand, so whether the worker's credit is out is unknown
+-- ('worker').
 local mode = ARGV[1]
 local for_worker = mode == 'worker'
 local own, stats, doorbell, cancelled_set = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
@@ -91,14 +93,14 @@ end
 local function published_rule()
   -- the batching rule as a dispatcher published it; nil if absent or not
   -- readable (Redis contents are not trusted)
-  local raw = redis.call('GET', KEYS[8])
+  local raw = redis.pcall('GET', KEYS[8])
   if type(raw) ~= 'string' then return nil end
   local ok, rule = pcall(cjson.decode, raw)
   if not ok or type(rule) ~= 'table' or type(rule.min_slots) ~= 'table' then return nil end
   for _, field in ipairs({'n', 'interval_ms', 'headroom', 'quiet_ms'}) do
     if type(rule[field]) ~= 'number' then return nil end
   end
-  if rule.n < 1 or rule.n > 100 then return nil end
+  if not (rule.n >= 1 and rule.n <= 100) then return nil end
   local slots = {}
   for i = 1, ntiers do
     local share = rule.min_slots[i]
@@ -115,15 +117,16 @@ if for_worker then
   -- way, whatever it moved in then is the answer again, and nothing more
   -- is formed or offered.
   if redis.call('LREM', own, 0, ARGV[7]) == 0 or redis.call('LLEN', own) > 0 then
-    return result(0, 0, 0, 0, redis.call('LINDEX', own, -1))
+    local following = redis.call('LINDEX', own, -1)
+    -- nothing in hand either: 'credit lost' tells the worker to make sure
+    -- its credit is out (ensure_credit.lua; never a second one)
+    return result(0, 0, 0, following and 0 or 1, following)
   end
-  -- A batch already waiting (a retried one, or one formed for an idle
-  -- worker) is run first; this worker's credit pays for another in its place.
+  -- A batch already waiting (one the reaper retried, mostly) is run first.
+  -- No credit is offered for it: one offered "in its place" would most
+  -- often be one too many, and keep a batch formed ahead of every worker.
   local waiting = redis.call('LMOVE', batches, own, 'RIGHT', 'LEFT')
-  if waiting then
-    offer_credit()
-    return result(0, 0, 0, 0, waiting)
-  end
+  if waiting then return result(0, 0, 0, 0, waiting) end
   n, min_interval, headroom, quiet_ms, min_slots = published_rule()
   if n == nil then
     offer_credit()
