@@ -300,6 +300,13 @@ class Worker:
 
     async def _retire(self) -> None:
         await self.queue.withdraw_credit()
+        if await self.queue.batch_in_hand() is not None:
+            # Not answered (Redis was away past the grace): the heartbeat goes,
+            # the membership stays, so the reaper finds this worker dead and
+            # runs the batch again.
+            log.warning("worker.left_a_batch", worker_id=self.id)
+            await self.store.retire("worker", self.id, keep_membership=True)
+            return
         await self.store.retire("worker", self.id)
 
     async def _loop(self, stop: asyncio.Event) -> None:

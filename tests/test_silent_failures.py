@@ -208,12 +208,34 @@ async def test_a_finished_batch_is_published_once_redis_returns_however_long_it_
     try:
         await asyncio.wait_for(answering, 15)
         # The ack ran against the restarted (empty) Redis, which had lost the
-        # batch and the credit with it: the idle worker puts its credit back.
-        await worker._keep_credit_offered()
+        # batch and the credit with it: the answer found its batch gone, and
+        # the worker put its credit back at once.
         assert await checker.redis.lrange(checker.keys.ready, 0, -1) == [b"w-pub"]
     finally:
         await pubsub.aclose()
         await checker.close()
+        await store.close()
+
+
+async def test_a_worker_that_leaves_a_batch_unanswered_leaves_it_to_the_reaper(
+    redis_url: str,
+) -> None:
+    from infergate.base.queue.recovery import RecoveryQueue
+    from infergate.gpu.simulated import SimulatedBackend
+
+    worker = Worker(WorkerSettings("w-left", redis_url), SimulatedBackend(latency_ms=0))
+    store = worker.store
+    try:
+        await worker.heartbeat.beat_once()
+        await store.redis.lpush(store.keys.processing("w-left"), b"the batch")
+        await worker._retire()
+        dead = await RecoveryQueue(store, "reaper").expired(("worker",))
+        assert "w-left" in dead["worker"]  # found by the reaper's next sweep
+        # A worker that answered everything leaves no trace.
+        await store.redis.delete(store.keys.processing("w-left"))
+        await worker._retire()
+        assert not await store.redis.sismember(store.keys.members("worker"), "w-left")
+    finally:
         await store.close()
 
 

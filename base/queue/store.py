@@ -103,11 +103,14 @@ class Store:
             pipe.sadd(self.keys.members(hb.role), hb.id)
             await pipe.execute()
 
-    async def retire(self, role: str, process_id: str) -> None:
-        """A clean exit: drop the heartbeat and the membership at once."""
+    async def retire(self, role: str, process_id: str, keep_membership: bool = False) -> None:
+        """A clean exit: drop the heartbeat and the membership at once. With
+        ``keep_membership``, only the heartbeat: the reaper then finds the
+        process dead at its next sweep and recovers what it left."""
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.delete(self.keys.heartbeat(role, process_id))
-            pipe.srem(self.keys.members(role), process_id)
+            if not keep_membership:
+                pipe.srem(self.keys.members(role), process_id)
             await pipe.execute()
 
     async def heartbeats(
