@@ -198,6 +198,11 @@ async def test_pacing_holds_a_partial_batch_but_never_a_full_one(q: Faces) -> No
         await q.gateway.enqueue("free", env(i, "free"))
     full = await take(q, 3, now=now + 5, min_interval_ms=25)
     assert ids(full.envelopes) == ["r1", "r2", "r3"]
+    # A hand-off stamped by a clock ten minutes ahead holds back one interval, no more.
+    await q.redis.set(q.keys.last_dispatch, now + 600_000)
+    await q.gateway.enqueue("free", env(4, "free"))
+    skewed = await take(q, 3, now=now + 10, min_interval_ms=25)
+    assert 0 < skewed.wait_ms <= 25
 
 
 async def test_concurrent_takes_never_share_an_envelope(q: Faces) -> None:

@@ -141,7 +141,9 @@ else
   for i = 1, ntiers do min_slots[i] = math.floor(tonumber(ARGV[11 + i]) or 0) end
 end
 local taken, expired, cancelled, malformed, jobs_taken = {}, 0, 0, 0, 0
-local last = tonumber(redis.call('GET', KEYS[5])) or 0
+-- The last hand-off, as the clock of whoever made it said; one from a clock
+-- ahead of ours holds pacing back by at most one interval, not by the skew.
+local last = math.min(tonumber(redis.call('GET', KEYS[5])) or 0, now)
 
 if min_interval > 0 then
   local wait = last + min_interval - now
