@@ -37,7 +37,7 @@ from infergate.base.metrics import (
 )
 from infergate.base.probes import Probes
 from infergate.base.queue.dispatcher import DispatcherQueue
-from infergate.base.queue.forming import Rule, TakeResult, new_batch_id
+from infergate.base.queue.forming import Rule, TakeResult, log_drops, new_batch_id
 from infergate.base.queue.policy_copy import keep_policy
 from infergate.base.queue.recovery import RecoveryQueue
 from infergate.base.queue.store import Store
@@ -222,13 +222,7 @@ class Dispatcher:
                 await asyncio.sleep(taken.wait_ms / 1000.0)
                 continue
             self.metrics.forming.count(taken)
-            if taken.expired or taken.cancelled or taken.malformed:
-                log.info(
-                    "take.dropped",
-                    expired=taken.expired,
-                    cancelled=taken.cancelled,
-                    malformed=taken.malformed,
-                )
+            log_drops(taken)
             if taken.size > 0:
                 self._formed(credit, batch_id, taken, started_ns)
                 return

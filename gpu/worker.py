@@ -34,7 +34,7 @@ from infergate.base.heartbeat import Heartbeater
 from infergate.base.loops import Backoff, retry_until_done
 from infergate.base.metrics import WorkerMetrics
 from infergate.base.probes import Probes
-from infergate.base.queue.forming import TakeResult
+from infergate.base.queue.forming import TakeResult, log_drops
 from infergate.base.queue.recovery import RecoveryQueue
 from infergate.base.queue.replies import failure_replies, group_by_gateway
 from infergate.base.queue.store import Store
@@ -377,13 +377,7 @@ class Worker:
             # no credit went out in that step.
             await retry_until_done("worker.credit", self._keep_credit_offered, stop)
         self.metrics.forming.count(taken)
-        if taken.expired or taken.cancelled or taken.malformed:
-            log.info(
-                "take.dropped",
-                expired=taken.expired,
-                cancelled=taken.cancelled,
-                malformed=taken.malformed,
-            )
+        log_drops(taken)
         return taken.batch
 
 

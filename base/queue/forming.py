@@ -8,7 +8,10 @@ import os
 from typing import Any, Literal
 
 import msgspec
+from infergate.base import logs
 from infergate.base.keys import Keys
+
+log = logs.get(__name__)
 
 # A fleet with no synchronous batch for this long runs jobs without headroom.
 JOBS_QUIET_MS = 2_000
@@ -105,3 +108,14 @@ def take_result(raw: Any) -> TakeResult:
 
 def encode_rule(rule: Rule) -> bytes:
     return msgspec.json.encode(rule)
+
+
+def log_drops(taken: TakeResult) -> None:
+    """What a take dropped before any worker saw it, whoever took."""
+    if taken.expired or taken.cancelled or taken.malformed:
+        log.info(
+            "take.dropped",
+            expired=taken.expired,
+            cancelled=taken.cancelled,
+            malformed=taken.malformed,
+        )

@@ -76,18 +76,24 @@ local function result(size, wait, gone, lost, batch)
   return {{}, 0, 0, 0, wait, 0, gone, size, lost, batch}
 end
 
-local function offer_credit()
-  -- the worker's credit onto `ready`, once; with jobs waiting, ring the
-  -- doorbell (a dispatcher waiting for headroom to run them may have it now)
-  redis.call('LREM', ready, 0, credit)
-  redis.call('LPUSH', ready, credit)
+local function ring_if_waiting(first)
+  -- ring the doorbell (kept at one ring) if any of the tier queues from
+  -- KEYS[first] on holds work
   for i = 1, ntiers do
-    if redis.call('LLEN', KEYS[first_job_queue + i - 1]) > 0 then
+    if redis.call('LLEN', KEYS[first + i - 1]) > 0 then
       redis.call('LPUSH', doorbell, '1')
       redis.call('LTRIM', doorbell, 0, 0)
       return
     end
   end
+end
+
+local function offer_credit()
+  -- the worker's credit onto `ready`, once; with jobs waiting, ring the
+  -- doorbell (a dispatcher waiting for headroom to run them may have it now)
+  redis.call('LREM', ready, 0, credit)
+  redis.call('LPUSH', ready, credit)
+  ring_if_waiting(first_job_queue)
 end
 
 local function published_rule()
@@ -224,15 +230,7 @@ if cancelled > 0 then redis.call('HINCRBY', stats, 'cancelled_dropped', cancelle
 if malformed > 0 then redis.call('HINCRBY', stats, 'malformed_dropped', malformed) end
 if check_cancelled then redis.call('ZREMRANGEBYSCORE', cancelled_set, '-inf', now) end
 
-if #taken >= n then
-  for i = 1, ntiers do
-    if redis.call('LLEN', KEYS[first_queue + i - 1]) > 0 then
-      redis.call('LPUSH', doorbell, '1')
-      redis.call('LTRIM', doorbell, 0, 0)
-      break
-    end
-  end
-end
+if #taken >= n then ring_if_waiting(first_queue) end
 local batch = false
 if #taken > 0 then
   -- The batch as wire.encode_batch writes it, the envelopes' bytes unchanged.
