@@ -66,6 +66,10 @@ class Keys:
     def processing(self, worker_id: str) -> str:
         return self.prefix + "processing:" + worker_id
 
+    def last_step(self, worker_id: str) -> str:
+        """The token of a worker's last take (``take.lua``): a repeat is known."""
+        return self.prefix + "step:" + worker_id
+
     def heartbeat(self, role: str, process_id: str) -> str:
         return self.prefix + "hb:" + role + ":" + process_id
 

@@ -8,8 +8,8 @@ unreadable):
 - a dispatcher: the credits it held go back to ``ready`` (it holds no
   envelopes: a batch is formed and handed off in one step; an inflight list
   left by an earlier version goes back to the FRONT of its tier queues);
-- a worker: its credits are withdrawn, and the batch in its processing list
-  goes back to ``batches`` with ``attempt + 1`` or, once the attempts reach
+- a worker: its credits are withdrawn, and each batch in its processing list
+  (two at most: one run but not yet answered, and the next) goes back to ``batches`` with ``attempt + 1`` or, once the attempts reach
   the policy's ``workers.max_attempts``, to the capped dead-letter list, with
   every request in it answered ``INFERENCE_FAILED``;
 - a gateway: nothing to recover (its waiting connections died with it).
@@ -76,9 +76,10 @@ class Reaper:
                             credits=credits,
                         )
                 elif role == "worker":
-                    outcome = await self.recovery.recover_worker(process_id, self.max_attempts())
-                    if outcome in ("retried", "dead_lettered"):
-                        done["batches_" + outcome] += 1
+                    outcomes = await self.recovery.recover_worker(process_id, self.max_attempts())
+                    for outcome in outcomes:
+                        if outcome in ("retried", "dead_lettered"):
+                            done["batches_" + outcome] += 1
                 await self.recovery.forget(role, process_id)
                 done[role + "s_reaped"] += 1
         return dict(done)

@@ -1,31 +1,35 @@
-"""A GPU worker: take one batch, run it, publish the replies, and form the
-next batch itself.
+"""A GPU worker: take one batch, run it, form the next batch itself, and
+publish the replies while that one runs.
 
-The transaction that answers a batch (publishes its replies, acks it) also
-forms the worker's next batch straight into its processing list, from what
-is queued at that moment, in priority order (``take.lua``, 'worker'): under
-load the backend starts its next call one round trip after the last one
-returned, with no dispatcher, credit or pull between them. With nothing
-queued, the same step offers the worker's credit, and a dispatcher forms
-its next batch when work arrives (``pull_batch``).
+The moment the backend returns, one short step forms the worker's next
+batch straight into its processing list, from what is queued at that
+moment, in priority order (``take.lua``, 'worker'), and the backend starts
+on it; the replies of the batch just run are built and published (and the
+batch acked) while the next one runs. Under load the backend starts again
+one round trip after it returned, with no dispatcher, credit, pull or
+reply-building between the two calls. With nothing queued, the same step
+offers the worker's credit, and a dispatcher forms its next batch when work
+arrives (``pull_batch``).
 
-The batch sits in ``processing:{worker}`` while it runs; it leaves only when
-the replies have been published (``answer_batch``). A worker that dies
-leaves its batch there for the reaper; a worker that starts under an id
-that still holds a batch recovers it first. A backend call that fails is
-split in halves and retried down to the single inputs that fail, so one
-poisoned input fails only its own request. A batch that cannot be run for
-any other reason (unreadable, a bug) is still answered: every request in it
-gets INFERENCE_FAILED, never silence until its deadline. A call that runs
-past the hang timeout stops the worker: it stops heartbeating and exits
-non-zero, so the batch is retried elsewhere.
+A batch sits in ``processing:{worker}`` while it runs and until its replies
+have been published (``answer_batch``): two at most, the one being answered
+and the next. A worker that dies leaves them there for the reaper; a worker
+that starts under an id that still holds batches recovers them first. A
+backend call that fails is split in halves and retried down to the single
+inputs that fail, so one poisoned input fails only its own request. A batch
+that cannot be run for any other reason (unreadable, a bug) is still
+answered: every request in it gets INFERENCE_FAILED, never silence until
+its deadline. A call that runs past the hang timeout stops the worker: it
+stops heartbeating and exits non-zero, so the batch is retried elsewhere.
 """
 
 import asyncio
 import os
 import sys
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
 
 import msgspec
 from infergate.base import clock, logs, tracing, wire
@@ -34,7 +38,7 @@ from infergate.base.heartbeat import Heartbeater
 from infergate.base.loops import Backoff, retry_until_done
 from infergate.base.metrics import WorkerMetrics
 from infergate.base.probes import Probes
-from infergate.base.queue.forming import TakeResult, log_drops
+from infergate.base.queue.forming import log_drops, new_batch_id
 from infergate.base.queue.recovery import RecoveryQueue
 from infergate.base.queue.replies import failure_replies, group_by_gateway
 from infergate.base.queue.store import Store
@@ -47,6 +51,23 @@ log = logs.get(__name__)
 _tracer = tracing.tracer(__name__)
 
 EXIT_HUNG = 3
+
+
+@dataclass
+class Answer:
+    """What a batch run sends back: one reply per gateway, and the answers
+    to keep for the result cache (stored with the reply)."""
+
+    replies: dict[str, wire.Reply] = field(default_factory=dict)
+    keep: list[KeptAnswer] = field(default_factory=list)
+
+
+# A batch the backend has run: its answer, built once the next batch has started.
+Finished = Callable[[], Answer]
+
+
+def _no_answer() -> Answer:
+    return Answer()
 
 
 @dataclass(frozen=True)
@@ -85,8 +106,6 @@ class Worker:
         self.requests_done = 0
         self.batch_ms_ewma: float | None = None
         self._recent: deque[tuple[float, int]] = deque()  # (monotonic s, requests) per batch
-        # Answers of the batch in hand for the result cache, stored with its answer.
-        self.answers_to_keep: list[KeptAnswer] = []
         self.heartbeat = Heartbeater(
             self.store, self.status, settings.heartbeat_interval_ms, settings.heartbeat_ttl_ms
         )
@@ -159,7 +178,7 @@ class Worker:
                 *await self._infer_isolating(inputs[mid:]),
             ]
 
-    async def run_batch(self, batch: wire.Batch) -> dict[str, wire.Reply]:
+    async def run_batch(self, batch: wire.Batch) -> Finished:
         if not tracing.enabled:
             return await self._run_batch(batch)
         with _tracer.start_as_current_span(
@@ -171,7 +190,8 @@ class Worker:
             span.set_attribute("infergate.backend", self.backend.name)
             return await self._run_batch(batch)
 
-    async def _run_batch(self, batch: wire.Batch) -> dict[str, wire.Reply]:
+    async def _run_batch(self, batch: wire.Batch) -> Finished:
+        """Run the batch on the backend; returns how to build its answer."""
         started_ms = clock.now_ms()
         # A request past its deadline was answered 504 already; a job was
         # started when it was taken, so it runs.
@@ -181,14 +201,25 @@ class Worker:
                 "batch.expired_skipped", batch_id=batch.id, count=len(batch.envelopes) - len(live)
             )
         if not live:
-            return {}
+            return _no_answer
         started = clock.monotonic_s()
-        inputs = [e.input for e in live]
         # Identical inputs in one batch take one slot of the backend's call:
         # each distinct input once, its outcome to every request that sent it.
-        distinct = list(dict.fromkeys(inputs))
+        distinct = list(dict.fromkeys(e.input for e in live))
         outcome_of = dict(zip(distinct, await self._infer_isolating(distinct), strict=True))
         infer_ms = round(clock.elapsed_ms(started))
+        return partial(self._answer_of, batch, live, outcome_of, started_ms, infer_ms)
+
+    def _answer_of(
+        self,
+        batch: wire.Batch,
+        live: list[wire.Envelope],
+        outcome_of: dict[str, str | BackendError],
+        started_ms: int,
+        infer_ms: int,
+    ) -> Answer:
+        """The replies of a batch the backend has run, and the answers to keep."""
+        answer = Answer()
         results = []
         for env in live:
             # Reported as served by the model, whichever copy ran: the keys of a
@@ -197,11 +228,15 @@ class Worker:
                 env, outcome_of[env.input], batch.id, len(live), self.id, started_ms, infer_ms
             )
             results.append((wire.destination(env), result))
-            self._keep(env, result)
-        outcomes = [outcome_of[i] for i in inputs]
-        self.metrics.backend_inputs.inc(len(distinct))
-        self.metrics.requests_collapsed.inc(len(inputs) - len(distinct))
-        failed = sum(isinstance(o, BackendError) for o in outcomes)
+            if env.cache_key and env.cache_ttl_ms > 0 and result.output is not None:
+                answer.keep.append(
+                    KeptAnswer(
+                        env.cache_key, self.backend.fingerprint, result.output, env.cache_ttl_ms
+                    )
+                )
+        failed = sum(isinstance(outcome_of[e.input], BackendError) for e in live)
+        self.metrics.backend_inputs.inc(len(outcome_of))
+        self.metrics.requests_collapsed.inc(len(live) - len(outcome_of))
         self.metrics.batch_size.observe(len(live))
         self.metrics.inference_failures.inc(failed)
         self.batches_done += 1
@@ -215,22 +250,15 @@ class Worker:
             infer_ms=infer_ms,
             failed=failed,
         )
-        return group_by_gateway(results)
+        answer.replies = group_by_gateway(results)
+        return answer
 
-    def _keep(self, env: wire.Envelope, result: wire.Result) -> None:
-        """With the result cache on for this request, keep its answer (stored
-        in the transaction that answers the batch)."""
-        if env.cache_key and env.cache_ttl_ms > 0 and result.output is not None:
-            answer = KeptAnswer(
-                env.cache_key, self.backend.fingerprint, result.output, env.cache_ttl_ms
-            )
-            self.answers_to_keep.append(answer)
-
-    async def handle(self, data: bytes) -> dict[str, wire.Reply]:
-        """The replies for one pulled batch, whatever happens to it: an
-        unreadable envelope is dropped (take.lua already drops most), an
-        unreadable batch is dead-lettered, and a batch that fails outside the
-        backend answers every request INFERENCE_FAILED."""
+    async def handle(self, data: bytes) -> Finished:
+        """Run one pulled batch; returns how to build its answer, whatever
+        happens to it: an unreadable envelope is dropped (take.lua already
+        drops most), an unreadable batch is dead-lettered, and a batch that
+        fails outside the backend (or whose answer cannot be built) answers
+        every request INFERENCE_FAILED."""
         try:
             batch, unreadable = wire.decode_batch(data)
         except msgspec.DecodeError:
@@ -240,23 +268,34 @@ class Worker:
                 await self.recovery.dead_letter_unreadable(self.id, data)
             except STORE_ERRORS as exc:  # unreadable: there is no one to answer anyway
                 log.error("batch.unreadable_not_kept", error=type(exc).__name__)
-            return {}
+            return _no_answer
         if unreadable:
             log.error("batch.envelopes_unreadable", batch_id=batch.id, count=unreadable)
-        self.answers_to_keep = []
         try:
-            return await self.run_batch(batch)
+            finished = await self.run_batch(batch)
         except Exception:
-            self.answers_to_keep = []  # no client got them: the cache must not either
-            log.exception("batch.failed", batch_id=batch.id, size=len(batch.envelopes))
-            self.metrics.batches_failed.inc()
-            return failure_replies(
-                batch,
-                "INFERENCE_FAILED",
-                "the worker could not run this batch",
-                self.id,
-                clock.now_ms(),
-            )
+            return partial(self._failed, batch)
+        return partial(self._answer_or_failure, batch, finished)
+
+    def _answer_or_failure(self, batch: wire.Batch, finished: Finished) -> Answer:
+        try:
+            return finished()
+        except Exception:
+            return self._failed(batch)
+
+    def _failed(self, batch: wire.Batch) -> Answer:
+        """Every request of a batch that failed outside the backend gets
+        INFERENCE_FAILED (and the cache keeps nothing of it)."""
+        log.exception("batch.failed", batch_id=batch.id, size=len(batch.envelopes))
+        self.metrics.batches_failed.inc()
+        replies = failure_replies(
+            batch,
+            "INFERENCE_FAILED",
+            "the worker could not run this batch",
+            self.id,
+            clock.now_ms(),
+        )
+        return Answer(replies)
 
     # -- the loop ----------------------------------------------------------------
 
@@ -269,10 +308,10 @@ class Worker:
         )
 
     async def _register(self) -> None:
-        """A batch left under this id by an earlier life is recovered first."""
-        outcome = await self.recovery.recover_worker(self.id, self.settings.max_attempts)
-        if outcome != "idle":
-            log.warning("worker.recovered_own_batch", outcome=outcome)
+        """Batches left under this id by an earlier life are recovered first."""
+        outcomes = await self.recovery.recover_worker(self.id, self.settings.max_attempts)
+        if outcomes:
+            log.warning("worker.recovered_own_batches", outcomes=outcomes)
         await self.heartbeat.beat_once()
         await self.queue.offer_credit()
 
@@ -312,73 +351,102 @@ class Worker:
     async def _loop(self, stop: asyncio.Event) -> None:
         backoff = Backoff(base_s=0.1, cap_s=2.0)
         unsure = False  # a pull failed: its batch may be in processing anyway
-        following: bytes | None = None  # the next batch, moved in by the last answer
-        while following is not None or not stop.is_set():
-            try:
-                data, following = following, None
-                if data is None and unsure:
-                    data = await self.queue.batch_in_hand()
-                unsure = False
-                if data is None:
-                    unsure = True
-                    data = await self.queue.pull_batch(self.settings.pull_timeout_s)
+        following: bytes | None = None  # the next batch, formed when the last one ran
+        answering: asyncio.Task[None] | None = None  # the last batch's replies going out
+        try:
+            while following is not None or not stop.is_set():
+                try:
+                    data, following = following, None
+                    if data is None:
+                        # Idle: the last answer is out (its batch off processing)
+                        # before anything else is read from there.
+                        await _settled(answering)
+                        answering = None
+                    if data is None and unsure:
+                        data = await self.queue.batch_in_hand()
                     unsure = False
-                if data is None:
-                    await self._keep_credit_offered()
+                    if data is None:
+                        unsure = True
+                        data = await self.queue.pull_batch(self.settings.pull_timeout_s)
+                        unsure = False
+                    if data is None:
+                        await self._keep_credit_offered()
+                        continue
+                except UNAVAILABLE as exc:
+                    log.warning("worker.redis_unavailable", error=type(exc).__name__)
+                    await backoff.sleep()
                     continue
-            except UNAVAILABLE as exc:
-                log.warning("worker.redis_unavailable", error=type(exc).__name__)
-                await backoff.sleep()
-                continue
-            except Exception:
-                log.exception("worker.pull_failed")
-                await backoff.sleep()
-                continue
-            backoff.reset()
-            self.busy = True
-            replies = await self.handle(data)
-            # Not answered (stopping, Redis away past the grace): this batch, and
-            # a next one if the lost answer moved it in, stay for the reaper.
-            following = await self._answer(replies, stop, data)
-            self.busy = False
+                except Exception:
+                    log.exception("worker.pull_failed")
+                    await backoff.sleep()
+                    continue
+                backoff.reset()
+                self.busy = True
+                finished = await self.handle(data)
+                # At most two batches in processing: the last answer went out
+                # while this batch ran (as a rule, long before it returned).
+                await _settled(answering)
+                following = await self._take_next(data, stop)
+                # Not answered (stopping, Redis away past the grace): this batch,
+                # and the next one if the take formed it, stay for the reaper.
+                answering = asyncio.create_task(self._answer(finished, stop, data))
+                self.busy = following is not None
+        finally:
+            await _settled(answering)
 
     async def _keep_credit_offered(self) -> None:
         """Idle: make sure the credit is still out (a restarted Redis lost it)."""
         if await self.queue.ensure_credit():
             log.warning("worker.credit_restored", worker_id=self.id)
 
-    async def _answer(
-        self, replies: dict[str, wire.Reply], stop: asyncio.Event, batch: bytes
-    ) -> bytes | None:
-        """Publish and ack: retried for as long as the worker lives (the work
-        is done); once stopping, for ``publish_grace_s``, after which the
-        batch stays in processing and the reaper runs it again. Returns the
-        next batch if the answer formed one (or moved in one waiting)."""
-        keep, self.answers_to_keep = self.answers_to_keep, []
-        taken: TakeResult | None = None
-        # Decided once: a retry (its reply lost) must repeat the same step, or
-        # a next batch the first attempt formed would be left in processing.
+    async def _take_next(self, ran: bytes, stop: asyncio.Event) -> bytes | None:
+        """The backend is free: the next batch, formed straight into
+        processing (or the credit offered when there is none to take).
+        Retried for as long as the worker lives; none once stopping."""
+        if stop.is_set():
+            return None
+        following: bytes | None = None
+        step = new_batch_id()  # the same for every attempt: a repeat is known
+
+        async def take() -> None:
+            nonlocal following
+            taken = await self.queue.take_next(ran, step, clock.now_ms())
+            if taken.credit_lost:
+                # The batch had gone (the reaper took it, or Redis lost it): no
+                # credit went out in that step.
+                await self._keep_credit_offered()
+            self.metrics.forming.count(taken)
+            log_drops(taken)
+            following = taken.batch
+
+        await retry_until_done("batch.take", take, stop)
+        return following
+
+    async def _answer(self, finished: Finished, stop: asyncio.Event, batch: bytes) -> None:
+        """Build the replies and publish them, and ack: retried for as long
+        as the worker lives (the work is done); once stopping, for
+        ``publish_grace_s``, after which the batch stays in processing and
+        the reaper runs it again."""
+        answer = finished()
+        # Decided once, so every attempt is the same step: a worker stopping
+        # takes its credit back with the ack.
         leaving = stop.is_set()
 
-        async def answer() -> None:
-            nonlocal taken
-            taken = await self.queue.answer_batch(
-                replies, clock.now_ms(), batch, keep, leaving=leaving
+        async def publish() -> None:
+            await self.queue.answer_batch(
+                answer.replies, clock.now_ms(), batch, answer.keep, leaving=leaving
             )
 
         if not await retry_until_done(
-            "batch.publish", answer, stop, grace_after_stop_s=self.settings.publish_grace_s
+            "batch.publish", publish, stop, grace_after_stop_s=self.settings.publish_grace_s
         ):
             log.error("batch.left_for_the_reaper", worker_id=self.id)
-        if taken is None:
-            return None
-        if taken.credit_lost and not leaving:
-            # The batch had gone (the reaper took it, or it was unreadable):
-            # no credit went out in that step.
-            await retry_until_done("worker.credit", self._keep_credit_offered, stop)
-        self.metrics.forming.count(taken)
-        log_drops(taken)
-        return taken.batch
+
+
+async def _settled(task: asyncio.Task[None] | None) -> None:
+    """Wait for a batch's answer to be out (or given up on)."""
+    if task is not None:
+        await task
 
 
 def _result(

@@ -154,11 +154,14 @@ async def test_handoff_and_worker_round_trip(q: Faces) -> None:
     pubsub = q.redis.pubsub()
     await pubsub.subscribe(q.keys.reply_channel("gw"))
     reply = wire.Reply([wire.Result("r1", "b1", 1, "w1", 0, 100, output="out")])
-    answered = await q.worker.answer_batch({"gw": reply}, clock.now_ms(), data)
-    assert answered is not None
-    assert answered.batch is None
-    assert await q.redis.llen(q.keys.processing("w1")) == 0
+    # The backend is free and nothing is queued: the credit goes out, and
+    # the batch stays in processing until its replies are out.
+    taken = await q.worker.take_next(data, "s", clock.now_ms())
+    assert taken.batch is None
     assert await q.redis.lrange(q.keys.ready, 0, -1) == [b"w1"]
+    assert await q.redis.llen(q.keys.processing("w1")) == 1
+    await q.worker.answer_batch({"gw": reply}, clock.now_ms(), data)
+    assert await q.redis.llen(q.keys.processing("w1")) == 0
     msg = None
     for _ in range(20):
         msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.1)
@@ -267,6 +270,23 @@ async def _batch_in_processing(q: Faces, attempt: int = 0) -> bytes:
     return data
 
 
+async def test_a_worker_dead_between_two_batches_has_both_retried(
+    q: Faces,
+) -> None:
+    """It died with the batch it ran not yet answered and the next one
+    started: both go back to the batches list."""
+    ran = await _batch_in_processing(q)
+    await q.dispatcher.publish_rule(rule(10))
+    await q.gateway.enqueue("paid", env(7, "paid"))
+    following = (await _take(q, ran)).batch
+    assert following is not None
+    assert await q.recovery.recover_worker("w1", max_attempts=2) == ["retried", "retried"]
+    assert await q.redis.llen(q.keys.processing("w1")) == 0
+    retried = [wire.decode_batch(b)[0] for b in await q.redis.lrange(q.keys.batches, 0, -1)]
+    assert sorted([e.id for e in b.envelopes] for b in retried) == [["r0", "r1", "r2"], ["r7"]]
+    assert all(b.attempt == 1 for b in retried)
+
+
 async def test_a_stalled_dispatcher_forms_nothing_with_a_credit_the_reaper_took_back(
     q: Faces,
 ) -> None:
@@ -285,7 +305,7 @@ async def test_a_stalled_dispatcher_forms_nothing_with_a_credit_the_reaper_took_
 
 async def test_a_dead_workers_batch_is_retried_then_dead_lettered_and_answered(q: Faces) -> None:
     await _batch_in_processing(q)
-    assert await q.recovery.recover_worker("w1", max_attempts=2) == "retried"
+    assert await q.recovery.recover_worker("w1", max_attempts=2) == ["retried"]
     retried = await q.redis.lrange(q.keys.batches, 0, -1)
     assert len(retried) == 1
     assert wire.decode_batch(retried[0])[0].attempt == 1
@@ -293,7 +313,7 @@ async def test_a_dead_workers_batch_is_retried_then_dead_lettered_and_answered(q
     await q.redis.lmove(q.keys.batches, q.keys.processing("w1"), "RIGHT", "LEFT")
     pubsub = q.redis.pubsub()
     await pubsub.subscribe(q.keys.reply_channel("gw"))
-    assert await q.recovery.recover_worker("w1", max_attempts=2) == "dead_lettered"
+    assert await q.recovery.recover_worker("w1", max_attempts=2) == ["dead_lettered"]
     assert await q.redis.llen(q.keys.processing("w1")) == 0
     assert await q.redis.llen(q.keys.dead_letter) == 1
     message = None
@@ -307,7 +327,7 @@ async def test_a_dead_workers_batch_is_retried_then_dead_lettered_and_answered(q
     assert sorted(r.id for r in results) == ["r0", "r1", "r2"]
     assert all(r.error is not None and r.error.code == "INFERENCE_FAILED" for r in results)
     # Run twice (two reapers racing): the batch moves once.
-    assert await q.recovery.recover_worker("w1", max_attempts=2) == "idle"
+    assert await q.recovery.recover_worker("w1", max_attempts=2) == []
 
 
 async def test_the_dead_letter_list_is_capped(q: Faces) -> None:
@@ -436,53 +456,53 @@ async def test_every_queued_call_fails_with_a_store_error_when_redis_is_gone() -
         assert all(isinstance(r, STORE_ERRORS) for r in results), results
 
 
-async def test_a_worker_answers_and_acks_after_redis_forgot_the_scripts(q: Faces) -> None:
+async def test_a_worker_takes_and_acks_after_redis_forgot_the_scripts(q: Faces) -> None:
     await q.redis.lpush(q.keys.processing("w1"), b"the batch")
     await q.redis.script_flush()  # as a restarted or failed-over Redis would have
     reply = wire.Reply([wire.Result("r1", "b1", 1, "w1", 0, 100, output="out")])
+    assert (await q.worker.take_next(b"the batch", "s", clock.now_ms())).batch is None
+    assert await q.redis.lrange(q.keys.ready, 0, -1) == [b"w1"]
     await q.worker.answer_batch({"gw": reply}, clock.now_ms(), b"the batch")
     assert await q.redis.llen(q.keys.processing("w1")) == 0
-    assert await q.redis.lrange(q.keys.ready, 0, -1) == [b"w1"]
-    # And the next answer needs no reload: one round trip again.
+    # A leaving worker's ack is a script too.
+    await q.redis.script_flush()
     await q.redis.lpush(q.keys.processing("w1"), b"the next batch")
-    await q.worker.answer_batch({"gw": reply}, clock.now_ms(), b"the next batch")
+    await q.worker.answer_batch({"gw": reply}, clock.now_ms(), b"the next batch", leaving=True)
     assert await q.redis.llen(q.keys.processing("w1")) == 0
+    assert await q.redis.llen(q.keys.ready) == 0
 
 
-async def _answer(q: Faces, batch: bytes) -> TakeResult:
-    reply = wire.Reply([wire.Result("r", "b", 1, "w1", 0, 100, output="out")])
-    answered = await q.worker.answer_batch({"gw": reply}, clock.now_ms(), batch)
-    assert answered is not None
-    return answered
+async def _take(q: Faces, ran: bytes, step: str = "step 1") -> TakeResult:
+    return await q.worker.take_next(ran, step, clock.now_ms())
 
 
-async def test_an_answer_forms_the_next_batch_by_the_published_rule_and_can_be_repeated(
+async def test_a_free_worker_forms_its_next_batch_by_the_published_rule_and_can_repeat(
     q: Faces,
 ) -> None:
-    """A worker that answers its batch forms its next one in the same step,
-    in priority order, straight into its processing list; no credit goes
-    out. Run twice (its reply lost), it gives the same batch back and takes
-    nothing more."""
+    """A worker whose backend has returned forms its next batch in one
+    step, in priority order, straight into its processing list beside the
+    batch just run; no credit goes out. Run twice (its reply lost), it gives
+    the same batch back and takes nothing more."""
     await q.dispatcher.publish_rule(rule(2))
     await q.redis.lpush(q.keys.processing("w1"), b"batch A")
     for i, tier in enumerate(["free", "enterprise", "paid"]):
         await q.gateway.enqueue(tier, env(i, tier))
-    first = await _answer(q, b"batch A")
-    again = await _answer(q, b"batch A")
+    first = await _take(q, b"batch A")
+    again = await _take(q, b"batch A")
     assert first.batch is not None
     assert first.batch == again.batch
     assert (first.size, again.size) == (2, 0)
     batch, _ = wire.decode_batch(first.batch)
     assert [e.id for e in batch.envelopes] == ["r1", "r2"]
     assert batch.dispatcher == "w1"  # formed by the worker itself
-    assert await q.redis.lrange(q.keys.processing("w1"), 0, -1) == [first.batch]
+    assert await q.redis.lrange(q.keys.processing("w1"), 0, -1) == [first.batch, b"batch A"]
     assert await q.redis.llen(q.keys.ready) == 0
     assert await q.redis.llen(q.keys.queue("free")) == 1
     assert await q.redis.llen(q.keys.doorbell) == 1  # work left behind, for idle workers
     assert (await q.stats())["requests_batched"] == 2
 
 
-async def test_an_answer_runs_a_waiting_batch_first_and_offers_no_credit(q: Faces) -> None:
+async def test_a_free_worker_runs_a_waiting_batch_first_and_offers_no_credit(q: Faces) -> None:
     """A batch already on the batches list (one the reaper retried) goes
     first. No credit is offered for it: one would let a dispatcher form a
     batch ahead of every worker, again and again."""
@@ -490,8 +510,8 @@ async def test_an_answer_runs_a_waiting_batch_first_and_offers_no_credit(q: Face
     await q.redis.lpush(q.keys.processing("w1"), b"batch A")
     await q.redis.lpush(q.keys.batches, b"batch B", b"batch C")  # B is the oldest
     await q.gateway.enqueue("enterprise", env(1, "enterprise"))
-    first = await _answer(q, b"batch A")
-    again = await _answer(q, b"batch A")
+    first = await _take(q, b"batch A")
+    again = await _take(q, b"batch A")
     assert first.batch == again.batch == b"batch B"
     assert await q.redis.lrange(q.keys.batches, 0, -1) == [b"batch C"]
     assert await q.redis.llen(q.keys.ready) == 0
@@ -499,12 +519,12 @@ async def test_an_answer_runs_a_waiting_batch_first_and_offers_no_credit(q: Face
     assert not first.credit_lost
 
 
-async def test_an_answer_whose_batch_is_gone_says_so_and_puts_out_no_credit(q: Faces) -> None:
+async def test_a_take_whose_batch_is_gone_says_so_and_puts_out_no_credit(q: Faces) -> None:
     """The reaper took the batch (or it was dead-lettered): nothing in hand,
     and the step cannot tell whether the credit is out, so it says so."""
     await q.dispatcher.publish_rule(rule(10))
     await q.gateway.enqueue("free", env(1, "free"))
-    gone = await _answer(q, b"batch A")
+    gone = await _take(q, b"batch A")
     assert gone.credit_lost
     assert gone.batch is None
     assert await q.redis.llen(q.keys.ready) == 0
@@ -513,7 +533,7 @@ async def test_an_answer_whose_batch_is_gone_says_so_and_puts_out_no_credit(q: F
     assert await q.redis.lrange(q.keys.ready, 0, -1) == [b"w1"]
 
 
-async def test_an_answer_offers_the_credit_with_no_rule_a_bad_rule_or_pacing(q: Faces) -> None:
+async def test_a_free_worker_offers_its_credit_with_no_rule_a_bad_rule_or_pacing(q: Faces) -> None:
     await q.gateway.enqueue("paid", env(1, "paid"))
     now = clock.now_ms()
     await q.redis.set(q.keys.last_dispatch, now)
@@ -528,16 +548,17 @@ async def test_an_answer_offers_the_credit_with_no_rule_a_bad_rule_or_pacing(q: 
         if published is not None:
             await q.redis.set(q.keys.batch_rule, published)
         await q.redis.lpush(q.keys.processing("w1"), b"batch A")
-        answered = await _answer(q, b"batch A")
+        answered = await _take(q, b"batch A")
         assert answered.batch is None, published
         assert await q.redis.lrange(q.keys.ready, 0, -1) == [b"w1"]  # once, never twice
         assert await q.redis.llen(q.keys.queue("paid")) == 1
-        assert await q.redis.llen(q.keys.processing("w1")) == 0
+        assert await q.redis.lrange(q.keys.processing("w1"), 0, -1) == [b"batch A"]
+        await q.redis.delete(q.keys.processing("w1"))  # answered
     # A rule key of another type is no rule either (not a failed step).
     await q.redis.delete(q.keys.batch_rule)
     await q.redis.rpush(q.keys.batch_rule, "x")
     await q.redis.lpush(q.keys.processing("w1"), b"batch A")
-    assert (await _answer(q, b"batch A")).batch is None
+    assert (await _take(q, b"batch A")).batch is None
     assert await q.redis.lrange(q.keys.ready, 0, -1) == [b"w1"]
 
 
@@ -548,7 +569,7 @@ async def test_a_worker_drops_what_expired_or_was_cancelled_as_it_forms(q: Faces
     await q.gateway.enqueue("free", env(3, "free"))
     await q.gateway.cancel("r2", clock.now_ms() + 60_000)
     await q.redis.lpush(q.keys.processing("w1"), b"batch A")
-    answered = await _answer(q, b"batch A")
+    answered = await _take(q, b"batch A")
     assert (answered.size, answered.expired, answered.cancelled) == (1, 1, 1)
     assert answered.batch is not None
     assert [e.id for e in wire.decode_batch(answered.batch)[0].envelopes] == ["r3"]
@@ -560,9 +581,7 @@ async def test_a_leaving_worker_acks_and_takes_its_credit_back(q: Faces) -> None
     await q.worker.offer_credit()
     await q.redis.lpush(q.keys.processing("w1"), b"batch A")
     reply = wire.Reply([wire.Result("r", "b", 1, "w1", 0, 100, output="out")])
-    assert (
-        await q.worker.answer_batch({"gw": reply}, clock.now_ms(), b"batch A", leaving=True) is None
-    )
+    await q.worker.answer_batch({"gw": reply}, clock.now_ms(), b"batch A", leaving=True)
     assert await q.redis.llen(q.keys.processing("w1")) == 0
     assert await q.redis.llen(q.keys.ready) == 0
     assert await q.redis.llen(q.keys.queue("free")) == 1
@@ -594,12 +613,12 @@ async def test_a_heartbeat_of_another_type_reads_as_expired(q: Faces) -> None:
     assert [w.id for w in snapshot.workers] == ["w-ok"]
 
 
-async def test_an_answer_run_twice_offers_one_credit(q: Faces) -> None:
+async def test_a_take_run_twice_offers_one_credit(q: Faces) -> None:
     await q.redis.lpush(q.keys.processing("w1"), b"batch A")
-    await _answer(q, b"batch A")  # nothing queued: the credit goes out
+    await _take(q, b"batch A")  # nothing queued: the credit goes out
     assert await q.dispatcher.wait_credit(1) == "w1"  # a dispatcher holds it now
     # The reply to that step was lost: the worker runs it again.
-    await _answer(q, b"batch A")
+    await _take(q, b"batch A")
     assert await q.redis.llen(q.keys.ready) == 0  # no second credit beside the held one
 
 

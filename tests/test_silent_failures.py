@@ -20,7 +20,7 @@ from infergate.base import clock, wire
 from infergate.base.queue import dead_letters
 from infergate.base.queue.store import Store
 from infergate.gpu.simulated import sim_output
-from infergate.gpu.worker import Worker, WorkerSettings
+from infergate.gpu.worker import Answer, Worker, WorkerSettings
 from infergate.redis_server import RedisServer
 
 from tests.helpers import KEYS, SECRETS, Cluster, http, policy_yaml, wait_for
@@ -159,7 +159,7 @@ async def test_a_batch_that_fails_outside_the_backend_is_answered(redis_url: str
         for i in range(4)
     ]
     try:
-        replies = await worker.handle(wire.encode_batch("b1", "d1", now, envs))
+        replies = (await worker.handle(wire.encode_batch("b1", "d1", now, envs)))().replies
     finally:
         await worker.store.close()
     assert set(replies) == {"gw0", "gw1"}
@@ -175,7 +175,7 @@ async def test_an_unreadable_batch_is_dead_lettered_not_dropped(redis_url: str) 
         await store.redis.lpush(store.keys.batches, b"{not a batch")
         data = await worker.queue.pull_batch(1)
         assert data is not None
-        assert await worker.handle(data) == {}
+        assert (await worker.handle(data))().replies == {}
         assert await store.redis.lrange(store.keys.dead_letter, 0, -1) == [b"{not a batch"]
         assert await store.redis.llen(store.keys.processing("w-1")) == 0
         total, (letter,) = await dead_letters.read(store, 10)
@@ -197,7 +197,12 @@ async def test_a_finished_batch_is_published_once_redis_returns_however_long_it_
     reply = wire.Reply([wire.Result("r1", "b", 1, "w-pub", 0, 1, output="out")])
     own_redis.kill()
     stop = asyncio.Event()
-    answering = asyncio.create_task(worker._answer({env.gateway: reply}, stop, b"the batch"))
+
+    async def finish() -> None:
+        assert await worker._take_next(b"the batch", stop) is None
+        await worker._answer(lambda: Answer({env.gateway: reply}), stop, b"the batch")
+
+    answering = asyncio.create_task(finish())
     # Redis stays away for a while: the worker keeps trying, it does not give up.
     await asyncio.sleep(3.0)  # pacing: the outage lasts this long
     assert not answering.done()
@@ -207,9 +212,9 @@ async def test_a_finished_batch_is_published_once_redis_returns_however_long_it_
     await pubsub.subscribe(checker.keys.reply_channel("gw"))
     try:
         await asyncio.wait_for(answering, 15)
-        # The ack ran against the restarted (empty) Redis, which had lost the
-        # batch and the credit with it: the answer found its batch gone, and
-        # the worker put its credit back at once.
+        # The take ran against the restarted (empty) Redis, which had lost the
+        # batch and the credit with it: it found its batch gone, and the
+        # worker put its credit back at once.
         assert await checker.redis.lrange(checker.keys.ready, 0, -1) == [b"w-pub"]
     finally:
         await pubsub.aclose()

@@ -56,9 +56,10 @@ def new_batch_id() -> str:
     return os.urandom(6).hex()
 
 
-def take_keys(keys: Keys, own: str, eighth: str) -> list[str]:
+def take_keys(keys: Keys, own: str, eighth: str, last_step: str | None = None) -> list[str]:
     """``take.lua``'s keys: ``own`` is the dispatcher's credits list or the
-    worker's processing list; ``eighth`` the credit's heartbeat or the rule."""
+    worker's processing list; ``eighth`` the credit's heartbeat or the rule;
+    ``last_step`` the worker's last step token (a dispatcher has none)."""
     return [
         own,
         keys.stats,
@@ -69,6 +70,7 @@ def take_keys(keys: Keys, own: str, eighth: str) -> list[str]:
         keys.jobs_queued,
         eighth,
         keys.batches,
+        last_step or own,
         *keys.queues,
         *keys.job_queues,
     ]
@@ -81,10 +83,11 @@ def take_args(
     credit: str,
     batch_id: str,
     former: str,
-    answered: bytes = b"",
+    ran: bytes = b"",
+    step: str = "",
     rule: Rule | None = None,
 ) -> list[Any]:
-    head: list[Any] = [mode, now_ms, credit, batch_id, former, keys.job_prefix, answered]
+    head: list[Any] = [mode, now_ms, credit, batch_id, former, keys.job_prefix, ran, step]
     if rule is None:
         return head
     return [*head, rule.n, rule.interval_ms, rule.headroom, rule.quiet_ms, *rule.min_slots]

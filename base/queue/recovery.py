@@ -1,7 +1,7 @@
 """What recovery may do in Redis: the reaper's lock, finding processes whose
 heartbeat expired, returning a dead dispatcher's envelopes, and retrying or
-dead-lettering a dead worker's batch (answering its requests when it gives
-up). A worker starting under an id that still holds a batch recovers it
+dead-lettering a dead worker's batches (answering their requests when it
+gives up). A worker starting under an id that still holds a batch recovers it
 the same way."""
 
 import msgspec
@@ -59,11 +59,22 @@ class RecoveryQueue:
     async def requeue_dispatcher(self, dispatcher_id: str) -> tuple[int, int]:
         return await requeue(self.store, dispatcher_id)
 
-    async def recover_worker(self, worker_id: str, max_attempts: int) -> str:
-        """The batch a worker left in processing goes back to ``batches`` with
-        attempt + 1, or past ``max_attempts`` to the dead-letter list with
-        every request in it answered INFERENCE_FAILED. Returns what happened:
-        'idle', 'retried', 'dead_lettered' or 'moved_already'."""
+    async def recover_worker(self, worker_id: str, max_attempts: int) -> list[str]:
+        """Every batch a worker left in processing (two at most: the one it
+        ran and had not yet answered, and the next one it had started) is
+        recovered, oldest first (``recover_batch``); then its credit is
+        withdrawn. Returns what happened to each, [] if it held none."""
+        outcomes: list[str] = []
+        while (outcome := await self.recover_batch(worker_id, max_attempts)) != "idle":
+            outcomes.append(outcome)
+        return outcomes
+
+    async def recover_batch(self, worker_id: str, max_attempts: int) -> str:
+        """The oldest batch a worker left in processing goes back to
+        ``batches`` with attempt + 1, or past ``max_attempts`` to the
+        dead-letter list with every request in it answered INFERENCE_FAILED.
+        Returns what happened: 'idle' (none left; its credit is withdrawn),
+        'retried', 'dead_lettered' or 'moved_already'."""
         raw: bytes | None = await self.store.redis.lindex(  # type: ignore[assignment]
             self.keys.processing(worker_id), -1
         )

@@ -1,7 +1,7 @@
 """What a worker may do in Redis: offer its credit, pull a batch into its
-processing list, and answer the batch: publish its replies, store its jobs'
-results and its answers for the cache, ack it and form the next batch
-straight into its processing list, in one transaction."""
+processing list, form its next batch straight into that list the moment its
+backend is free, and answer a batch: publish its replies, store its jobs'
+results and its answers for the cache and ack it, in one transaction."""
 
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
@@ -66,6 +66,26 @@ class WorkerQueue:
         )
         return data
 
+    async def take_next(self, ran: bytes, step: str, now_ms: int) -> TakeResult:
+        """The backend has just run ``ran`` (still in processing): form this
+        worker's next batch straight into its processing list, beside it
+        (``take.lua``, 'worker'), or offer its credit when there is nothing
+        to take; the batch is in ``TakeResult.batch``. If the reply is lost
+        and the step runs again with the same ``step`` token, the same next
+        batch comes back, and no second batch or credit goes out. One round
+        trip, and a short one: the replies go out after the next batch has
+        started."""
+        keys = self.keys
+        processing = keys.processing(self.worker_id)
+        args = take_args(
+            keys, "worker", now_ms, self.worker_id, new_batch_id(), self.worker_id, ran, step
+        )
+        raw = await self.store.scripts.take(
+            keys=take_keys(keys, processing, keys.batch_rule, keys.last_step(self.worker_id)),
+            args=args,
+        )
+        return take_result(raw)
+
     async def answer_batch(
         self,
         replies: Mapping[str, wire.Reply],
@@ -73,19 +93,16 @@ class WorkerQueue:
         batch: bytes,
         keep: Sequence[KeptAnswer] = (),
         leaving: bool = False,
-    ) -> TakeResult | None:
+    ) -> None:
         """Publish one reply per gateway, store the jobs' results and the
         answers to keep, then ack ``batch``, in one transaction: a job's
-        result is stored by the same step that finishes its batch. Then,
-        unless ``leaving`` (``ack_batch.lua``: the credit is taken back),
-        form this worker's next batch straight into its processing list
-        (``take.lua``, 'worker'), or offer its credit when there is nothing
-        to take; returned, with the batch in ``TakeResult.batch``. If the
+        result is stored by the same step that finishes its batch. A worker
+        ``leaving`` also takes back its credit (``ack_batch.lua``). If the
         reply to the transaction is lost, it is run again: gateways ignore
-        the duplicate, a job's result is stored again, and the same next
-        batch comes back. One round trip."""
+        the duplicate and a job's result is stored again. One round trip."""
         keys = self.keys
         scripts = self.store.scripts
+        processing = keys.processing(self.worker_id)
 
         def build(pipe: Pipeline) -> None:
             deliver_replies(pipe, self.store, replies, now_ms)
@@ -93,14 +110,9 @@ class WorkerQueue:
                 pipe.set(
                     keys.cache(answer.digest, answer.fingerprint), answer.output, px=answer.ttl_ms
                 )
-            processing = keys.processing(self.worker_id)
             if leaving:
                 queue_on(pipe, scripts.ack_batch, [processing, keys.ready], [self.worker_id, batch])
-                return
-            args = take_args(
-                keys, "worker", now_ms, self.worker_id, new_batch_id(), self.worker_id, batch
-            )
-            queue_on(pipe, scripts.take, take_keys(keys, processing, keys.batch_rule), args)
+            else:
+                pipe.lrem(processing, 0, batch)  # type: ignore[arg-type]
 
-        results = await execute(self.store.redis, scripts, build)
-        return None if leaving else take_result(results[-1])
+        await execute(self.store.redis, scripts, build)

@@ -3,11 +3,12 @@
 -- batch. Two callers:
 --   a dispatcher holding an idle worker's credit ('dispatch'): the batch goes
 --     onto the batches list, paid for by the credit, for that worker to pull;
---   a worker that has just answered its batch ('worker'): the answered batch
---     leaves its processing list, and the next one is formed straight into
---     it, in the same step (no credit, no dispatcher, no pull). With nothing
---     to take (or pacing says wait, or no dispatcher has published the
---     batching rule), its credit goes onto `ready` instead, for a dispatcher.
+--   a worker whose backend has just returned ('worker'): the next batch is
+--     formed straight into its processing list (no credit, no dispatcher,
+--     no pull), beside the batch just run, which leaves once its replies are
+--     published (while the next one runs). With nothing to take (or pacing
+--     says wait, or no dispatcher has published the batching rule), its
+--     credit goes onto `ready` instead, for a dispatcher.
 -- Nothing sits between the queues and the batch, so nothing is held by a
 -- process that dies. Each tier first gets its minimum share of
 -- the batch (if it has work), then the rest is filled in strict priority
@@ -38,7 +39,8 @@
 --   dispatcher holds; 'worker': the batching rule the dispatchers publish
 --   (JSON: n, interval_ms, headroom, quiet_ms, min_slots)
 -- KEYS[9] batches
--- KEYS[10..9+T] queue:{tier}, highest priority first; KEYS[10+T..9+2T] jobs:{tier}
+-- KEYS[10] 'worker': the worker's last step (its token); 'dispatch': unused
+-- KEYS[11..10+T] queue:{tier}, highest priority first; KEYS[11+T..10+2T] jobs:{tier}
 -- A dispatcher takes nothing if the credit is no longer its own (it stalled
 -- past its heartbeat and the reaper returned the credit: a batch now would
 -- run beside the one another dispatcher forms with it), or if its worker's
@@ -49,16 +51,18 @@
 -- ARGV[2] now (epoch ms)  ARGV[3] the credit (worker id)  ARGV[4] the batch id
 -- ARGV[5] who forms it (the dispatcher's id, or the worker's)
 -- ARGV[6] the job record key prefix
--- ARGV[7] 'worker': the batch just answered (as pulled); 'dispatch': unused
+-- ARGV[7] 'worker': the batch just run (as pulled); 'dispatch': unused
+-- ARGV[8] 'worker': this step's token, the same when the step is repeated;
+--   'dispatch': unused
 -- 'dispatch' only (a worker reads them from KEYS[8]):
--- ARGV[8] n  ARGV[9] min_interval_ms
--- ARGV[10] headroom (idle workers a jobs-only batch must leave; -1: take no job)
--- ARGV[11] quiet_ms  ARGV[12..11+T] minimum slots per tier
+-- ARGV[9] n  ARGV[10] min_interval_ms
+-- ARGV[11] headroom (idle workers a jobs-only batch must leave; -1: take no job)
+-- ARGV[12] quiet_ms  ARGV[13..12+T] minimum slots per tier
 -- Returns {envelopes (if asked), expired, cancelled, malformed, wait_ms,
 -- jobs taken, worker gone, batch size, credit lost, the batch ('worker') or
 -- false}: wait_ms > 0 means a dispatcher took nothing: come back after that
 -- long; worker gone = 1: drop the credit; credit lost = 1: it is not this
--- dispatcher's any more ('dispatch'), or the answered batch was gone and
+-- dispatcher's any more ('dispatch'), or the batch just run was gone and
 -- nothing is in hand, so whether the worker's credit is out is unknown
 -- ('worker').
 local mode = ARGV[1]
@@ -68,7 +72,7 @@ local ready, jobs_queued, batches = KEYS[6], KEYS[7], KEYS[9]
 local now = tonumber(ARGV[2])
 local credit = ARGV[3]
 local job_prefix = ARGV[6]
-local first_queue = 10
+local first_queue = 11
 local ntiers = (#KEYS - first_queue + 1) / 2
 local first_job_queue = first_queue + ntiers
 
@@ -118,16 +122,25 @@ end
 
 local n, min_interval, headroom, quiet_ms, min_slots
 if for_worker then
-  -- The answered batch leaves processing. A step that finds it gone was
-  -- run before (its reply was lost), or the reaper took the batch: either
-  -- way, whatever it moved in then is the answer again, and nothing more
-  -- is formed or offered.
-  if redis.call('LREM', own, 0, ARGV[7]) == 0 or redis.call('LLEN', own) > 0 then
-    local following = redis.call('LINDEX', own, -1)
-    -- nothing in hand either: 'credit lost' tells the worker to make sure
-    -- its credit is out (ensure_credit.lua; never a second one)
-    return result(0, 0, 0, following and 0 or 1, following)
+  -- The batch just run is still in processing (it leaves when its replies
+  -- are published). A step whose token is the last step's was run before
+  -- (its reply was lost); a step that finds anything else in processing
+  -- was too, or the reaper took the batch. Either way, whatever is there
+  -- beside it is the answer again, and nothing more is formed or offered
+  -- (the first run offered the credit if it formed nothing).
+  local held = redis.call('LRANGE', own, 0, 2)
+  local repeated = redis.call('GET', KEYS[10]) == ARGV[8]
+  if repeated or #held ~= 1 or held[1] ~= ARGV[7] then
+    local following = false
+    for _, b in ipairs(held) do
+      if b ~= ARGV[7] then following = b break end
+    end
+    -- nothing in hand, and not known to have offered the credit: 'credit
+    -- lost' tells the worker to make sure it is out (ensure_credit.lua;
+    -- never a second one)
+    return result(0, 0, 0, (following or repeated) and 0 or 1, following)
   end
+  redis.call('SET', KEYS[10], ARGV[8], 'PX', 600000)
   -- A batch already waiting (one the reaper retried, mostly) is run first.
   -- No credit is offered for it: one offered "in its place" would most
   -- often be one too many, and keep a batch formed ahead of every worker.
@@ -141,10 +154,10 @@ if for_worker then
 else
   if redis.call('LPOS', own, credit) == false then return result(0, 0, 0, 1, false) end
   if redis.call('EXISTS', KEYS[8]) == 0 then return result(0, 0, 1, 0, false) end
-  n, min_interval = math.floor(tonumber(ARGV[8])), tonumber(ARGV[9])
-  headroom, quiet_ms = tonumber(ARGV[10]), tonumber(ARGV[11])
+  n, min_interval = math.floor(tonumber(ARGV[9])), tonumber(ARGV[10])
+  headroom, quiet_ms = tonumber(ARGV[11]), tonumber(ARGV[12])
   min_slots = {}
-  for i = 1, ntiers do min_slots[i] = math.floor(tonumber(ARGV[11 + i]) or 0) end
+  for i = 1, ntiers do min_slots[i] = math.floor(tonumber(ARGV[12 + i]) or 0) end
 end
 local taken, expired, cancelled, malformed, jobs_taken = {}, 0, 0, 0, 0
 -- The last hand-off, as the clock of whoever made it said; one from a clock
