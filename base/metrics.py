@@ -249,6 +249,9 @@ class DispatcherMetrics(PolicyWatching):
         )
 
 
+BACKEND_IDLE_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0)
+
+
 class WorkerMetrics(Common):
     def __init__(self, registry: CollectorRegistry) -> None:
         super().__init__(registry)
@@ -286,6 +289,12 @@ class WorkerMetrics(Common):
             registry=registry,
         )
         self.busy = Gauge("infergate_worker_busy", "1 while running a batch", registry=registry)
+        self.backend_idle = Histogram(
+            "infergate_worker_backend_idle_seconds",
+            "How long the backend sat idle before each call (under load: the gap between batches)",
+            buckets=BACKEND_IDLE_BUCKETS_S,
+            registry=registry,
+        )
 
 
 @dataclass(frozen=True)

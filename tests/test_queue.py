@@ -502,6 +502,33 @@ async def test_a_free_worker_forms_its_next_batch_by_the_published_rule_and_can_
     assert (await q.stats())["requests_batched"] == 2
 
 
+async def test_a_small_batch_is_answered_in_the_step_that_takes_the_next(q: Faces) -> None:
+    """Its replies go out with the take, after it (the next batch is formed
+    from what was queued before), and the batch leaves processing; run
+    twice, the same next batch comes back and no second one is formed."""
+    await q.dispatcher.publish_rule(rule(10))
+    await q.redis.lpush(q.keys.processing("w1"), b"batch A")
+    await q.gateway.enqueue("paid", env(1, "paid"))
+    pubsub = q.redis.pubsub()
+    await pubsub.subscribe(q.keys.reply_channel("gw"))
+    reply = wire.Reply([wire.Result("r0", "bA", 1, "w1", 0, 100, output="out")])
+    first = await q.worker.take_next(b"batch A", "s", clock.now_ms(), {"gw": reply})
+    again = await q.worker.take_next(b"batch A", "s", clock.now_ms(), {"gw": reply})
+    assert first.batch is not None
+    assert (first.batch, first.size, again.size) == (again.batch, 1, 0)
+    assert await q.redis.lrange(q.keys.processing("w1"), 0, -1) == [first.batch]
+    assert await q.redis.llen(q.keys.ready) == 0
+    results = []
+    for _ in range(20):
+        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.1)
+        if message:
+            results.extend(r.id for r in wire.decode_reply(message["data"]).results)
+        if len(results) == 2:
+            break
+    await pubsub.aclose()
+    assert results == ["r0", "r0"]  # the repeat publishes again; the gateway ignores it
+
+
 async def test_a_free_worker_runs_a_waiting_batch_first_and_offers_no_credit(q: Faces) -> None:
     """A batch already on the batches list (one the reaper retried) goes
     first. No credit is offered for it: one would let a dispatcher form a

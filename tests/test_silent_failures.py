@@ -20,7 +20,7 @@ from infergate.base import clock, wire
 from infergate.base.queue import dead_letters
 from infergate.base.queue.store import Store
 from infergate.gpu.simulated import sim_output
-from infergate.gpu.worker import Answer, Worker, WorkerSettings
+from infergate.gpu.worker import Answer, Finished, Worker, WorkerSettings
 from infergate.redis_server import RedisServer
 
 from tests.helpers import KEYS, SECRETS, Cluster, http, policy_yaml, wait_for
@@ -159,7 +159,7 @@ async def test_a_batch_that_fails_outside_the_backend_is_answered(redis_url: str
         for i in range(4)
     ]
     try:
-        replies = (await worker.handle(wire.encode_batch("b1", "d1", now, envs)))().replies
+        replies = (await worker.handle(wire.encode_batch("b1", "d1", now, envs))).build().replies
     finally:
         await worker.store.close()
     assert set(replies) == {"gw0", "gw1"}
@@ -175,7 +175,7 @@ async def test_an_unreadable_batch_is_dead_lettered_not_dropped(redis_url: str) 
         await store.redis.lpush(store.keys.batches, b"{not a batch")
         data = await worker.queue.pull_batch(1)
         assert data is not None
-        assert (await worker.handle(data))().replies == {}
+        assert (await worker.handle(data)).build().replies == {}
         assert await store.redis.lrange(store.keys.dead_letter, 0, -1) == [b"{not a batch"]
         assert await store.redis.llen(store.keys.processing("w-1")) == 0
         total, (letter,) = await dead_letters.read(store, 10)
@@ -199,8 +199,8 @@ async def test_a_finished_batch_is_published_once_redis_returns_however_long_it_
     stop = asyncio.Event()
 
     async def finish() -> None:
-        assert await worker._take_next(b"the batch", stop) is None
-        await worker._answer(lambda: Answer({env.gateway: reply}), stop, b"the batch")
+        assert await worker._take_next(b"the batch", stop) == (False, None)
+        await worker._answer(Finished(1, lambda: Answer({env.gateway: reply})), stop, b"the batch")
 
     answering = asyncio.create_task(finish())
     # Redis stays away for a while: the worker keeps trying, it does not give up.

@@ -66,25 +66,41 @@ class WorkerQueue:
         )
         return data
 
-    async def take_next(self, ran: bytes, step: str, now_ms: int) -> TakeResult:
+    async def take_next(
+        self,
+        ran: bytes,
+        step: str,
+        now_ms: int,
+        replies: Mapping[str, wire.Reply] | None = None,
+        keep: Sequence[KeptAnswer] = (),
+    ) -> TakeResult:
         """The backend has just run ``ran`` (still in processing): form this
         worker's next batch straight into its processing list, beside it
         (``take.lua``, 'worker'), or offer its credit when there is nothing
         to take; the batch is in ``TakeResult.batch``. If the reply is lost
         and the step runs again with the same ``step`` token, the same next
         batch comes back, and no second batch or credit goes out. One round
-        trip, and a short one: the replies go out after the next batch has
-        started."""
+        trip, and a short one: as a rule the replies go out after the next
+        batch has started (``answer_batch``). Given ``replies``, they are
+        published, ``keep`` stored and ``ran`` acked in the same
+        transaction, after the take: for a small batch, whose replies cost
+        less to build than a second round trip."""
         keys = self.keys
+        scripts = self.store.scripts
         processing = keys.processing(self.worker_id)
+        take = take_keys(keys, processing, keys.batch_rule, keys.last_step(self.worker_id))
         args = take_args(
             keys, "worker", now_ms, self.worker_id, new_batch_id(), self.worker_id, ran, step
         )
-        raw = await self.store.scripts.take(
-            keys=take_keys(keys, processing, keys.batch_rule, keys.last_step(self.worker_id)),
-            args=args,
-        )
-        return take_result(raw)
+        if replies is None:
+            return take_result(await scripts.take(keys=take, args=args))
+
+        def build(pipe: Pipeline) -> None:
+            queue_on(pipe, scripts.take, take, args)
+            self._queue_answer(pipe, replies, now_ms, keep)
+            pipe.lrem(processing, 0, ran)  # type: ignore[arg-type]
+
+        return take_result((await execute(self.store.redis, scripts, build))[0])
 
     async def answer_batch(
         self,
@@ -105,14 +121,23 @@ class WorkerQueue:
         processing = keys.processing(self.worker_id)
 
         def build(pipe: Pipeline) -> None:
-            deliver_replies(pipe, self.store, replies, now_ms)
-            for answer in keep:
-                pipe.set(
-                    keys.cache(answer.digest, answer.fingerprint), answer.output, px=answer.ttl_ms
-                )
+            self._queue_answer(pipe, replies, now_ms, keep)
             if leaving:
                 queue_on(pipe, scripts.ack_batch, [processing, keys.ready], [self.worker_id, batch])
             else:
                 pipe.lrem(processing, 0, batch)  # type: ignore[arg-type]
 
         await execute(self.store.redis, scripts, build)
+
+    def _queue_answer(
+        self,
+        pipe: Pipeline,
+        replies: Mapping[str, wire.Reply],
+        now_ms: int,
+        keep: Sequence[KeptAnswer],
+    ) -> None:
+        """The replies, one per gateway (and the jobs' results), and the answers to keep."""
+        deliver_replies(pipe, self.store, replies, now_ms)
+        for answer in keep:
+            key = self.keys.cache(answer.digest, answer.fingerprint)
+            pipe.set(key, answer.output, px=answer.ttl_ms)
