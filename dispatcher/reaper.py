@@ -8,9 +8,10 @@ unreadable):
 - a dispatcher: the credits it held go back to ``ready`` (it holds no
   envelopes: a batch is formed and handed off in one step; an inflight list
   left by an earlier version goes back to the FRONT of its tier queues);
-- a worker: its credits are withdrawn, and each batch in its processing list
-  (two at most: one run but not yet answered, and the next) goes back to ``batches`` with ``attempt + 1`` or, once the attempts reach
-  the policy's ``workers.max_attempts``, to the capped dead-letter list, with
+- a worker: its credits are withdrawn, and each batch in its processing
+  list (two at most: one run but not yet answered, and the next) goes back
+  to ``batches`` with ``attempt + 1`` or, once the attempts reach the
+  policy's ``workers.max_attempts``, to the capped dead-letter list, with
   every request in it answered ``INFERENCE_FAILED``;
 - a gateway: nothing to recover (its waiting connections died with it).
 

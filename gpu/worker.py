@@ -24,6 +24,7 @@ stops heartbeating and exits non-zero, so the batch is retried elsewhere.
 """
 
 import asyncio
+import contextlib
 import os
 import sys
 from collections import deque
@@ -117,6 +118,8 @@ class Worker:
         self.batch_ms_ewma: float | None = None
         self._recent: deque[tuple[float, int]] = deque()  # (monotonic s, requests) per batch
         self._backend_free_since: float | None = None  # monotonic s
+        # The last batch's answer, going out while the next batch runs.
+        self._answering: asyncio.Task[None] | None = None
         self.heartbeat = Heartbeater(
             self.store, self.status, settings.heartbeat_interval_ms, settings.heartbeat_ttl_ms
         )
@@ -161,8 +164,15 @@ class Worker:
         except TimeoutError:
             log.error("worker.hung", hang_timeout_ms=timeout_ms, size=len(inputs))
             await self.heartbeat.stop()
-            # The backend thread cannot be interrupted: leave at once, without
-            # acking, so the batch stays in processing for the reaper.
+            # The last batch's answer, if still going out, is finished first
+            # (within the grace); then the backend thread, which cannot be
+            # interrupted, is left at once, without acking, so this batch
+            # stays in processing for the reaper.
+            if self._answering is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(
+                        asyncio.shield(self._answering), self.settings.publish_grace_s
+                    )
             sys.stderr.flush()
             os._exit(EXIT_HUNG)
         took_ms = clock.elapsed_ms(started)
@@ -299,20 +309,25 @@ class Worker:
         try:
             finished = await self.run_batch(batch)
         except Exception:
-            return Finished(len(batch.envelopes), partial(self._failed, batch))
+            self._log_failed(batch)
+            return Finished(len(batch.envelopes), partial(self._failure_answer, batch))
         return Finished(finished.size, partial(self._answer_or_failure, batch, finished))
 
     def _answer_or_failure(self, batch: wire.Batch, finished: Finished) -> Answer:
         try:
             return finished.build()
         except Exception:
-            return self._failed(batch)
+            self._log_failed(batch)
+            return self._failure_answer(batch)
 
-    def _failed(self, batch: wire.Batch) -> Answer:
-        """Every request of a batch that failed outside the backend gets
-        INFERENCE_FAILED (and the cache keeps nothing of it)."""
+    def _log_failed(self, batch: wire.Batch) -> None:
+        """Called while handling the exception: its traceback goes in the log."""
         log.exception("batch.failed", batch_id=batch.id, size=len(batch.envelopes))
         self.metrics.batches_failed.inc()
+
+    def _failure_answer(self, batch: wire.Batch) -> Answer:
+        """Every request of a batch that failed outside the backend gets
+        INFERENCE_FAILED (and the cache keeps nothing of it)."""
         replies = failure_replies(
             batch,
             "INFERENCE_FAILED",
@@ -371,13 +386,13 @@ class Worker:
             log.warning("worker.left_a_batch", worker_id=self.id)
             await self.store.retire("worker", self.id, keep_membership=True)
             return
+        await self.queue.forget_last_step()
         await self.store.retire("worker", self.id)
 
     async def _loop(self, stop: asyncio.Event) -> None:
         backoff = Backoff(base_s=0.1, cap_s=2.0)
         unsure = False  # a pull failed: its batch may be in processing anyway
         following: bytes | None = None  # the next batch, formed when the last one ran
-        answering: asyncio.Task[None] | None = None  # the last batch's replies going out
         try:
             while following is not None or not stop.is_set():
                 try:
@@ -385,8 +400,9 @@ class Worker:
                     if data is None:
                         # Idle: the last answer is out (its batch off processing)
                         # before anything else is read from there.
-                        await _settled(answering)
-                        answering = None
+                        await self._answer_settled()
+                        if stop.is_set():
+                            continue
                     if data is None and unsure:
                         data = await self.queue.batch_in_hand()
                     unsure = False
@@ -410,7 +426,7 @@ class Worker:
                 finished = await self.handle(data)
                 # At most two batches in processing: the last answer went out
                 # while this batch ran (as a rule, long before it returned).
-                await _settled(answering)
+                await self._answer_settled()
                 answer = None
                 if finished.size <= ANSWERED_WITH_TAKE_MAX:
                     answer = finished.build()
@@ -420,10 +436,20 @@ class Worker:
                     # Not answered (stopping, Redis away past the grace): this
                     # batch, and the next one if the take formed it, stay for
                     # the reaper.
-                    answering = asyncio.create_task(self._answer(finished, stop, data))
+                    self._answering = asyncio.create_task(self._answer(finished, stop, data))
                 self.busy = following is not None
         finally:
-            await _settled(answering)
+            await self._answer_settled()
+
+    async def _answer_settled(self) -> None:
+        """Wait for the last batch's answer to be out (or given up on)."""
+        task, self._answering = self._answering, None
+        if task is None:
+            return
+        try:
+            await task
+        except Exception:  # a bug: its batch stays in processing, found by the next take
+            log.exception("batch.answer_failed", worker_id=self.id)
 
     async def _keep_credit_offered(self) -> None:
         """Idle: make sure the credit is still out (a restarted Redis lost it)."""
@@ -436,8 +462,10 @@ class Worker:
         """The backend is free: the next batch, formed straight into
         processing (or the credit offered when there is none to take), with
         ``answer`` published and ``ran`` acked in the same step if given.
-        Retried for as long as the worker lives; not run once stopping.
-        Returns whether ``ran`` was answered, and the next batch."""
+        Retried for as long as the worker lives; not started once stopping,
+        and a step under way when stop comes is retried for the publish
+        grace (a lost reply's batch is learned, and run). Returns whether
+        ``ran`` was answered, and the next batch."""
         if stop.is_set():
             return False, None
         following: bytes | None = None
@@ -455,7 +483,9 @@ class Worker:
             log_drops(taken)
             following = taken.batch
 
-        done = await retry_until_done("batch.take", take, stop)
+        done = await retry_until_done(
+            "batch.take", take, stop, grace_after_stop_s=self.settings.publish_grace_s
+        )
         return done and answer is not None, following
 
     async def _answer(self, finished: Finished, stop: asyncio.Event, batch: bytes) -> None:
@@ -481,12 +511,6 @@ class Worker:
 
 def _same(answer: Answer) -> Answer:
     return answer
-
-
-async def _settled(task: asyncio.Task[None] | None) -> None:
-    """Wait for a batch's answer to be out (or given up on)."""
-    if task is not None:
-        await task
 
 
 def _result(

@@ -412,7 +412,7 @@ def assert_redis_clean(client: redis.Redis, keys: Keys = KEYS) -> None:
         keys.doorbell,
         keys.policy,
     )
-    per_process = (keys.prefix + "members:", keys.prefix + "credits:")
+    per_process = (keys.prefix + "members:", keys.prefix + "credits:", keys.prefix + "step:")
     assert client.llen(keys.doorbell) <= 1
     for key in client.scan_iter("*"):
         name = key.decode()

@@ -270,11 +270,11 @@ async def _batch_in_processing(q: Faces, attempt: int = 0) -> bytes:
     return data
 
 
-async def test_a_worker_dead_between_two_batches_has_both_retried(
+async def test_a_worker_dead_between_two_batches_has_both_retried_the_older_first(
     q: Faces,
 ) -> None:
     """It died with the batch it ran not yet answered and the next one
-    started: both go back to the batches list."""
+    started: both go back to the batches list, the older nearer the front."""
     ran = await _batch_in_processing(q)
     await q.dispatcher.publish_rule(rule(10))
     await q.gateway.enqueue("paid", env(7, "paid"))
@@ -283,7 +283,8 @@ async def test_a_worker_dead_between_two_batches_has_both_retried(
     assert await q.recovery.recover_worker("w1", max_attempts=2) == ["retried", "retried"]
     assert await q.redis.llen(q.keys.processing("w1")) == 0
     retried = [wire.decode_batch(b)[0] for b in await q.redis.lrange(q.keys.batches, 0, -1)]
-    assert sorted([e.id for e in b.envelopes] for b in retried) == [["r0", "r1", "r2"], ["r7"]]
+    # The batches list is pulled from the right.
+    assert [[e.id for e in b.envelopes] for b in retried] == [["r7"], ["r0", "r1", "r2"]]
     assert all(b.attempt == 1 for b in retried)
 
 
@@ -464,6 +465,13 @@ async def test_a_worker_takes_and_acks_after_redis_forgot_the_scripts(q: Faces) 
     assert await q.redis.lrange(q.keys.ready, 0, -1) == [b"w1"]
     await q.worker.answer_batch({"gw": reply}, clock.now_ms(), b"the batch")
     assert await q.redis.llen(q.keys.processing("w1")) == 0
+    # A small batch answered with the take, the scripts forgotten again: the
+    # replies are not published before the batch is taken off processing.
+    await q.redis.lpush(q.keys.processing("w1"), b"the small batch")
+    await q.redis.script_flush()
+    taken = await q.worker.take_next(b"the small batch", "s2", clock.now_ms(), {"gw": reply})
+    assert taken.batch is None
+    assert await q.redis.llen(q.keys.processing("w1")) == 0
     # A leaving worker's ack is a script too.
     await q.redis.script_flush()
     await q.redis.lpush(q.keys.processing("w1"), b"the next batch")
@@ -638,6 +646,15 @@ async def test_a_heartbeat_of_another_type_reads_as_expired(q: Faces) -> None:
     await q.redis.hset(q.keys.heartbeat("worker", "w-hash"), "a", "b")
     snapshot = await q.store.fleet_snapshot(now)
     assert [w.id for w in snapshot.workers] == ["w-ok"]
+
+
+async def test_a_step_token_of_another_type_is_no_token(q: Faces) -> None:
+    """Redis contents are not trusted: a planted key does not wedge the worker."""
+    await q.redis.rpush(q.keys.last_step("w1"), "x")
+    await q.redis.lpush(q.keys.processing("w1"), b"batch A")
+    assert (await _take(q, b"batch A")).batch is None
+    assert await q.redis.lrange(q.keys.ready, 0, -1) == [b"w1"]
+    assert await q.redis.get(q.keys.last_step("w1")) == b"step 1"
 
 
 async def test_a_take_run_twice_offers_one_credit(q: Faces) -> None:

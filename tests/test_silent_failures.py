@@ -151,7 +151,9 @@ class _Buggy:
         raise KeyError("a bug, not a model failure")
 
 
-async def test_a_batch_that_fails_outside_the_backend_is_answered(redis_url: str) -> None:
+async def test_a_batch_that_fails_outside_the_backend_is_answered(
+    redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     worker = Worker(WorkerSettings("w-buggy", redis_url), _Buggy())
     now = clock.now_ms()
     envs = [
@@ -166,6 +168,8 @@ async def test_a_batch_that_fails_outside_the_backend_is_answered(redis_url: str
     results = [r for reply in replies.values() for r in reply.results]
     assert sorted(r.id for r in results) == ["r0", "r1", "r2", "r3"]
     assert all(r.error is not None and r.error.code == "INFERENCE_FAILED" for r in results)
+    # The bug's traceback is in the log, for whoever has to fix it.
+    assert "KeyError: 'a bug, not a model failure'" in capsys.readouterr().out
 
 
 async def test_an_unreadable_batch_is_dead_lettered_not_dropped(redis_url: str) -> None:

@@ -85,9 +85,11 @@ def take_args(
     former: str,
     ran: bytes = b"",
     step: str = "",
+    ack: bool = False,
     rule: Rule | None = None,
 ) -> list[Any]:
     head: list[Any] = [mode, now_ms, credit, batch_id, former, keys.job_prefix, ran, step]
+    head.append("ack" if ack else "")
     if rule is None:
         return head
     return [*head, rule.n, rule.interval_ms, rule.headroom, rule.quiet_ms, *rule.min_slots]

@@ -63,23 +63,28 @@ class RecoveryQueue:
         """Every batch a worker left in processing (two at most: the one it
         ran and had not yet answered, and the next one it had started) is
         recovered, oldest first (``recover_batch``); then its credit is
-        withdrawn. Returns what happened to each, [] if it held none."""
+        withdrawn. Returns what happened to each, [] if it held none. The
+        newest goes back first, so the older runs first."""
         outcomes: list[str] = []
         while (outcome := await self.recover_batch(worker_id, max_attempts)) != "idle":
             outcomes.append(outcome)
         return outcomes
 
     async def recover_batch(self, worker_id: str, max_attempts: int) -> str:
-        """The oldest batch a worker left in processing goes back to
+        """The newest batch a worker left in processing goes back to
         ``batches`` with attempt + 1, or past ``max_attempts`` to the
         dead-letter list with every request in it answered INFERENCE_FAILED.
-        Returns what happened: 'idle' (none left; its credit is withdrawn),
-        'retried', 'dead_lettered' or 'moved_already'."""
+        Returns what happened: 'idle' (none left; its credit is withdrawn
+        and its last step forgotten), 'retried', 'dead_lettered' or
+        'moved_already'."""
         raw: bytes | None = await self.store.redis.lindex(  # type: ignore[assignment]
-            self.keys.processing(worker_id), -1
+            self.keys.processing(worker_id), 0
         )
         if raw is None:
-            await self.store.redis.lrem(self.keys.ready, 0, worker_id)
+            async with self.store.redis.pipeline(transaction=False) as pipe:
+                pipe.lrem(self.keys.ready, 0, worker_id)
+                pipe.delete(self.keys.last_step(worker_id))
+                await pipe.execute()
             return "idle"
         try:
             batch, _ = wire.decode_batch(raw)

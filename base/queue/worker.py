@@ -40,6 +40,10 @@ class WorkerQueue:
         """A worker leaving takes its credit back."""
         await self.store.redis.lrem(self.keys.ready, 0, self.worker_id)
 
+    async def forget_last_step(self) -> None:
+        """A worker leaving with nothing in hand: its last step's token goes."""
+        await self.store.redis.delete(self.keys.last_step(self.worker_id))
+
     async def ensure_credit(self) -> bool:
         """An idle worker re-offers its credit if Redis lost it (see ensure_credit.lua)."""
         members: set[bytes] = await self.store.redis.smembers(  # type: ignore[assignment]
@@ -90,7 +94,15 @@ class WorkerQueue:
         processing = keys.processing(self.worker_id)
         take = take_keys(keys, processing, keys.batch_rule, keys.last_step(self.worker_id))
         args = take_args(
-            keys, "worker", now_ms, self.worker_id, new_batch_id(), self.worker_id, ran, step
+            keys,
+            "worker",
+            now_ms,
+            self.worker_id,
+            new_batch_id(),
+            self.worker_id,
+            ran,
+            step,
+            ack=replies is not None,
         )
         if replies is None:
             return take_result(await scripts.take(keys=take, args=args))
@@ -98,7 +110,6 @@ class WorkerQueue:
         def build(pipe: Pipeline) -> None:
             queue_on(pipe, scripts.take, take, args)
             self._queue_answer(pipe, replies, now_ms, keep)
-            pipe.lrem(processing, 0, ran)  # type: ignore[arg-type]
 
         return take_result((await execute(self.store.redis, scripts, build))[0])
 

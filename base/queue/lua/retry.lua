@@ -1,4 +1,5 @@
--- retry: move a dead worker's batch out of its processing list, either back
+-- retry: move a dead worker's newest batch out of its processing list (so
+-- that of two, the older goes back last, nearest the front), either back
 -- to the batches list (as a new encoding with attempt + 1) or, past the retry
 -- budget, to the capped dead-letter list; and withdraw the dead worker's
 -- credits. One step, and only if the batch is still the one the reaper read
@@ -9,8 +10,8 @@
 -- ARGV[3] worker id  ARGV[4] dead-letter cap
 -- Returns 1 if moved, 0 if the batch had already moved.
 redis.call('LREM', KEYS[4], 0, ARGV[3])
-if redis.call('LINDEX', KEYS[1], -1) ~= ARGV[1] then return 0 end
-redis.call('RPOP', KEYS[1])
+if redis.call('LINDEX', KEYS[1], 0) ~= ARGV[1] then return 0 end
+redis.call('LPOP', KEYS[1])
 if ARGV[2] ~= '' then
   redis.call('RPUSH', KEYS[2], ARGV[2])
   redis.call('HINCRBY', KEYS[5], 'batches_retried', 1)

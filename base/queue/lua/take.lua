@@ -54,10 +54,13 @@
 -- ARGV[7] 'worker': the batch just run (as pulled); 'dispatch': unused
 -- ARGV[8] 'worker': this step's token, the same when the step is repeated;
 --   'dispatch': unused
+-- ARGV[9] 'worker': 'ack' to take the batch just run off processing in the
+--   same step (its replies are published in the same transaction); 'dispatch':
+--   unused
 -- 'dispatch' only (a worker reads them from KEYS[8]):
--- ARGV[9] n  ARGV[10] min_interval_ms
--- ARGV[11] headroom (idle workers a jobs-only batch must leave; -1: take no job)
--- ARGV[12] quiet_ms  ARGV[13..12+T] minimum slots per tier
+-- ARGV[10] n  ARGV[11] min_interval_ms
+-- ARGV[12] headroom (idle workers a jobs-only batch must leave; -1: take no job)
+-- ARGV[13] quiet_ms  ARGV[14..13+T] minimum slots per tier
 -- Returns {envelopes (if asked), expired, cancelled, malformed, wait_ms,
 -- jobs taken, worker gone, batch size, credit lost, the batch ('worker') or
 -- false}: wait_ms > 0 means a dispatcher took nothing: come back after that
@@ -129,7 +132,8 @@ if for_worker then
   -- beside it is the answer again, and nothing more is formed or offered
   -- (the first run offered the credit if it formed nothing).
   local held = redis.call('LRANGE', own, 0, 2)
-  local repeated = redis.call('GET', KEYS[10]) == ARGV[8]
+  -- (a token key of another type is no token: the SET below replaces it)
+  local repeated = redis.pcall('GET', KEYS[10]) == ARGV[8]
   if repeated or #held ~= 1 or held[1] ~= ARGV[7] then
     local following = false
     for _, b in ipairs(held) do
@@ -140,7 +144,10 @@ if for_worker then
     -- never a second one)
     return result(0, 0, 0, (following or repeated) and 0 or 1, following)
   end
-  redis.call('SET', KEYS[10], ARGV[8], 'PX', 600000)
+  -- No TTL: a repeat is known however long it comes after (the reaper
+  -- and a clean exit delete it).
+  redis.call('SET', KEYS[10], ARGV[8])
+  if ARGV[9] == 'ack' then redis.call('LREM', own, 0, ARGV[7]) end
   -- A batch already waiting (one the reaper retried, mostly) is run first.
   -- No credit is offered for it: one offered "in its place" would most
   -- often be one too many, and keep a batch formed ahead of every worker.
@@ -154,10 +161,10 @@ if for_worker then
 else
   if redis.call('LPOS', own, credit) == false then return result(0, 0, 0, 1, false) end
   if redis.call('EXISTS', KEYS[8]) == 0 then return result(0, 0, 1, 0, false) end
-  n, min_interval = math.floor(tonumber(ARGV[9])), tonumber(ARGV[10])
-  headroom, quiet_ms = tonumber(ARGV[11]), tonumber(ARGV[12])
+  n, min_interval = math.floor(tonumber(ARGV[10])), tonumber(ARGV[11])
+  headroom, quiet_ms = tonumber(ARGV[12]), tonumber(ARGV[13])
   min_slots = {}
-  for i = 1, ntiers do min_slots[i] = math.floor(tonumber(ARGV[12 + i]) or 0) end
+  for i = 1, ntiers do min_slots[i] = math.floor(tonumber(ARGV[13 + i]) or 0) end
 end
 local taken, expired, cancelled, malformed, jobs_taken = {}, 0, 0, 0, 0
 -- The last hand-off, as the clock of whoever made it said; one from a clock
