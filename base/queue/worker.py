@@ -105,7 +105,9 @@ class WorkerQueue:
             ack=replies is not None,
         )
         if replies is None:
-            return take_result(await scripts.take(keys=take, args=args))
+            # Straight on the held connection (``pipelined.py``): between two
+            # backend calls, redis-py's own way through costs more than the take.
+            return take_result(await self.store.pipelined.call(scripts.take, take, args))
 
         def build(pipe: Pipeline) -> None:
             queue_on(pipe, scripts.take, take, args)
