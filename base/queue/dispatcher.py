@@ -66,21 +66,20 @@ class DispatcherQueue:
         ``rule.headroom`` other workers idle (-1: no jobs). Nothing if that
         worker has gone or the credit is no longer held here."""
         keys = self.keys
-        raw = await self.store.scripts.take(
-            keys=take_keys(
-                keys, keys.credits(self.dispatcher_id), keys.heartbeat("worker", credit)
-            ),
-            args=take_args(
-                keys,
-                "dispatch+envelopes" if with_envelopes else "dispatch",
-                now_ms,
-                credit,
-                batch_id,
-                self.dispatcher_id,
-                rule=rule,
-            ),
+        own = keys.credits(self.dispatcher_id)
+        args = take_args(
+            keys,
+            "dispatch+envelopes" if with_envelopes else "dispatch",
+            now_ms,
+            credit,
+            batch_id,
+            self.dispatcher_id,
+            rule=rule,
         )
-        return take_result(raw)
+        # Straight on the held connection (``pipelined.py``): at low load this
+        # call is on every request's way to a worker.
+        take = take_keys(keys, own, keys.heartbeat("worker", credit))
+        return take_result(await self.store.pipelined.call(self.store.scripts.take, take, args))
 
     async def publish_rule(self, rule: Rule) -> None:
         """The batching rule, for workers that form their next batch themselves."""
