@@ -124,14 +124,16 @@ async def retry_until_done(
     what: str,
     step: Step,
     stop: asyncio.Event | None = None,
-    grace_after_stop_s: float = 0.0,
+    grace_after_stop_s: float | Callable[[], float] = 0.0,
     backoff: Backoff | None = None,
 ) -> bool:
     """Run ``step`` until it succeeds, with backoff between failures, and
     return True. Once ``stop`` is set, keep trying for ``grace_after_stop_s``
-    more, then return False. Every failure is logged; none is swallowed."""
+    more (a function: asked when a failure first finds ``stop`` set), then
+    return False. Every failure is logged; none is swallowed."""
     backoff = backoff or Backoff(base_s=0.05, cap_s=2.0)
     stopped_at: float | None = None
+    grace_s = 0.0
     while True:
         try:
             await step()
@@ -142,7 +144,10 @@ async def retry_until_done(
             log.exception("retry.failed", what=what)
         if stop is not None and stop.is_set():
             now = asyncio.get_running_loop().time()
-            stopped_at = now if stopped_at is None else stopped_at
-            if now - stopped_at >= grace_after_stop_s:
+            if stopped_at is None:
+                stopped_at = now
+                grace = grace_after_stop_s
+                grace_s = grace() if callable(grace) else grace
+            if now - stopped_at >= grace_s:
                 return False
         await backoff.sleep()

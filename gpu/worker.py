@@ -120,6 +120,7 @@ class Worker:
         self._backend_free_since: float | None = None  # monotonic s
         # The last batch's answer, going out while the next batch runs.
         self._answering: asyncio.Task[None] | None = None
+        self._stop_seen_at: float | None = None  # monotonic s; the publish grace counts from it
         self.heartbeat = Heartbeater(
             self.store, self.status, settings.heartbeat_interval_ms, settings.heartbeat_ttl_ms
         )
@@ -163,16 +164,17 @@ class Worker:
             outputs = await asyncio.wait_for(call, timeout_ms / 1000.0)
         except TimeoutError:
             log.error("worker.hung", hang_timeout_ms=timeout_ms, size=len(inputs))
-            await self.heartbeat.stop()
             # The last batch's answer, if still going out, is finished first
-            # (within the grace); then the backend thread, which cannot be
-            # interrupted, is left at once, without acking, so this batch
-            # stays in processing for the reaper.
+            # (within the grace, while the heartbeat still says this worker
+            # holds it); then the backend thread, which cannot be interrupted,
+            # is left at once, without acking, so this batch stays in
+            # processing for the reaper.
             if self._answering is not None:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(
                         asyncio.shield(self._answering), self.settings.publish_grace_s
                     )
+            await self.heartbeat.stop()
             sys.stderr.flush()
             os._exit(EXIT_HUNG)
         took_ms = clock.elapsed_ms(started)
@@ -483,10 +485,18 @@ class Worker:
             log_drops(taken)
             following = taken.batch
 
-        done = await retry_until_done(
-            "batch.take", take, stop, grace_after_stop_s=self.settings.publish_grace_s
-        )
+        done = await retry_until_done("batch.take", take, stop, grace_after_stop_s=self._grace_left)
         return done and answer is not None, following
+
+    def _grace_left(self) -> float:
+        """What is left of ``publish_grace_s`` once stopping: one grace,
+        counted from when a failing step first saw the stop, for the take and
+        the answers together (so the worker's shutdown grace still covers
+        them)."""
+        now = clock.monotonic_s()
+        if self._stop_seen_at is None:
+            self._stop_seen_at = now
+        return max(0.0, self.settings.publish_grace_s - (now - self._stop_seen_at))
 
     async def _answer(self, finished: Finished, stop: asyncio.Event, batch: bytes) -> None:
         """Build the replies and publish them, and ack: retried for as long
@@ -504,7 +514,7 @@ class Worker:
             )
 
         if not await retry_until_done(
-            "batch.publish", publish, stop, grace_after_stop_s=self.settings.publish_grace_s
+            "batch.publish", publish, stop, grace_after_stop_s=self._grace_left
         ):
             log.error("batch.left_for_the_reaper", worker_id=self.id)
 

@@ -537,6 +537,22 @@ async def test_a_small_batch_is_answered_in_the_step_that_takes_the_next(q: Face
     assert results == ["r0", "r0"]  # the repeat publishes again; the gateway ignores it
 
 
+async def test_a_small_batch_is_acked_even_beside_a_batch_left_in_processing(q: Faces) -> None:
+    """A stale batch in processing (a Redis restored from disk) is run
+    next, and the small batch just answered leaves: the two never alternate."""
+    await q.dispatcher.publish_rule(rule(10))
+    await q.redis.lpush(q.keys.processing("w1"), b"stale", b"small")
+    reply = wire.Reply([wire.Result("r0", "b", 1, "w1", 0, 100, output="out")])
+    taken = await q.worker.take_next(b"small", "s", clock.now_ms(), {"gw": reply})
+    assert taken.batch == b"stale"
+    assert await q.redis.lrange(q.keys.processing("w1"), 0, -1) == [b"stale"]
+    # Then the stale one is run and answered like any other.
+    taken = await q.worker.take_next(b"stale", "s2", clock.now_ms(), {"gw": reply})
+    assert taken.batch is None
+    assert await q.redis.llen(q.keys.processing("w1")) == 0
+    assert await q.redis.lrange(q.keys.ready, 0, -1) == [b"w1"]
+
+
 async def test_a_free_worker_runs_a_waiting_batch_first_and_offers_no_credit(q: Faces) -> None:
     """A batch already on the batches list (one the reaper retried) goes
     first. No credit is offered for it: one would let a dispatcher form a

@@ -300,3 +300,34 @@ def test_deeply_nested_json_from_redis_is_unreadable_not_a_crash() -> None:
             decode(nested)
     with pytest.raises(msgspec.DecodeError):
         wire.decode_batch(nested)
+
+
+async def test_a_worker_stopping_has_one_publish_grace_for_everything_it_still_sends(
+    redis_url: str,
+) -> None:
+    """The grace counts from the first step that finds the worker stopping:
+    a take and an answer after it share it, so the shutdown grace covers both."""
+    from infergate.base.loops import retry_until_done
+    from infergate.gpu.simulated import SimulatedBackend
+
+    settings = WorkerSettings("w-grace", redis_url, publish_grace_s=0.5)
+    worker = Worker(settings, SimulatedBackend(latency_ms=0))
+    stop = asyncio.Event()
+    stop.set()
+
+    async def redis_away() -> None:
+        raise redis.exceptions.ConnectionError("Redis is away")
+
+    async def give_up_after(what: str) -> float:
+        started = asyncio.get_running_loop().time()
+        done = await retry_until_done(what, redis_away, stop, grace_after_stop_s=worker._grace_left)
+        assert not done
+        return asyncio.get_running_loop().time() - started
+
+    try:
+        assert await give_up_after("batch.take") >= 0.5  # the whole grace
+        # The answer after it finds the grace spent: it gives up at its first
+        # failure, where a grace of its own would have kept it 0.5 s more.
+        assert await give_up_after("batch.publish") < 0.25
+    finally:
+        await worker.store.close()

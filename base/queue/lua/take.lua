@@ -139,6 +139,10 @@ if for_worker then
     for _, b in ipairs(held) do
       if b ~= ARGV[7] then following = b break end
     end
+    -- Its replies go out in this transaction whatever is found here: a
+    -- first run (something else was in processing: left there by a Redis
+    -- restored from disk, or planted) still takes it off.
+    if ARGV[9] == 'ack' and not repeated then redis.call('LREM', own, 0, ARGV[7]) end
     -- nothing in hand, and not known to have offered the credit: 'credit
     -- lost' tells the worker to make sure it is out (ensure_credit.lua;
     -- never a second one)
