@@ -63,21 +63,27 @@ class Answer:
     keep: list[KeptAnswer] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
 class Finished:
-    """A batch the backend has run. Its answer is built when it is sent:
-    for all but a small batch, once the next batch has started."""
+    """A batch the backend has run. Its answer is built once, when it is
+    first sent: for all but a small batch, once the next batch has started."""
 
-    size: int  # the requests it answers
-    build: Callable[[], Answer]
+    def __init__(self, size: int, build: Callable[[], Answer]) -> None:
+        self.size = size  # the requests it answers
+        self._build = build
+        self._answer: Answer | None = None
+
+    def answer(self) -> Answer:
+        if self._answer is None:
+            self._answer = self._build()
+        return self._answer
 
 
 NOTHING_TO_ANSWER = Finished(0, Answer)
 
 # A batch of up to this many requests is answered in the same step that
-# takes the next batch: its replies cost less to build (~8 µs each) than
-# the round trip that publishing them after the next batch has started
-# would add to each of its requests.
+# takes the next batch: its few replies add little to that step (building
+# them takes about 1 µs each), and they reach their clients one round trip
+# sooner than if they were published after the next batch has started.
 ANSWERED_WITH_TAKE_MAX = 12
 
 
@@ -317,7 +323,7 @@ class Worker:
 
     def _answer_or_failure(self, batch: wire.Batch, finished: Finished) -> Answer:
         try:
-            return finished.build()
+            return finished.answer()
         except Exception:
             self._log_failed(batch)
             return self._failure_answer(batch)
@@ -429,10 +435,7 @@ class Worker:
                 # At most two batches in processing: the last answer went out
                 # while this batch ran (as a rule, long before it returned).
                 await self._answer_settled()
-                answer = None
-                if finished.size <= ANSWERED_WITH_TAKE_MAX:
-                    answer = finished.build()
-                    finished = Finished(finished.size, partial(_same, answer))
+                answer = finished.answer() if finished.size <= ANSWERED_WITH_TAKE_MAX else None
                 answered, following = await self._take_next(data, stop, answer)
                 if not answered:
                     # Not answered (stopping, Redis away past the grace): this
@@ -503,7 +506,7 @@ class Worker:
         as the worker lives (the work is done); once stopping, for
         ``publish_grace_s``, after which the batch stays in processing and
         the reaper runs it again."""
-        answer = finished.build()
+        answer = finished.answer()
         # Decided once, so every attempt is the same step: a worker stopping
         # takes its credit back with the ack.
         leaving = stop.is_set()
@@ -517,10 +520,6 @@ class Worker:
             "batch.publish", publish, stop, grace_after_stop_s=self._grace_left
         ):
             log.error("batch.left_for_the_reaper", worker_id=self.id)
-
-
-def _same(answer: Answer) -> Answer:
-    return answer
 
 
 def _result(

@@ -59,7 +59,7 @@ async def test_one_poisoned_input_in_a_batch_of_100_fails_alone(own_redis: Redis
         )
         for i in range(100)
     ]
-    replies = (await worker.run_batch(wire.Batch("b", "d", now, envs))).build().replies
+    replies = (await worker.run_batch(wire.Batch("b", "d", now, envs))).answer().replies
     results = replies["gw"].results
     assert len(results) == 100
     failed = [r for r in results if r.error is not None]

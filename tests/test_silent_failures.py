@@ -161,7 +161,7 @@ async def test_a_batch_that_fails_outside_the_backend_is_answered(
         for i in range(4)
     ]
     try:
-        replies = (await worker.handle(wire.encode_batch("b1", "d1", now, envs))).build().replies
+        replies = (await worker.handle(wire.encode_batch("b1", "d1", now, envs))).answer().replies
     finally:
         await worker.store.close()
     assert set(replies) == {"gw0", "gw1"}
@@ -179,7 +179,7 @@ async def test_an_unreadable_batch_is_dead_lettered_not_dropped(redis_url: str) 
         await store.redis.lpush(store.keys.batches, b"{not a batch")
         data = await worker.queue.pull_batch(1)
         assert data is not None
-        assert (await worker.handle(data)).build().replies == {}
+        assert (await worker.handle(data)).answer().replies == {}
         assert await store.redis.lrange(store.keys.dead_letter, 0, -1) == [b"{not a batch"]
         assert await store.redis.llen(store.keys.processing("w-1")) == 0
         total, (letter,) = await dead_letters.read(store, 10)

@@ -87,8 +87,9 @@ class WorkerQueue:
         trip, and a short one: as a rule the replies go out after the next
         batch has started (``answer_batch``). Given ``replies``, they are
         published, ``keep`` stored and ``ran`` acked in the same
-        transaction, after the take: for a small batch, whose replies cost
-        less to build than a second round trip."""
+        transaction, after the take: for a small batch, whose few replies
+        add little to the step and so reach their clients one round trip
+        sooner."""
         keys = self.keys
         scripts = self.store.scripts
         processing = keys.processing(self.worker_id)

@@ -6,7 +6,8 @@
 --   a worker whose backend has just returned ('worker'): the next batch is
 --     formed straight into its processing list (no credit, no dispatcher,
 --     no pull), beside the batch just run, which leaves once its replies are
---     published (while the next one runs). With nothing to take (or pacing
+--     published (while the next one runs; for a small batch, in this step:
+--     'ack'). With nothing to take (or pacing
 --     says wait, or no dispatcher has published the batching rule), its
 --     credit goes onto `ready` instead, for a dispatcher.
 -- Nothing sits between the queues and the batch, so nothing is held by a
