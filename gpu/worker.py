@@ -7,9 +7,12 @@ moment, in priority order (``take.lua``, 'worker'), and the backend starts
 on it; the replies of the batch just run are built and published (and the
 batch acked) while the next one runs. Under load the backend starts again
 one round trip after it returned, with no dispatcher, credit, pull or
-reply-building between the two calls. With nothing queued, the same step
-offers the worker's credit, and a dispatcher forms its next batch when work
-arrives (``pull_batch``).
+reply-building between the two calls: after a batch of more than
+``ANSWERED_WITH_TAKE_MAX`` requests, the backend's own thread runs that step
+and starts the next call itself (``lane.py``), without waking the event
+loop in between; otherwise (and whenever the lane cannot) the event loop
+runs it. With nothing queued, the same step offers the worker's credit, and
+a dispatcher forms its next batch when work arrives (``pull_batch``).
 
 A batch sits in ``processing:{worker}`` while it runs and until its replies
 have been published (``answer_batch``): two at most, the one being answered
@@ -39,13 +42,14 @@ from infergate.base.heartbeat import Heartbeater
 from infergate.base.loops import Backoff, retry_until_done
 from infergate.base.metrics import WorkerMetrics
 from infergate.base.probes import Probes
-from infergate.base.queue.forming import log_drops, new_batch_id
+from infergate.base.queue.forming import TakeResult, log_drops, new_batch_id
 from infergate.base.queue.recovery import RecoveryQueue
 from infergate.base.queue.replies import failure_replies, group_by_gateway
 from infergate.base.queue.store import Store
 from infergate.base.queue.worker import KeptAnswer, WorkerQueue
 from infergate.base.settings import ProcessSettings
 from infergate.gpu.backend import Backend, BackendError
+from infergate.gpu.lane import Lane, Running, Stepped, Then, distinct_inputs, live_envelopes
 from prometheus_client import CollectorRegistry
 
 log = logs.get(__name__)
@@ -109,6 +113,15 @@ class Worker:
             name="worker:" + self.id,
         )
         self.queue = WorkerQueue(self.store, self.id)
+        self._blocking_take = self.queue.blocking_take(settings.redis_url, timeout_s=2.0)
+        # The backend's thread; under load it takes and starts the next batch itself.
+        self.lane = Lane(
+            backend, self._blocking_take, lambda: not self.stopping.is_set(), ANSWERED_WITH_TAKE_MAX
+        )
+        # What the lane did when the last batch's call returned (None: nothing).
+        self._stepped: Stepped | None = None
+        # The batch the lane started, until the loop comes to it.
+        self._running: Running | None = None
         self.registry = CollectorRegistry()
         self.metrics = WorkerMetrics(self.registry)
         self.metrics.busy.set_function(lambda: 1.0 if self.busy else 0.0)
@@ -124,6 +137,7 @@ class Worker:
         self.batch_ms_ewma: float | None = None
         self._recent: deque[tuple[float, int]] = deque()  # (monotonic s, requests) per batch
         self._backend_free_since: float | None = None  # monotonic s
+        self._returned_at = 0.0  # monotonic s: when the last call returned
         # The last batch's answer, going out while the next batch runs.
         self._answering: asyncio.Task[None] | None = None
         self._stop_seen_at: float | None = None  # monotonic s; the publish grace counts from it
@@ -161,13 +175,24 @@ class Worker:
 
     # -- running the backend -------------------------------------------------
 
-    async def _call(self, inputs: list[str], timeout_ms: int | None = None) -> list[str]:
-        """One backend call in a thread, bounded by the hang timeout."""
+    async def _call(
+        self,
+        inputs: list[str],
+        timeout_ms: int | None = None,
+        then: Then | None = None,
+        running: Running | None = None,
+    ) -> list[str]:
+        """One backend call in the lane, bounded by the hang timeout: a new
+        one, or the ``running`` one the lane started itself. Given ``then``,
+        the lane may take the next batch as the call returns (``_stepped``)."""
         timeout_ms = timeout_ms or self.settings.hang_timeout_ms
-        started = clock.monotonic_s()
-        call = asyncio.to_thread(self.backend.infer, inputs)
+        if running is not None:
+            started, call = running.started, running.call
+        else:
+            started, call = clock.monotonic_s(), self.lane.call(inputs, then)
+        left_s = timeout_ms / 1000.0 - (clock.monotonic_s() - started)
         try:
-            outputs = await asyncio.wait_for(call, timeout_ms / 1000.0)
+            ran = await asyncio.wait_for(call, max(0.0, left_s))
         except TimeoutError:
             log.error("worker.hung", hang_timeout_ms=timeout_ms, size=len(inputs))
             # The last batch's answer, if still going out, is finished first
@@ -183,7 +208,13 @@ class Worker:
             await self.heartbeat.stop()
             sys.stderr.flush()
             os._exit(EXIT_HUNG)
-        took_ms = clock.elapsed_ms(started)
+        self._returned_at = ran.returned
+        if ran.stepped is not None:
+            self._stepped = ran.stepped
+        if ran.error is not None:
+            raise ran.error
+        outputs = ran.outputs or []
+        took_ms = (ran.returned - started) * 1000.0
         self.metrics.batch_duration.observe(took_ms / 1000.0)
         self.batch_ms_ewma = (
             took_ms if self.batch_ms_ewma is None else 0.8 * self.batch_ms_ewma + 0.2 * took_ms
@@ -192,11 +223,13 @@ class Worker:
             raise BackendError(f"backend returned {len(outputs)} outputs for {len(inputs)} inputs")
         return outputs
 
-    async def _infer_isolating(self, inputs: list[str]) -> list[str | BackendError]:
+    async def _infer_isolating(
+        self, inputs: list[str], then: Then | None = None, running: Running | None = None
+    ) -> list[str | BackendError]:
         """Run the batch; on failure split it and retry the halves, down to the
         single inputs that fail."""
         try:
-            return list(await self._call(inputs))
+            return list(await self._call(inputs, then=then, running=running))
         except BackendError as exc:
             if len(inputs) == 1:
                 return [exc]
@@ -207,9 +240,11 @@ class Worker:
                 *await self._infer_isolating(inputs[mid:]),
             ]
 
-    async def run_batch(self, batch: wire.Batch) -> Finished:
+    async def run_batch(self, batch: wire.Batch, data: bytes | None = None) -> Finished:
+        """Run the batch (``data``: as it sits in processing, for the lane to
+        take the next one after it)."""
         if not tracing.enabled:
-            return await self._run_batch(batch)
+            return await self._run_batch(batch, data)
         with _tracer.start_as_current_span(
             "worker.batch", links=tracing.links([e.trace for e in batch.envelopes])
         ) as span:
@@ -217,28 +252,35 @@ class Worker:
             span.set_attribute("infergate.batch_size", len(batch.envelopes))
             span.set_attribute("infergate.attempt", batch.attempt)
             span.set_attribute("infergate.backend", self.backend.name)
-            return await self._run_batch(batch)
+            return await self._run_batch(batch, data)
 
-    async def _run_batch(self, batch: wire.Batch) -> Finished:
-        """Run the batch on the backend; returns how to build its answer."""
-        started_ms = clock.now_ms()
-        # A request past its deadline was answered 504 already; a job was
-        # started when it was taken, so it runs.
-        live = [e for e in batch.envelopes if e.job or e.deadline_ms > started_ms]
+    async def _run_batch(self, batch: wire.Batch, data: bytes | None) -> Finished:
+        """Run the batch on the backend (or adopt the call the lane started
+        on it); returns how to build its answer."""
+        running, self._running = self._running, None
+        if running is not None and running.data != data:
+            running = None  # not this batch's: the lane runs it before any other call
+        if running is not None:
+            started_ms, live = running.started_ms, running.live
+        else:
+            started_ms = clock.now_ms()
+            live = live_envelopes(batch, started_ms)
         if len(live) < len(batch.envelopes):
             log.info(
                 "batch.expired_skipped", batch_id=batch.id, count=len(batch.envelopes) - len(live)
             )
         if not live:
             return NOTHING_TO_ANSWER
-        started = clock.monotonic_s()
+        started = running.started if running else clock.monotonic_s()
         idle_ms = self._backend_idle_ms(started)
         # Identical inputs in one batch take one slot of the backend's call:
         # each distinct input once, its outcome to every request that sent it.
-        distinct = list(dict.fromkeys(e.input for e in live))
-        outcome_of = dict(zip(distinct, await self._infer_isolating(distinct), strict=True))
-        self._backend_free_since = clock.monotonic_s()
-        infer_ms = round(clock.elapsed_ms(started))
+        distinct = running.inputs if running else distinct_inputs(live)
+        then = Then(data) if data is not None and len(live) > ANSWERED_WITH_TAKE_MAX else None
+        outputs = await self._infer_isolating(distinct, then, running)
+        outcome_of = dict(zip(distinct, outputs, strict=True))
+        self._backend_free_since = self._returned_at
+        infer_ms = round((self._returned_at - started) * 1000.0)
         build = partial(self._answer_of, batch, live, outcome_of, started_ms, infer_ms, idle_ms)
         return Finished(len(live), build)
 
@@ -315,7 +357,7 @@ class Worker:
         if unreadable:
             log.error("batch.envelopes_unreadable", batch_id=batch.id, count=unreadable)
         try:
-            finished = await self.run_batch(batch)
+            finished = await self.run_batch(batch, data)
         except Exception:
             self._log_failed(batch)
             return Finished(len(batch.envelopes), partial(self._failure_answer, batch))
@@ -367,7 +409,7 @@ class Worker:
         self.stopping = stop
         await self.warm_up()
         if not await retry_until_done("worker.register", self._register, stop):
-            await self.store.close()
+            await self._close()
             return 0
         self.heartbeat.start()
         log.info("worker.started", worker_id=self.id)
@@ -376,7 +418,7 @@ class Worker:
         finally:
             await self.heartbeat.stop()
             await retry_until_done("worker.retire", self._retire, stop, grace_after_stop_s=2.0)
-            await self.store.close()
+            await self._close()
         log.info(
             "worker.stopped",
             worker_id=self.id,
@@ -384,6 +426,11 @@ class Worker:
             requests=self.requests_done,
         )
         return 0
+
+    async def _close(self) -> None:
+        self.lane.close()
+        self._blocking_take.close()
+        await self.store.close()
 
     async def _retire(self) -> None:
         await self.queue.withdraw_credit()
@@ -432,19 +479,34 @@ class Worker:
                 backoff.reset()
                 self.busy = True
                 finished = await self.handle(data)
+                stepped, self._stepped = self._stepped, None
                 # At most two batches in processing: the last answer went out
                 # while this batch ran (as a rule, long before it returned).
                 await self._answer_settled()
-                answer = finished.answer() if finished.size <= ANSWERED_WITH_TAKE_MAX else None
-                answered, following = await self._take_next(data, stop, answer)
-                if not answered:
-                    # Not answered (stopping, Redis away past the grace): this
-                    # batch, and the next one if the take formed it, stay for
-                    # the reaper.
-                    self._answering = asyncio.create_task(self._answer(finished, stop, data))
+                if stepped is not None and stepped.taken is not None:
+                    # The lane took the next batch as the call returned (and
+                    # started it, unless it needs this loop).
+                    following = await self._took(stepped.taken)
+                    self._running = stepped.running
+                    self._answer_later(finished, stop, data)
+                else:
+                    answer = finished.answer() if finished.size <= ANSWERED_WITH_TAKE_MAX else None
+                    step = stepped.step if stepped else None  # the lane's, which failed
+                    answered, following = await self._take_next(data, stop, answer, step)
+                    if not answered:
+                        # Not answered (stopping, Redis away past the grace): this
+                        # batch, and the next one if the take formed it, stay for
+                        # the reaper.
+                        self._answer_later(finished, stop, data)
                 self.busy = following is not None
         finally:
             await self._answer_settled()
+
+    def _answer_later(self, finished: Finished, stop: asyncio.Event, data: bytes) -> None:
+        """Answer ``data`` in the background (while the next batch runs);
+        the lane takes again once that answer is out."""
+        self.lane.answered.clear()
+        self._answering = asyncio.create_task(self._answer(finished, stop, data))
 
     async def _answer_settled(self) -> None:
         """Wait for the last batch's answer to be out (or given up on)."""
@@ -462,7 +524,7 @@ class Worker:
             log.warning("worker.credit_restored", worker_id=self.id)
 
     async def _take_next(
-        self, ran: bytes, stop: asyncio.Event, answer: Answer | None = None
+        self, ran: bytes, stop: asyncio.Event, answer: Answer | None = None, step: str | None = None
     ) -> tuple[bool, bytes | None]:
         """The backend is free: the next batch, formed straight into
         processing (or the credit offered when there is none to take), with
@@ -470,26 +532,35 @@ class Worker:
         Retried for as long as the worker lives; not started once stopping,
         and a step under way when stop comes is retried for the publish
         grace (a lost reply's batch is learned, and run). Returns whether
-        ``ran`` was answered, and the next batch."""
-        if stop.is_set():
+        ``ran`` was answered, and the next batch. ``step``: the token of a
+        step the lane tried and could not finish (it may have run: it is
+        repeated, once stopping too, as a step under way)."""
+        if stop.is_set() and step is None:
             return False, None
         following: bytes | None = None
-        step = new_batch_id()  # the same for every attempt: a repeat is known
+        # The same for every attempt: a repeat is known.
+        step = step or new_batch_id()
         replies, keep = (answer.replies, answer.keep) if answer else (None, ())
 
         async def take() -> None:
             nonlocal following
             taken = await self.queue.take_next(ran, step, clock.now_ms(), replies, keep)
-            if taken.credit_lost:
-                # The batch had gone (the reaper took it, or Redis lost it): no
-                # credit went out in that step.
-                await self._keep_credit_offered()
-            self.metrics.forming.count(taken)
-            log_drops(taken)
-            following = taken.batch
+            following = await self._took(taken)
 
         done = await retry_until_done("batch.take", take, stop, grace_after_stop_s=self._grace_left)
+        if done and answer is not None:
+            self.lane.answered.set()
         return done and answer is not None, following
+
+    async def _took(self, taken: TakeResult) -> bytes | None:
+        """Count what a take did (here or in the lane); returns the next batch."""
+        if taken.credit_lost:
+            # The batch had gone (the reaper took it, or Redis lost it): no
+            # credit went out in that step.
+            await self._keep_credit_offered()
+        self.metrics.forming.count(taken)
+        log_drops(taken)
+        return taken.batch
 
     def _grace_left(self) -> float:
         """What is left of ``publish_grace_s`` once stopping: one grace,
@@ -516,9 +587,11 @@ class Worker:
                 answer.replies, clock.now_ms(), batch, answer.keep, leaving=leaving
             )
 
-        if not await retry_until_done(
+        if await retry_until_done(
             "batch.publish", publish, stop, grace_after_stop_s=self._grace_left
         ):
+            self.lane.answered.set()
+        else:
             log.error("batch.left_for_the_reaper", worker_id=self.id)
 
 

@@ -208,16 +208,17 @@ def async_client(url: str, **pool: Any) -> Redis:
     return client
 
 
-def sync_client(url: str, timeout_s: float) -> redis.Redis:
-    """A plain blocking client (for the CLI, before any event loop runs)."""
+def sync_client(url: str, timeout_s: float, **options: Any) -> redis.Redis:
+    """A plain blocking client (for the CLI, before any event loop runs, and
+    a worker's backend thread); ``options`` go to the client (a retry)."""
     timeouts = {"socket_connect_timeout": timeout_s, "socket_timeout": timeout_s}
     if not is_sentinel(url):
-        return redis.Redis.from_url(url, **timeouts)
+        return redis.Redis.from_url(url, **timeouts, **options)
     target = parse_sentinel(url)
     manager = SyncSentinel(  # type: ignore[no-untyped-call]
         target.sentinels, sentinel_kwargs={**timeouts, **target.sentinel}
     )
     client: redis.Redis = manager.master_for(  # type: ignore[no-untyped-call]
-        target.service_name, ssl=target.tls, **target.connection, **timeouts
+        target.service_name, ssl=target.tls, **target.connection, **timeouts, **options
     )
     return client

@@ -4,14 +4,17 @@ backend is free, and answer a batch: publish its replies, store its jobs'
 results and its answers for the cache and ack it, in one transaction."""
 
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from infergate.base import wire
+from infergate.base.queue import redis_url
 from infergate.base.queue.forming import TakeResult, new_batch_id, take_args, take_keys, take_result
 from infergate.base.queue.replies import deliver_replies
-from infergate.base.queue.scripts import execute, queue_on
+from infergate.base.queue.scripts import execute, queue_on, source
 from infergate.base.queue.store import Store
 from redis.asyncio.client import Pipeline
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 
 class KeptAnswer(NamedTuple):
@@ -90,21 +93,8 @@ class WorkerQueue:
         transaction, after the take: for a small batch, whose few replies
         add little to the step and so reach their clients one round trip
         sooner."""
-        keys = self.keys
         scripts = self.store.scripts
-        processing = keys.processing(self.worker_id)
-        take = take_keys(keys, processing, keys.batch_rule, keys.last_step(self.worker_id))
-        args = take_args(
-            keys,
-            "worker",
-            now_ms,
-            self.worker_id,
-            new_batch_id(),
-            self.worker_id,
-            ran,
-            step,
-            ack=replies is not None,
-        )
+        take, args = self.take_step(ran, step, now_ms, ack=replies is not None)
         if replies is None:
             # Straight on the held connection (``pipelined.py``): between two
             # backend calls, redis-py's own way through costs more than the take.
@@ -115,6 +105,23 @@ class WorkerQueue:
             self._queue_answer(pipe, replies, now_ms, keep)
 
         return take_result((await execute(self.store.redis, scripts, build))[0])
+
+    def take_step(
+        self, ran: bytes, step: str, now_ms: int, ack: bool
+    ) -> tuple[list[str], list[Any]]:
+        """``take.lua``'s keys and arguments for this worker's step."""
+        keys = self.keys
+        processing = keys.processing(self.worker_id)
+        take = take_keys(keys, processing, keys.batch_rule, keys.last_step(self.worker_id))
+        args = take_args(
+            keys, "worker", now_ms, self.worker_id, new_batch_id(), self.worker_id, ran, step, ack
+        )
+        return take, args
+
+    def blocking_take(self, url: str, timeout_s: float) -> "BlockingTake":
+        """The same step (without an answer), on a blocking client of its own:
+        for the backend's thread, which takes the next batch itself."""
+        return BlockingTake(self, url, timeout_s)
 
     async def answer_batch(
         self,
@@ -155,3 +162,23 @@ class WorkerQueue:
         for answer in keep:
             key = self.keys.cache(answer.digest, answer.fingerprint)
             pipe.set(key, answer.output, px=answer.ttl_ms)
+
+
+class BlockingTake:
+    """``WorkerQueue.take_next`` without an answer, from a thread with no
+    event loop: ``take(ran, step, now_ms)``. A failure is raised, never
+    retried here (the caller repeats the step with the same token)."""
+
+    def __init__(self, queue: WorkerQueue, url: str, timeout_s: float) -> None:
+        self._queue = queue
+        # No retry: the step is repeated by its caller, with its token.
+        self._client = redis_url.sync_client(url, timeout_s, retry=Retry(NoBackoff(), 0))
+        # NOSCRIPT (a restarted Redis) loads it and runs it again: it never ran.
+        self._script = self._client.register_script(source("take"))
+
+    def __call__(self, ran: bytes, step: str, now_ms: int) -> TakeResult:
+        keys, args = self._queue.take_step(ran, step, now_ms, ack=False)
+        return take_result(self._script(keys, args))
+
+    def close(self) -> None:
+        self._client.close()
