@@ -258,9 +258,17 @@ if check_cancelled then redis.call('ZREMRANGEBYSCORE', cancelled_set, '-inf', no
 if #taken >= n then ring_if_waiting(first_queue) end
 local batch = false
 if #taken > 0 then
-  -- The batch as wire.encode_batch writes it, the envelopes' bytes unchanged.
-  batch = '{"id":' .. cjson.encode(ARGV[4]) .. ',"dispatcher":' .. cjson.encode(ARGV[5])
-    .. ',"formed_ms":' .. ARGV[2] .. ',"envelopes":[' .. table.concat(taken, ',') .. '],"attempt":0}'
+  -- The batch as wire.encode_batch writes it, the envelopes' bytes unchanged,
+  -- built by one table.concat: the head and tail go onto the first and last
+  -- envelopes (and back) rather than around the joined list, which would
+  -- copy the whole batch once more.
+  local head = '{"id":' .. cjson.encode(ARGV[4]) .. ',"dispatcher":' .. cjson.encode(ARGV[5])
+    .. ',"formed_ms":' .. ARGV[2] .. ',"envelopes":['
+  local first, last = taken[1], taken[#taken]
+  taken[1] = head .. first
+  taken[#taken] = taken[#taken] .. '],"attempt":0}'
+  batch = table.concat(taken, ',')
+  taken[1], taken[#taken] = first, last
   if for_worker then
     redis.call('LPUSH', own, batch)
   else
