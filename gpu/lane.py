@@ -4,26 +4,31 @@ batch formed and started from that thread the moment a call returns.
 A call made through ``asyncio.to_thread`` crosses threads twice between
 two batches: its result wakes the event loop, which takes the next batch
 and wakes a thread again to run it. On a busy host each wake-up is a
-scheduling delay (measured at 900 req/s on one worker of this project's
-2-core test machine: about 2 ms of every cycle, beside the take itself).
-So the lane runs a big batch's call with what it needs to take the next
-one (``Then``): when the call returns, the same thread runs the worker's
-take (``take.lua`` 'worker', on a blocking client), reads the batch it
-formed, starts the backend on it, and only then posts both outcomes to the
-event loop, which publishes the last batch's replies while the next runs
-and adopts the running call (``Running``) as it comes to that batch.
+scheduling delay (one worker at 900 req/s on this project's 2-core test
+machine: about 1.7 ms of every cycle, beside the take itself). So the lane
+runs a big batch's call with what it needs to take the next one (``Then``):
+when the call returns, its outcome goes to the event loop at once (so the
+hang timeout counts the call alone), and the same thread runs the worker's take
+(``take.lua`` 'worker', on a blocking client of its own), reads the batch
+it formed and starts the backend on it. The event loop learns what the
+take did (``Ran.stepping``), publishes the last batch's replies while the
+next batch runs, and adopts the running call (``Running``) as it comes to
+that batch.
 
 The lane takes only when it is safe to, and otherwise leaves the take to
 the event loop exactly as without it: not for a small batch (answered in
 the take's own step there), not once the worker is stopping, not while the
-last batch's answer is still going out (``answered``: at most two batches
-in processing), and after a failed call not at all. A take that fails
-leaves its step token to the event loop, which repeats the step (the same
-batch comes back if it ran). A batch it took but cannot start (unreadable
-envelopes, nothing live) goes to the event loop as any other.
+last batch's answer is not out yet (``answered``: at most two batches in
+processing), and not after a call that failed. A take that fails leaves its
+step token to the event loop, which repeats the step (the same batch comes
+back if it ran). A batch it took but does not start (unreadable envelopes,
+any envelope past its deadline) goes to the event loop as any other.
 """
 
 import asyncio
+import concurrent.futures
+import contextlib
+import contextvars
 import queue
 import threading
 from collections.abc import Callable
@@ -33,6 +38,8 @@ import msgspec
 from infergate.base import clock, wire
 from infergate.base.queue.forming import TakeResult, new_batch_id
 from infergate.gpu.backend import Backend
+
+Future = concurrent.futures.Future
 
 
 def live_envelopes(batch: wire.Batch, now_ms: int) -> list[wire.Envelope]:
@@ -63,7 +70,7 @@ class Running:
     inputs: list[str]
     started_ms: int
     started: float  # monotonic s
-    call: "asyncio.Future[Ran]"
+    call: "Future[Ran]"
 
 
 @dataclass(frozen=True)
@@ -74,24 +81,26 @@ class Stepped:
     step: str
     taken: TakeResult | None
     running: Running | None = None
+    error: str = ""  # why the take failed
 
 
 @dataclass(frozen=True)
 class Ran:
     """A call's outcome: outputs or the backend's error, when it returned
-    (monotonic s), and the take that followed it, if the lane ran one."""
+    (monotonic s), and, if the lane takes after it, what that take does."""
 
     outputs: list[str] | None
     error: BaseException | None
     returned: float
-    stepped: Stepped | None = None
+    stepping: "Future[Stepped] | None" = None
 
 
 @dataclass(frozen=True)
 class _Job:
     inputs: list[str]
     then: Then | None
-    call: "asyncio.Future[Ran]"
+    call: "Future[Ran]"
+    context: contextvars.Context
 
 
 class Lane:
@@ -116,22 +125,22 @@ class Lane:
         self.answered.set()
         self.steps = 0  # batches the lane took and started itself
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._serve, name="backend-lane", daemon=True)
 
     def call(self, inputs: list[str], then: Then | None = None) -> "asyncio.Future[Ran]":
-        """Run ``inputs`` once the lane is free; the future gets the outcome."""
-        loop = asyncio.get_running_loop()
-        if self._loop is None:
-            self._loop = loop
+        """Run ``inputs`` once the lane is free (in the caller's context, as
+        ``asyncio.to_thread`` would); the future gets the outcome."""
+        if not self._thread.is_alive():
             self._thread.start()
-        future: asyncio.Future[Ran] = loop.create_future()
-        self._jobs.put(_Job(inputs, then, future))
-        return future
+        call: Future[Ran] = Future()
+        self._jobs.put(_Job(inputs, then, call, contextvars.copy_context()))
+        return asyncio.wrap_future(call)
 
-    def close(self) -> None:
-        """The thread ends after the call it is running (it is a daemon)."""
+    def close(self, timeout_s: float) -> None:
+        """End the thread once the call it runs (if any) returns."""
         self._jobs.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
 
     # -- the thread -------------------------------------------------------------
 
@@ -143,34 +152,42 @@ class Lane:
     def _run(self, job: _Job) -> _Job | None:
         """Run one call; returns the next one if the lane took and started it."""
         try:
-            outputs, error = self.backend.infer(job.inputs), None
+            outputs, error = job.context.run(self.backend.infer, job.inputs), None
         except BaseException as exc:  # the event loop's to raise, as to_thread would
             outputs, error = None, exc
         returned = clock.monotonic_s()
-        stepped = None
-        whole = error is None and outputs is not None and len(outputs) == len(job.inputs)
-        if whole and job.then is not None and self._may_take() and self.answered.is_set():
-            stepped = self._step(job.then)
-        self._post(job.call, Ran(outputs, error, returned, stepped))
-        running = stepped.running if stepped else None
+        whole = error is None and isinstance(outputs, list) and len(outputs) == len(job.inputs)
+        then = job.then if whole and self._may_take() and self.answered.is_set() else None
+        stepping: Future[Stepped] | None = Future() if then is not None else None
+        # The outcome first: the hang timeout counts the call, not the take.
+        _settle(job.call, Ran(outputs, error, returned, stepping))
+        if then is None or stepping is None:
+            return None
+        stepped = self._step(then)
+        _settle(stepping, stepped)
+        running = stepped.running
         if running is None:
             return None
         self.steps += 1
-        then = Then(running.data) if len(running.live) > self._chain_min else None
-        return _Job(running.inputs, then, running.call)
+        chain = Then(running.data) if len(running.live) > self._chain_min else None
+        return _Job(running.inputs, chain, running.call, job.context)
 
     def _step(self, then: Then) -> Stepped:
         step = new_batch_id()
         try:
             taken = self._take(then.ran, step, clock.now_ms())
-        except Exception:  # the event loop repeats the step, and logs what it finds
-            return Stepped(step, None)
+        except Exception as exc:  # the event loop repeats the step, with this token
+            return Stepped(step, None, error=type(exc).__name__)
         self.answered.clear()  # the batch just run is answered next
-        return Stepped(step, taken, self._start(taken.batch))
+        try:
+            running = self._start(taken.batch)
+        except Exception:  # the event loop runs the batch taken
+            running = None
+        return Stepped(step, taken, running)
 
     def _start(self, data: bytes | None) -> Running | None:
         """The batch taken, ready to run; None if it needs the event loop."""
-        if data is None or self._loop is None:
+        if data is None:
             return None
         try:
             batch, unreadable = wire.decode_batch(data)
@@ -180,16 +197,11 @@ class Lane:
         live = live_envelopes(batch, started_ms)
         if unreadable or not live or len(live) < len(batch.envelopes):
             return None  # logged there
-        call: asyncio.Future[Ran] = self._loop.create_future()
-        return Running(
-            data, batch, live, distinct_inputs(live), started_ms, clock.monotonic_s(), call
-        )
-
-    def _post(self, future: "asyncio.Future[Ran]", ran: Ran) -> None:
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(_settle, future, ran)
+        inputs = distinct_inputs(live)
+        return Running(data, batch, live, inputs, started_ms, clock.monotonic_s(), Future())
 
 
-def _settle(future: "asyncio.Future[Ran]", ran: Ran) -> None:
-    if not future.done():  # its caller gave up (the worker is exiting)
-        future.set_result(ran)
+def _settle(future: "Future[Ran] | Future[Stepped]", value: "Ran | Stepped") -> None:
+    # Cancelled: its caller gave up (the worker exits).
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
+        future.set_result(value)  # type: ignore[arg-type]

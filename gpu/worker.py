@@ -27,6 +27,7 @@ stops heartbeating and exits non-zero, so the batch is retried elsewhere.
 """
 
 import asyncio
+import concurrent.futures
 import contextlib
 import os
 import sys
@@ -113,15 +114,14 @@ class Worker:
             name="worker:" + self.id,
         )
         self.queue = WorkerQueue(self.store, self.id)
-        self._blocking_take = self.queue.blocking_take(settings.redis_url, timeout_s=2.0)
+        # Short timeouts: a take the lane cannot finish is repeated by the loop.
+        self._blocking_take = self.queue.blocking_take(settings.redis_url, timeout_s=1.0)
         # The backend's thread; under load it takes and starts the next batch itself.
         self.lane = Lane(
             backend, self._blocking_take, lambda: not self.stopping.is_set(), ANSWERED_WITH_TAKE_MAX
         )
-        # What the lane did when the last batch's call returned (None: nothing).
-        self._stepped: Stepped | None = None
-        # The batch the lane started, until the loop comes to it.
-        self._running: Running | None = None
+        # The take the lane runs after the last batch's call, if it runs one.
+        self._stepping: concurrent.futures.Future[Stepped] | None = None
         self.registry = CollectorRegistry()
         self.metrics = WorkerMetrics(self.registry)
         self.metrics.busy.set_function(lambda: 1.0 if self.busy else 0.0)
@@ -187,7 +187,7 @@ class Worker:
         the lane may take the next batch as the call returns (``_stepped``)."""
         timeout_ms = timeout_ms or self.settings.hang_timeout_ms
         if running is not None:
-            started, call = running.started, running.call
+            started, call = running.started, asyncio.wrap_future(running.call)
         else:
             started, call = clock.monotonic_s(), self.lane.call(inputs, then)
         left_s = timeout_ms / 1000.0 - (clock.monotonic_s() - started)
@@ -209,8 +209,8 @@ class Worker:
             sys.stderr.flush()
             os._exit(EXIT_HUNG)
         self._returned_at = ran.returned
-        if ran.stepped is not None:
-            self._stepped = ran.stepped
+        if ran.stepping is not None:
+            self._stepping = ran.stepping
         if ran.error is not None:
             raise ran.error
         outputs = ran.outputs or []
@@ -240,11 +240,14 @@ class Worker:
                 *await self._infer_isolating(inputs[mid:]),
             ]
 
-    async def run_batch(self, batch: wire.Batch, data: bytes | None = None) -> Finished:
+    async def run_batch(
+        self, batch: wire.Batch, data: bytes | None = None, running: Running | None = None
+    ) -> Finished:
         """Run the batch (``data``: as it sits in processing, for the lane to
-        take the next one after it)."""
+        take the next one after it; ``running``: the call the lane started on
+        it)."""
         if not tracing.enabled:
-            return await self._run_batch(batch, data)
+            return await self._run_batch(batch, data, running)
         with _tracer.start_as_current_span(
             "worker.batch", links=tracing.links([e.trace for e in batch.envelopes])
         ) as span:
@@ -252,14 +255,16 @@ class Worker:
             span.set_attribute("infergate.batch_size", len(batch.envelopes))
             span.set_attribute("infergate.attempt", batch.attempt)
             span.set_attribute("infergate.backend", self.backend.name)
-            return await self._run_batch(batch, data)
+            return await self._run_batch(batch, data, running)
 
-    async def _run_batch(self, batch: wire.Batch, data: bytes | None) -> Finished:
+    async def _run_batch(
+        self, batch: wire.Batch, data: bytes | None, running: Running | None
+    ) -> Finished:
         """Run the batch on the backend (or adopt the call the lane started
         on it); returns how to build its answer."""
-        running, self._running = self._running, None
-        if running is not None and running.data != data:
-            running = None  # not this batch's: the lane runs it before any other call
+        if running is not None and running.data != data:  # a bug: said, and run as it came
+            log.error("lane.running_not_adopted", batch_id=batch.id)
+            running = None
         if running is not None:
             started_ms, live = running.started_ms, running.live
         else:
@@ -276,7 +281,9 @@ class Worker:
         # Identical inputs in one batch take one slot of the backend's call:
         # each distinct input once, its outcome to every request that sent it.
         distinct = running.inputs if running else distinct_inputs(live)
-        then = Then(data) if data is not None and len(live) > ANSWERED_WITH_TAKE_MAX else None
+        # (the lane decided for a running call itself)
+        big = len(live) > ANSWERED_WITH_TAKE_MAX
+        then = Then(data) if data is not None and big and running is None else None
         outputs = await self._infer_isolating(distinct, then, running)
         outcome_of = dict(zip(distinct, outputs, strict=True))
         self._backend_free_since = self._returned_at
@@ -338,7 +345,7 @@ class Worker:
         answer.replies = group_by_gateway(results)
         return answer
 
-    async def handle(self, data: bytes) -> Finished:
+    async def handle(self, data: bytes, running: Running | None = None) -> Finished:
         """Run one pulled batch; returns how to build its answer, whatever
         happens to it: an unreadable envelope is dropped (take.lua already
         drops most), an unreadable batch is dead-lettered, and a batch that
@@ -357,7 +364,7 @@ class Worker:
         if unreadable:
             log.error("batch.envelopes_unreadable", batch_id=batch.id, count=unreadable)
         try:
-            finished = await self.run_batch(batch, data)
+            finished = await self.run_batch(batch, data, running)
         except Exception:
             self._log_failed(batch)
             return Finished(len(batch.envelopes), partial(self._failure_answer, batch))
@@ -428,7 +435,7 @@ class Worker:
         return 0
 
     async def _close(self) -> None:
-        self.lane.close()
+        await asyncio.to_thread(self.lane.close, 5.0)
         self._blocking_take.close()
         await self.store.close()
 
@@ -448,10 +455,12 @@ class Worker:
         backoff = Backoff(base_s=0.1, cap_s=2.0)
         unsure = False  # a pull failed: its batch may be in processing anyway
         following: bytes | None = None  # the next batch, formed when the last one ran
+        running: Running | None = None  # the call the lane started on it
         try:
             while following is not None or not stop.is_set():
                 try:
                     data, following = following, None
+                    lane_call, running = running, None
                     if data is None:
                         # Idle: the last answer is out (its batch off processing)
                         # before anything else is read from there.
@@ -478,17 +487,18 @@ class Worker:
                     continue
                 backoff.reset()
                 self.busy = True
-                finished = await self.handle(data)
-                stepped, self._stepped = self._stepped, None
+                finished = await self.handle(data, lane_call)
+                stepped = await self._lane_step()
                 # At most two batches in processing: the last answer went out
                 # while this batch ran (as a rule, long before it returned).
                 await self._answer_settled()
                 if stepped is not None and stepped.taken is not None:
                     # The lane took the next batch as the call returned (and
                     # started it, unless it needs this loop).
-                    following = await self._took(stepped.taken)
-                    self._running = stepped.running
+                    following, running = self._took(stepped.taken), stepped.running
                     self._answer_later(finished, stop, data)
+                    if stepped.taken.credit_lost:
+                        await self._restore_credit(stop)
                 else:
                     answer = finished.answer() if finished.size <= ANSWERED_WITH_TAKE_MAX else None
                     step = stepped.step if stepped else None  # the lane's, which failed
@@ -501,6 +511,23 @@ class Worker:
                 self.busy = following is not None
         finally:
             await self._answer_settled()
+
+    async def _lane_step(self) -> Stepped | None:
+        """What the lane's take after this batch's call did, if it ran one.
+        (The replies are built after it: built meanwhile, they hold the GIL
+        the lane needs to start the next call.)"""
+        stepping, self._stepping = self._stepping, None
+        if stepping is None:
+            return None
+        stepped = await asyncio.wrap_future(stepping)
+        if stepped.taken is None:
+            log.warning("lane.take_failed", error=stepped.error, step=stepped.step)
+        return stepped
+
+    async def _restore_credit(self, stop: asyncio.Event) -> None:
+        await retry_until_done(
+            "worker.credit", self._keep_credit_offered, stop, grace_after_stop_s=self._grace_left
+        )
 
     def _answer_later(self, finished: Finished, stop: asyncio.Event, data: bytes) -> None:
         """Answer ``data`` in the background (while the next batch runs);
@@ -545,19 +572,20 @@ class Worker:
         async def take() -> None:
             nonlocal following
             taken = await self.queue.take_next(ran, step, clock.now_ms(), replies, keep)
-            following = await self._took(taken)
+            if taken.credit_lost:
+                await self._keep_credit_offered()
+            following = self._took(taken)
 
         done = await retry_until_done("batch.take", take, stop, grace_after_stop_s=self._grace_left)
         if done and answer is not None:
             self.lane.answered.set()
         return done and answer is not None, following
 
-    async def _took(self, taken: TakeResult) -> bytes | None:
-        """Count what a take did (here or in the lane); returns the next batch."""
-        if taken.credit_lost:
-            # The batch had gone (the reaper took it, or Redis lost it): no
-            # credit went out in that step.
-            await self._keep_credit_offered()
+    def _took(self, taken: TakeResult) -> bytes | None:
+        """Count what a take did (here or in the lane); returns the next
+        batch. (A take that reports the credit lost found the batch gone:
+        the reaper took it, or Redis lost it; no credit went out in it, and
+        the caller makes sure one is out.)"""
         self.metrics.forming.count(taken)
         log_drops(taken)
         return taken.batch

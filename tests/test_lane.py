@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 from infergate.base import clock, wire
 from infergate.base.queue.dispatcher import DispatcherQueue
-from infergate.base.queue.forming import Rule
+from infergate.base.queue.forming import Rule, TakeResult
 from infergate.base.queue.gateway import GatewayQueue
 from infergate.base.queue.store import Store
 from infergate.base.queue.worker import WorkerQueue
@@ -38,6 +38,16 @@ class Gated:
             if self.fail:
                 raise BackendError("failed")
         return [s.upper() for s in inputs]
+
+
+class Counting(SimulatedBackend):
+    """The simulated backend, counting the inputs it ran."""
+
+    inputs = 0
+
+    def infer(self, inputs: list[str]) -> list[str]:
+        self.inputs += len(inputs)
+        return super().infer(inputs)
 
 
 def envelope(i: int) -> bytes:
@@ -76,8 +86,9 @@ async def test_the_lane_takes_the_next_batch_and_starts_it_as_the_call_returns(
     try:
         ran = await _run_first(store, lane, backend, queued=3)
         assert ran.outputs == ["A"]
-        assert ran.stepped is not None
-        taken, running = ran.stepped.taken, ran.stepped.running
+        assert ran.stepping is not None
+        stepped = await asyncio.wrap_future(ran.stepping)
+        taken, running = stepped.taken, stepped.running
         assert taken is not None
         assert taken.size == 3
         assert running is not None
@@ -89,20 +100,20 @@ async def test_the_lane_takes_the_next_batch_and_starts_it_as_the_call_returns(
         ]
         assert running.data == taken.batch
         assert running.inputs == ["in0", "in1", "in2"]
-        following = await asyncio.wait_for(running.call, 10)
+        following = await asyncio.wait_for(asyncio.wrap_future(running.call), 10)
         assert following.outputs == ["IN0", "IN1", "IN2"]
         assert backend.calls == [["a"], ["in0", "in1", "in2"]]
         # Batch A's answer is not out yet: the lane took nothing more.
-        assert following.stepped is None
+        assert following.stepping is None
         assert not lane.answered.is_set()
     finally:
-        lane.close()
+        lane.close(5)
 
 
 async def test_the_lane_leaves_the_take_to_the_event_loop_when_it_must(
     store: Store, redis_url: str
 ) -> None:
-    """Not while the last answer is out, not once stopping, not after a
+    """Not while the last answer is not out yet, not once stopping, not after a
     failed call: nothing is taken, and the queue is as it was."""
     for case in ("answer out", "stopping", "failed call"):
         backend = Gated(fail=case == "failed call")
@@ -112,8 +123,8 @@ async def test_the_lane_leaves_the_take_to_the_event_loop_when_it_must(
         try:
             ran = await _run_first(store, lane, backend, queued=1)
         finally:
-            lane.close()
-        assert ran.stepped is None, case
+            lane.close(5)
+        assert ran.stepping is None, case
         assert isinstance(ran.error, BackendError) == (case == "failed call")
         assert await store.redis.lrange(store.keys.processing("w1"), 0, -1) == [b"batch A"]
         assert await store.redis.llen(store.keys.queue("paid")) == 1, case
@@ -131,21 +142,86 @@ async def test_a_take_that_fails_leaves_its_step_to_the_event_loop(store: Store)
     try:
         ran = await _run_first(store, lane, backend, queued=1)
     finally:
-        lane.close()
+        lane.close(5)
     assert ran.outputs == ["A"]
-    assert ran.stepped is not None
-    assert ran.stepped.taken is None
-    assert ran.stepped.running is None
-    assert ran.stepped.step
+    assert ran.stepping is not None
+    stepped = await asyncio.wrap_future(ran.stepping)
+    assert stepped.taken is None
+    assert stepped.running is None
+    assert stepped.step
+    assert stepped.error == "ConnectionError"
     assert lane.answered.is_set()
     assert backend.calls == [["a"]]
+
+
+async def test_a_take_whose_reply_is_lost_is_repeated_by_the_event_loop_with_its_token(
+    store: Store, redis_url: str
+) -> None:
+    """The lane's take ran but its reply never came: the event loop repeats
+    the step with the lane's token and gets the batch that step formed; no
+    second batch is formed and no credit goes out."""
+    backend = Gated()
+    worker_queue = WorkerQueue(store, "w1")
+    blocking = worker_queue.blocking_take(redis_url, timeout_s=2.0)
+
+    def take_then_lose_the_reply(ran: bytes, step: str, now_ms: int) -> TakeResult:
+        blocking(ran, step, now_ms)
+        raise ConnectionError("the reply was lost")
+
+    lane = Lane(backend, take_then_lose_the_reply, lambda: True, chain_min=0)
+    try:
+        ran = await _run_first(store, lane, backend, queued=3)
+        assert ran.stepping is not None
+        stepped = await asyncio.wrap_future(ran.stepping)
+    finally:
+        lane.close(5)
+        blocking.close()
+    assert stepped.taken is None
+    assert stepped.running is None
+    assert backend.calls == [["a"]]  # nothing started without the event loop
+    formed = await store.redis.lindex(store.keys.processing("w1"), 0)
+    again = await worker_queue.take_next(b"batch A", stepped.step, clock.now_ms())
+    assert again.batch == formed
+    assert again.size == 0
+    assert await store.redis.llen(store.keys.processing("w1")) == 2
+    assert await store.redis.llen(store.keys.queue("paid")) == 0
+    assert await store.redis.llen(store.keys.ready) == 0
+
+
+async def test_a_slow_take_does_not_hold_back_the_calls_outcome(
+    store: Store, redis_url: str
+) -> None:
+    """The outcome is the event loop's as the backend returns (the hang
+    timeout counts the call only); the take's result follows."""
+    backend = Gated()
+    blocking = WorkerQueue(store, "w1").blocking_take(redis_url, timeout_s=2.0)
+    take_may_finish = threading.Event()
+
+    def slow_take(ran: bytes, step: str, now_ms: int) -> TakeResult:
+        assert take_may_finish.wait(10)
+        return blocking(ran, step, now_ms)
+
+    lane = Lane(backend, slow_take, lambda: True, chain_min=0)
+    try:
+        ran = await _run_first(store, lane, backend, queued=1)
+        assert ran.stepping is not None
+        assert not ran.stepping.done()
+        take_may_finish.set()
+        stepped = await asyncio.wrap_future(ran.stepping)
+        assert stepped.taken is not None
+        assert stepped.taken.size == 1
+    finally:
+        take_may_finish.set()
+        lane.close(5)
+        blocking.close()
 
 
 async def test_a_worker_under_load_runs_batch_after_batch_from_its_lane(redis_url: str) -> None:
     """A worker given a big batch, with more arriving while it runs, forms
     and starts the next batches from its backend's thread, and answers
     every request once."""
-    worker = Worker(WorkerSettings("w-lane", redis_url), SimulatedBackend(latency_ms=150))
+    backend = Counting(latency_ms=150)
+    worker = Worker(WorkerSettings("w-lane", redis_url), backend)
     store = worker.store
     await DispatcherQueue(store, "d1").publish_rule(Rule(20, 0, -1, min_slots=(0, 0, 0)))
     gateway = GatewayQueue(store, "gw")
@@ -175,6 +251,8 @@ async def test_a_worker_under_load_runs_batch_after_batch_from_its_lane(redis_ur
         assert sorted(answered) == sorted(f"r{i}" for i in range(60))
         assert set(answered.values()) == {1}
         assert worker.lane.steps >= 2  # batches two and three came from the lane
+        # No batch ran twice: a running call was adopted, not run again.
+        assert backend.inputs == 60 + 1  # and the warm-up
     finally:
         stop.set()
         await asyncio.wait_for(serving, 20)
