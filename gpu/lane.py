@@ -118,11 +118,14 @@ class Lane:
         self._take = take
         self._may_take = may_take
         self._chain_min = chain_min
-        # Set while nothing of this worker's waits to be answered: the lane
-        # clears it when it takes (the batch just run is answered next), the
-        # event loop sets it once that answer is out.
+        # Set while nothing of this worker's waits to be answered: cleared by
+        # the lane when it takes (the batch just run is answered next) and by
+        # the event loop when it starts an answer; set by the event loop once
+        # an answer is out (its transaction, or a take's that answers).
         self.answered = threading.Event()
         self.answered.set()
+        self._taking = True  # until the event loop stops running what the lane takes
+        self._started = False
         self.steps = 0  # batches the lane took and started itself
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._serve, name="backend-lane", daemon=True)
@@ -130,14 +133,20 @@ class Lane:
     def call(self, inputs: list[str], then: Then | None = None) -> "asyncio.Future[Ran]":
         """Run ``inputs`` once the lane is free (in the caller's context, as
         ``asyncio.to_thread`` would); the future gets the outcome."""
-        if not self._thread.is_alive():
+        if not self._started:
+            self._started = True
             self._thread.start()
         call: Future[Ran] = Future()
         self._jobs.put(_Job(inputs, then, call, contextvars.copy_context()))
         return asyncio.wrap_future(call)
 
+    def stop_taking(self) -> None:
+        """From now on the lane takes nothing: nobody would run it."""
+        self._taking = False
+
     def close(self, timeout_s: float) -> None:
         """End the thread once the call it runs (if any) returns."""
+        self.stop_taking()
         self._jobs.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout_s)
@@ -157,7 +166,8 @@ class Lane:
             outputs, error = None, exc
         returned = clock.monotonic_s()
         whole = error is None and isinstance(outputs, list) and len(outputs) == len(job.inputs)
-        then = job.then if whole and self._may_take() and self.answered.is_set() else None
+        may = self._taking and self._may_take() and self.answered.is_set()
+        then = job.then if whole and may else None
         stepping: Future[Stepped] | None = Future() if then is not None else None
         # The outcome first: the hang timeout counts the call, not the take.
         _settle(job.call, Ran(outputs, error, returned, stepping))
@@ -170,7 +180,8 @@ class Lane:
             return None
         self.steps += 1
         chain = Then(running.data) if len(running.live) > self._chain_min else None
-        return _Job(running.inputs, chain, running.call, job.context)
+        # A context of its own: the last batch's (its span, ended) is not this one's.
+        return _Job(running.inputs, chain, running.call, contextvars.Context())
 
     def _step(self, then: Then) -> Stepped:
         step = new_batch_id()

@@ -35,6 +35,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from typing import NoReturn
 
 import msgspec
 from infergate.base import clock, logs, tracing, wire
@@ -50,7 +51,7 @@ from infergate.base.queue.store import Store
 from infergate.base.queue.worker import KeptAnswer, WorkerQueue
 from infergate.base.settings import ProcessSettings
 from infergate.gpu.backend import Backend, BackendError
-from infergate.gpu.lane import Lane, Running, Stepped, Then, distinct_inputs, live_envelopes
+from infergate.gpu.lane import Lane, Ran, Running, Stepped, Then, distinct_inputs, live_envelopes
 from prometheus_client import CollectorRegistry
 
 log = logs.get(__name__)
@@ -90,6 +91,10 @@ NOTHING_TO_ANSWER = Finished(0, Answer)
 # them takes about 1 µs each), and they reach their clients one round trip
 # sooner than if they were published after the next batch has started.
 ANSWERED_WITH_TAKE_MAX = 12
+
+# A take in the backend's thread that has not answered by the hang timeout
+# plus this long is stuck (its client times out after 1 s a try).
+LANE_TAKE_BOUND_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -184,30 +189,17 @@ class Worker:
     ) -> list[str]:
         """One backend call in the lane, bounded by the hang timeout: a new
         one, or the ``running`` one the lane started itself. Given ``then``,
-        the lane may take the next batch as the call returns (``_stepped``)."""
+        the lane may take the next batch as the call returns (``_stepping``)."""
         timeout_ms = timeout_ms or self.settings.hang_timeout_ms
         if running is not None:
-            started, call = running.started, asyncio.wrap_future(running.call)
+            ran = await self._adopt(running, timeout_ms)
+            started = running.started
         else:
-            started, call = clock.monotonic_s(), self.lane.call(inputs, then)
-        left_s = timeout_ms / 1000.0 - (clock.monotonic_s() - started)
-        try:
-            ran = await asyncio.wait_for(call, max(0.0, left_s))
-        except TimeoutError:
-            log.error("worker.hung", hang_timeout_ms=timeout_ms, size=len(inputs))
-            # The last batch's answer, if still going out, is finished first
-            # (within the grace, while the heartbeat still says this worker
-            # holds it); then the backend thread, which cannot be interrupted,
-            # is left at once, without acking, so this batch stays in
-            # processing for the reaper.
-            if self._answering is not None:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(
-                        asyncio.shield(self._answering), self.settings.publish_grace_s
-                    )
-            await self.heartbeat.stop()
-            sys.stderr.flush()
-            os._exit(EXIT_HUNG)
+            started = clock.monotonic_s()
+            try:
+                ran = await asyncio.wait_for(self.lane.call(inputs, then), timeout_ms / 1000.0)
+            except TimeoutError:
+                await self._exit_hung("worker.hung", hang_timeout_ms=timeout_ms, size=len(inputs))
         self._returned_at = ran.returned
         if ran.stepping is not None:
             self._stepping = ran.stepping
@@ -222,6 +214,37 @@ class Worker:
         if len(outputs) != len(inputs):
             raise BackendError(f"backend returned {len(outputs)} outputs for {len(inputs)} inputs")
         return outputs
+
+    async def _adopt(self, running: Running, timeout_ms: int) -> Ran:
+        """The outcome of the call the lane started, within what is left of
+        its hang timeout (one already returned is taken as it is)."""
+        if running.call.done():
+            return running.call.result()
+        left_s = timeout_ms / 1000.0 - (clock.monotonic_s() - running.started)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(running.call), max(0.0, left_s))
+        except TimeoutError:
+            if running.call.done():  # it returned in time; its news came late
+                return running.call.result()
+            await self._exit_hung(
+                "worker.hung", hang_timeout_ms=timeout_ms, size=len(running.inputs)
+            )
+
+    async def _exit_hung(self, event: str, **fields: object) -> NoReturn:
+        """The backend's thread, which cannot be interrupted, is stuck: the
+        last batch's answer, if still going out, is finished first (within
+        the grace, while the heartbeat still says this worker holds it);
+        then the worker exits at once, without acking, so what it holds
+        stays in processing for the reaper."""
+        log.error(event, **fields)
+        if self._answering is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(
+                    asyncio.shield(self._answering), self.settings.publish_grace_s
+                )
+        await self.heartbeat.stop()
+        sys.stderr.flush()
+        os._exit(EXIT_HUNG)
 
     async def _infer_isolating(
         self, inputs: list[str], then: Then | None = None, running: Running | None = None
@@ -262,10 +285,7 @@ class Worker:
     ) -> Finished:
         """Run the batch on the backend (or adopt the call the lane started
         on it); returns how to build its answer."""
-        if running is not None and running.data != data:  # a bug: said, and run as it came
-            log.error("lane.running_not_adopted", batch_id=batch.id)
-            running = None
-        if running is not None:
+        if running is not None:  # (formed from ``data``, so it is this batch's)
             started_ms, live = running.started_ms, running.live
         else:
             started_ms = clock.now_ms()
@@ -352,7 +372,8 @@ class Worker:
         fails outside the backend (or whose answer cannot be built) answers
         every request INFERENCE_FAILED."""
         try:
-            batch, unreadable = wire.decode_batch(data)
+            # (one the lane started, it read already)
+            batch, unreadable = (running.batch, 0) if running else wire.decode_batch(data)
         except msgspec.DecodeError:
             log.error("batch.unreadable", size=len(data))
             self.metrics.batches_failed.inc()
@@ -367,6 +388,11 @@ class Worker:
             finished = await self.run_batch(batch, data, running)
         except Exception:
             self._log_failed(batch)
+            if running is not None:
+                # Its call ran (or runs) anyway: what the lane did after it is
+                # learned, as the loop learns it after any call.
+                ran = await self._adopt(running, self.settings.hang_timeout_ms)
+                self._stepping = ran.stepping
             return Finished(len(batch.envelopes), partial(self._failure_answer, batch))
         return Finished(finished.size, partial(self._answer_or_failure, batch, finished))
 
@@ -510,6 +536,7 @@ class Worker:
                         self._answer_later(finished, stop, data)
                 self.busy = following is not None
         finally:
+            self.lane.stop_taking()  # nothing takes a batch this loop will not run
             await self._answer_settled()
 
     async def _lane_step(self) -> Stepped | None:
@@ -519,7 +546,14 @@ class Worker:
         stepping, self._stepping = self._stepping, None
         if stepping is None:
             return None
-        stepped = await asyncio.wrap_future(stepping)
+        # Its client's timeouts bound it; past this bound (a resolver or a
+        # Sentinel that hangs) it could still start a batch: the worker
+        # leaves, as for a hung call.
+        bound_s = self.settings.hang_timeout_ms / 1000.0 + LANE_TAKE_BOUND_S
+        try:
+            stepped = await asyncio.wait_for(asyncio.wrap_future(stepping), bound_s)
+        except TimeoutError:
+            await self._exit_hung("lane.take_hung", bound_s=bound_s)
         if stepped.taken is None:
             log.warning("lane.take_failed", error=stepped.error, step=stepped.step)
         return stepped

@@ -5,6 +5,7 @@ it leaves the take to the event loop whenever that is the safe thing."""
 import asyncio
 import threading
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 from infergate.base import clock, wire
@@ -17,7 +18,6 @@ from infergate.gpu.backend import BackendError
 from infergate.gpu.lane import Lane, Ran, Then
 from infergate.gpu.simulated import SimulatedBackend
 from infergate.gpu.worker import Worker, WorkerSettings
-from infergate.redis_server import RedisServer
 
 
 class Gated:
@@ -78,6 +78,11 @@ def _lane(store: Store, redis_url: str, backend: Gated, may_take: bool = True) -
     return Lane(backend, take, lambda: may_take, chain_min=0)
 
 
+def _close(lane: Lane) -> None:
+    lane.close(5)
+    lane._take.close()  # type: ignore[attr-defined]
+
+
 async def test_the_lane_takes_the_next_batch_and_starts_it_as_the_call_returns(
     store: Store, redis_url: str
 ) -> None:
@@ -107,7 +112,7 @@ async def test_the_lane_takes_the_next_batch_and_starts_it_as_the_call_returns(
         assert following.stepping is None
         assert not lane.answered.is_set()
     finally:
-        lane.close(5)
+        _close(lane)
 
 
 async def test_the_lane_leaves_the_take_to_the_event_loop_when_it_must(
@@ -115,15 +120,15 @@ async def test_the_lane_leaves_the_take_to_the_event_loop_when_it_must(
 ) -> None:
     """Not while the last answer is not out yet, not once stopping, not after a
     failed call: nothing is taken, and the queue is as it was."""
-    for case in ("answer out", "stopping", "failed call"):
+    for case in ("answer not out", "stopping", "failed call"):
         backend = Gated(fail=case == "failed call")
         lane = _lane(store, redis_url, backend, may_take=case != "stopping")
-        if case == "answer out":
+        if case == "answer not out":
             lane.answered.clear()
         try:
             ran = await _run_first(store, lane, backend, queued=1)
         finally:
-            lane.close(5)
+            _close(lane)
         assert ran.stepping is None, case
         assert isinstance(ran.error, BackendError) == (case == "failed call")
         assert await store.redis.lrange(store.keys.processing("w1"), 0, -1) == [b"batch A"]
@@ -135,14 +140,11 @@ async def test_a_take_that_fails_leaves_its_step_to_the_event_loop(store: Store)
     """Redis unreachable from the lane: the call's outcome still comes back,
     with the step's token for the event loop to repeat, and nothing started."""
     backend = Gated()
-    dead = RedisServer().start()
-    dead_url = dead.url
-    dead.close()
-    lane = _lane(store, dead_url, backend)
+    lane = _lane(store, "redis://127.0.0.1:1/0", backend)  # nothing listens there
     try:
         ran = await _run_first(store, lane, backend, queued=1)
     finally:
-        lane.close(5)
+        _close(lane)
     assert ran.outputs == ["A"]
     assert ran.stepping is not None
     stepped = await asyncio.wrap_future(ran.stepping)
@@ -216,12 +218,11 @@ async def test_a_slow_take_does_not_hold_back_the_calls_outcome(
         blocking.close()
 
 
-async def test_a_worker_under_load_runs_batch_after_batch_from_its_lane(redis_url: str) -> None:
-    """A worker given a big batch, with more arriving while it runs, forms
-    and starts the next batches from its backend's thread, and answers
-    every request once."""
-    backend = Counting(latency_ms=150)
-    worker = Worker(WorkerSettings("w-lane", redis_url), backend)
+async def _serve_60_requests(worker: Worker, backend: "Counting") -> dict[str, int]:
+    """Serve 60 requests on ``worker``: a first batch of 20 handed over by a
+    dispatcher, the other 40 arriving while it runs; returns how many times
+    each request was answered, and checks that no batch ran twice and that
+    processing never held more than two batches."""
     store = worker.store
     await DispatcherQueue(store, "d1").publish_rule(Rule(20, 0, -1, min_slots=(0, 0, 0)))
     gateway = GatewayQueue(store, "gw")
@@ -229,31 +230,72 @@ async def test_a_worker_under_load_runs_batch_after_batch_from_its_lane(redis_ur
     await pubsub.subscribe(store.keys.reply_channel("gw"))
     stop = asyncio.Event()
     serving = asyncio.create_task(worker.serve(stop))
+    most_in_processing = 0
+
+    async def watch_processing() -> None:
+        nonlocal most_in_processing
+        while True:
+            held = await store.redis.llen(store.keys.processing(worker.id))
+            most_in_processing = max(most_in_processing, held)
+            await asyncio.sleep(0.005)
+
+    watching = asyncio.create_task(watch_processing())
     answered: dict[str, int] = {}
     try:
         for i in range(20):
             await gateway.enqueue("paid", envelope(i))
         dispatcher = DispatcherQueue(store, "d1")
         credit = await dispatcher.wait_credit(10)
-        assert credit == "w-lane"
+        assert credit == worker.id
         first = await dispatcher.take(
             credit, "b0", clock.now_ms(), Rule(20, 0, -1, min_slots=(0, 0, 0))
         )
         assert first.size == 20
         for i in range(20, 60):  # while the first batch runs
             await gateway.enqueue("paid", envelope(i))
-        deadline = clock.monotonic_s() + 20
+        deadline = clock.monotonic_s() + 30
         while len(answered) < 60 and clock.monotonic_s() < deadline:
             message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
             if message is not None:
                 for result in wire.decode_reply(message["data"]).results:
                     answered[result.id] = answered.get(result.id, 0) + 1
-        assert sorted(answered) == sorted(f"r{i}" for i in range(60))
-        assert set(answered.values()) == {1}
-        assert worker.lane.steps >= 2  # batches two and three came from the lane
-        # No batch ran twice: a running call was adopted, not run again.
-        assert backend.inputs == 60 + 1  # and the warm-up
     finally:
+        watching.cancel()
         stop.set()
-        await asyncio.wait_for(serving, 20)
+        await asyncio.wait_for(serving, 30)
         await pubsub.aclose()
+    assert sorted(answered) == sorted(f"r{i}" for i in range(60))
+    # No batch ran twice (a running call is adopted, not run again), and
+    # never more than the batch being answered and the next.
+    assert backend.inputs == 60 + 1  # and the warm-up
+    assert most_in_processing <= 2
+    return answered
+
+
+async def test_a_worker_under_load_runs_batch_after_batch_from_its_lane(redis_url: str) -> None:
+    """A worker given a big batch, with more arriving while it runs, forms
+    and starts the next batches from its backend's thread, and answers
+    every request once."""
+    backend = Counting(latency_ms=150)
+    worker = Worker(WorkerSettings("w-lane", redis_url), backend)
+    answered = await _serve_60_requests(worker, backend)
+    assert set(answered.values()) == {1}
+    assert worker.lane.steps >= 2  # batches two and three came from the lane
+
+
+async def test_the_lane_waits_for_the_last_answer_before_it_takes(redis_url: str) -> None:
+    """Replies that take longer to go out than a batch takes to run: the
+    lane never takes beside an unanswered batch (the event loop takes once
+    the answer is out), so nothing runs twice and processing holds two
+    batches at most."""
+    backend = Counting(latency_ms=100)
+    worker = Worker(WorkerSettings("w-slow-answers", redis_url), backend)
+    publish = worker.queue.answer_batch
+
+    async def slow_answer(*args: Any, **kwargs: Any) -> None:
+        await asyncio.sleep(0.3)
+        await publish(*args, **kwargs)
+
+    worker.queue.answer_batch = slow_answer  # type: ignore[method-assign]
+    answered = await _serve_60_requests(worker, backend)
+    assert set(answered.values()) == {1}
