@@ -9,8 +9,8 @@ batch acked) while the next one runs. Under load the backend starts again
 one round trip after it returned, with no dispatcher, credit, pull or
 reply-building between the two calls: after a batch of more than
 ``ANSWERED_WITH_TAKE_MAX`` requests, the backend's own thread runs that step
-and starts the next call itself (``lane.py``), without waking the event
-loop in between; otherwise (and whenever the lane cannot) the event loop
+and starts the next call itself (``lane.py``), without waiting on the
+event loop in between; otherwise (and whenever the lane cannot) the event loop
 runs it. With nothing queued, the same step offers the worker's credit, and
 a dispatcher forms its next batch when work arrives (``pull_batch``).
 

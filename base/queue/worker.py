@@ -119,8 +119,9 @@ class WorkerQueue:
         return take, args
 
     def blocking_take(self, url: str, timeout_s: float) -> "BlockingTake":
-        """The same step (without an answer), on a blocking client of its own:
-        for the backend's thread, which takes the next batch itself."""
+        """The same step (without an answer), on a blocking client of its own
+        (named ``worker:{id}:lane`` in CLIENT LIST): for the backend's
+        thread, which takes the next batch itself."""
         return BlockingTake(self, url, timeout_s)
 
     async def answer_batch(
@@ -172,7 +173,12 @@ class BlockingTake:
     def __init__(self, queue: WorkerQueue, url: str, timeout_s: float) -> None:
         self._queue = queue
         # No retry: the step is repeated by its caller, with its token.
-        self._client = redis_url.sync_client(url, timeout_s, retry=Retry(NoBackoff(), 0))
+        self._client = redis_url.sync_client(
+            url,
+            timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            client_name=f"worker:{queue.worker_id}:lane",
+        )
         # NOSCRIPT (a restarted Redis) loads it and runs it again: it never ran.
         self._script = self._client.register_script(source("take"))
 
