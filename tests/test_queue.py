@@ -457,6 +457,28 @@ async def test_every_queued_call_fails_with_a_store_error_when_redis_is_gone() -
         assert all(isinstance(r, STORE_ERRORS) for r in results), results
 
 
+async def test_a_transaction_on_the_held_connection_beside_script_calls(q: Faces) -> None:
+    """A worker's answer goes out as one MULTI/EXEC on the held connection,
+    written together with other calls: each caller gets its own replies; a
+    command that fails fails its transaction's caller, after the others in
+    it ran (as EXEC runs them), and nothing else."""
+    pipelined = q.store.pipelined
+    fine = [("SET", "t:a", "1"), ("SET", "t:b", "2")]
+    failing = [("SET", "t:c", "3"), ("LPUSH", "t:c", "x"), ("SET", "t:d", "4")]
+    results = await asyncio.gather(
+        q.gateway.admit([], "free", env(1, "free")),
+        pipelined.transaction(fine, ()),
+        pipelined.transaction(failing, ()),
+        q.gateway.admit([], "free", env(2, "free")),
+        return_exceptions=True,
+    )
+    assert [type(r).__name__ for r in results] == ["Admitted", "list", "ResponseError", "Admitted"]
+    assert results[1] == [b"OK", b"OK"]
+    assert "WRONGTYPE" in str(results[2])
+    assert await q.redis.mget("t:a", "t:b", "t:c", "t:d") == [b"1", b"2", b"3", b"4"]
+    assert await q.redis.llen(q.keys.queue("free")) == 2
+
+
 async def test_a_worker_takes_and_acks_after_redis_forgot_the_scripts(q: Faces) -> None:
     await q.redis.lpush(q.keys.processing("w1"), b"the batch")
     await q.redis.script_flush()  # as a restarted or failed-over Redis would have

@@ -8,7 +8,9 @@ so the calls are queued here and sent by one flushing task, packed by
 hiredis (in C): whatever is queued goes out as one write, its replies are
 read in order, and what arrives during that round trip goes out in the
 next. Under load the batches grow by themselves; alone, a call goes out at
-once.
+once. A worker's answer (its replies, the ack, and for a small batch the
+take before them) goes the same way, as one MULTI/EXEC (``transaction``):
+at low load it is on every request's way back.
 
 The calls go over one connection of the client's pool that this class
 holds, read straight from its stream (``resp.RawConnection``). A round
@@ -25,27 +27,43 @@ them, so they are sent once more after the script is loaded.
 
 import asyncio
 import contextlib
+from collections.abc import Sequence
 from typing import Any
 
 from hiredis import pack_command
 from infergate.base.errors import STORE_ERRORS, UNAVAILABLE
-from infergate.base.queue.resp import RawConnection
+from infergate.base.queue.resp import RawConnection, error_of
+from infergate.base.queue.scripts import evalsha
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 
 
 class _Call:
-    __slots__ = ("command", "future", "resent", "script")
+    """One script call: one command, one reply."""
+
+    __slots__ = ("commands", "future", "resent", "scripts")
 
     def __init__(
-        self, script: AsyncScript, command: tuple[Any, ...], future: "asyncio.Future[Any]"
+        self,
+        scripts: Sequence[AsyncScript],
+        commands: tuple[tuple[Any, ...], ...],
+        future: "asyncio.Future[Any]",
     ) -> None:
-        self.script = script
-        self.command = command
+        self.scripts = scripts  # loaded again if Redis answers NOSCRIPT
+        self.commands = commands
         self.future = future
         self.resent = False
+
+    @property
+    def expects(self) -> int:
+        """How many replies it reads."""
+        return len(self.commands)
+
+    def outcome(self, replies: list[Any]) -> Any:
+        """Its result (or the error it is settled with) from its replies."""
+        return replies[0]
 
     def settle(self, reply: Any = None, exc: BaseException | None = None) -> None:
         if self.future.done():  # its caller gave up (cancelled)
@@ -54,6 +72,29 @@ class _Call:
             self.future.set_exception(exc)
         else:
             self.future.set_result(reply)
+
+
+class _Transaction(_Call):
+    """Commands run as one MULTI/EXEC: the replies of all of them, or the
+    first error among them (NOSCRIPT first: the whole transaction is sent
+    again once its scripts are loaded, so it must be one that may run twice)."""
+
+    __slots__ = ()
+
+    def outcome(self, replies: list[Any]) -> Any:
+        queued, executed = replies[1:-1], replies[-1]
+        errors = [r for r in queued if isinstance(r, Exception)]  # refused when queued
+        if not errors and isinstance(executed, Exception):
+            errors = [executed]
+        if not errors and executed is None:  # (no WATCH here: not expected)
+            errors = [RedisConnectionError("the transaction was aborted")]
+        if not errors:
+            executed = [error_of(r) if isinstance(r, ResponseError) else r for r in executed]
+            errors = [r for r in executed if isinstance(r, Exception)]
+        if not errors:
+            return executed
+        missing = [e for e in errors if isinstance(e, NoScriptError)]
+        return (missing or errors)[0]
 
 
 class Pipelined:
@@ -67,11 +108,27 @@ class Pipelined:
 
     def call(self, script: AsyncScript, keys: list[str], args: list[Any]) -> "asyncio.Future[Any]":
         """EVALSHA ``script`` with ``keys`` and ``args``; the future gets its reply."""
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._queued.append(_Call(script, ("EVALSHA", script.sha, len(keys), *keys, *args), future))
+        return self._queue(_Call((script,), (evalsha(script, keys, args),), self._future()))
+
+    def transaction(
+        self, commands: Sequence[tuple[Any, ...]], scripts: Sequence[AsyncScript]
+    ) -> "asyncio.Future[list[Any]]":
+        """``commands`` in one MULTI/EXEC; the future gets their replies (or
+        the first error among them, after all ran). ``scripts``: those its
+        EVALSHAs run. Sent again whole if Redis had forgotten a script (those
+        commands failed, the others ran): only for commands that may run twice."""
+        framed = (("MULTI",), *commands, ("EXEC",))
+        return self._queue(_Transaction(scripts, framed, self._future()))
+
+    @staticmethod
+    def _future() -> "asyncio.Future[Any]":
+        return asyncio.get_running_loop().create_future()
+
+    def _queue(self, call: _Call) -> "asyncio.Future[Any]":
+        self._queued.append(call)
         if self._flusher is None:
             self._flusher = asyncio.ensure_future(self._flush())
-        return future
+        return call.future
 
     async def close(self) -> None:
         """Stop flushing (what is queued fails) and give the connection back."""
@@ -100,34 +157,43 @@ class Pipelined:
 
     async def _send(self, batch: list[_Call]) -> None:
         """One write, then the replies in order, each call settled as its
-        reply arrives. A connection error fails the calls not yet answered
+        replies arrive. A connection error fails the calls not yet answered
         (the caller fails them; a settled call stays settled)."""
         link = self._link
         if link is None or not link.usable():
             await self._drop_link()
             link = await self._open_link()
-        link.write(b"".join([pack_command(c.command) for c in batch]))
+        link.write(b"".join([pack_command(c) for call in batch for c in call.commands]))
         missing: list[_Call] = []
         lost: list[Exception] = []
+        calls = iter(batch)
+        call = next(calls)
+        replies: list[Any] = []
 
-        def settle(i: int, reply: Any) -> None:
-            call = batch[i]
-            if isinstance(reply, NoScriptError) and not call.resent:
+        def take(_: int, reply: Any) -> None:
+            nonlocal call, replies
+            replies.append(reply)
+            if len(replies) < call.expects:
+                return
+            outcome = call.outcome(replies)
+            if isinstance(outcome, NoScriptError) and not call.resent:
                 missing.append(call)
-            elif isinstance(reply, Exception):  # this call's own error (the script's) ...
-                call.settle(exc=reply)
-                if isinstance(reply, UNAVAILABLE):  # ... or a primary no longer primary
-                    lost.append(reply)
+            elif isinstance(outcome, Exception):  # this call's own error (the script's) ...
+                call.settle(exc=outcome)
+                if isinstance(outcome, UNAVAILABLE):  # ... or a primary no longer primary
+                    lost.append(outcome)
             else:
-                call.settle(reply)
+                call.settle(outcome)
+            call, replies = next(calls, call), []
 
-        await link.replies(len(batch), link.connection.socket_timeout, settle)
+        expected = sum(c.expects for c in batch)
+        await link.replies(expected, link.connection.socket_timeout, take)
         if lost:  # a new connection asks Sentinel where the primary is now
             await self._drop_link()
             _fail(missing, lost[0])  # not run on this primary; nothing sent twice
             return
         if missing:
-            await _load_scripts(link, [c.script for c in missing])
+            await _load_scripts(link, [s for c in missing for s in c.scripts])
             for call in missing:
                 call.resent = True
             self._queued[:0] = missing

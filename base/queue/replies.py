@@ -9,9 +9,10 @@ the reaper that gave up on it.
 
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 from infergate.base import wire
-from infergate.base.queue.scripts import queue_on
+from infergate.base.queue.scripts import evalsha
 from infergate.base.queue.store import Store
 from redis.asyncio.client import Pipeline
 
@@ -47,26 +48,39 @@ def failure_replies(
     )
 
 
+def reply_commands(
+    store: Store, replies: Mapping[str, wire.Reply], now_ms: int
+) -> list[tuple[Any, ...]]:
+    """One PUBLISH per gateway, and the storing of the jobs' results, as
+    commands for one transaction (running them twice publishes a
+    duplicate, which gateways ignore, and stores a job's result again)."""
+    keys = store.keys
+    commands: list[tuple[Any, ...]] = [
+        ("PUBLISH", keys.reply_channel(gateway_id), wire.encode(reply))
+        for gateway_id, reply in replies.items()
+        if gateway_id != wire.JOBS
+    ]
+    jobs = replies.get(wire.JOBS)
+    if jobs is not None and jobs.results:
+        commands.append(
+            evalsha(
+                store.scripts.finish_jobs,
+                [keys.job(r.id) for r in jobs.results],
+                [
+                    keys.jobs_done,
+                    now_ms,
+                    *(wire.encode(r) for r in jobs.results),
+                    *("failed" if r.error else "succeeded" for r in jobs.results),
+                ],
+            )
+        )
+    return commands
+
+
 def deliver_replies(
     pipe: Pipeline, store: Store, replies: Mapping[str, wire.Reply], now_ms: int
 ) -> None:
-    """Queue one PUBLISH per gateway, and the storing of the jobs' results,
-    on ``pipe`` (the caller executes it with ``scripts.execute``: running
-    it twice publishes a duplicate, which gateways ignore)."""
-    keys = store.keys
-    for gateway_id, reply in replies.items():
-        if gateway_id != wire.JOBS:
-            pipe.publish(keys.reply_channel(gateway_id), wire.encode(reply))
-    jobs = replies.get(wire.JOBS)
-    if jobs is not None and jobs.results:
-        queue_on(
-            pipe,
-            store.scripts.finish_jobs,
-            [keys.job(r.id) for r in jobs.results],
-            [
-                keys.jobs_done,
-                now_ms,
-                *(wire.encode(r) for r in jobs.results),
-                *("failed" if r.error else "succeeded" for r in jobs.results),
-            ],
-        )
+    """``reply_commands`` queued on ``pipe`` (the caller executes it with
+    ``scripts.execute``)."""
+    for command in reply_commands(store, replies, now_ms):
+        pipe.execute_command(*command)

@@ -26,7 +26,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 _MORE = object()
 
 
-def _error(reply: ResponseError) -> Exception:
+def error_of(reply: ResponseError) -> Exception:
+    """The exception redis-py raises for an error reply."""
     error: Exception = BaseParser.parse_error(str(reply))  # type: ignore[no-untyped-call]
     return error
 
@@ -72,7 +73,7 @@ class RawConnection:
                         timer = asyncio.get_running_loop().call_later(timeout_s, self._time_out)
                     await self._read()
                 elif not isinstance(reply, hiredis.PushNotification):
-                    each(i, _error(reply) if isinstance(reply, ResponseError) else reply)
+                    each(i, error_of(reply) if isinstance(reply, ResponseError) else reply)
                     i += 1
         finally:
             if timer is not None:
@@ -90,7 +91,7 @@ class RawConnection:
                         reply = self.parser.gets()
             except TimeoutError:
                 return None
-        return _error(reply) if isinstance(reply, ResponseError) else reply
+        return error_of(reply) if isinstance(reply, ResponseError) else reply
 
     async def _read(self) -> None:
         data = await self.stream.read(65536)

@@ -64,8 +64,13 @@ async def execute(
     raise AssertionError("unreachable")
 
 
+def evalsha(script: AsyncScript, keys: list[str], args: list[Any]) -> tuple[Any, ...]:
+    """The command that runs ``script``, for a pipeline or a transaction."""
+    return ("EVALSHA", script.sha, len(keys), *keys, *args)
+
+
 def queue_on(pipe: Pipeline, script: AsyncScript, keys: list[str], args: list[Any]) -> None:
     """Queue an EVALSHA of ``script`` on a pipeline. (Passing ``client=pipe``
     to the script instead makes every execute of the pipeline cost one more
     round trip, SCRIPT EXISTS; ``execute`` handles NOSCRIPT instead.)"""
-    pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+    pipe.execute_command(*evalsha(script, keys, args))

@@ -9,11 +9,11 @@ from typing import Any, NamedTuple
 from infergate.base import wire
 from infergate.base.queue import redis_url
 from infergate.base.queue.forming import TakeResult, new_batch_id, take_args, take_keys, take_result
-from infergate.base.queue.replies import deliver_replies
-from infergate.base.queue.scripts import execute, queue_on, source
+from infergate.base.queue.replies import reply_commands
+from infergate.base.queue.scripts import evalsha, source
 from infergate.base.queue.store import Store
-from redis.asyncio.client import Pipeline
 from redis.backoff import NoBackoff
+from redis.commands.core import AsyncScript
 from redis.retry import Retry
 
 
@@ -95,16 +95,17 @@ class WorkerQueue:
         sooner."""
         scripts = self.store.scripts
         take, args = self.take_step(ran, step, now_ms, ack=replies is not None)
+        # Straight on the held connection (``pipelined.py``): between two
+        # backend calls (and at low load, on every request's way back),
+        # redis-py's own way through costs more than the take.
         if replies is None:
-            # Straight on the held connection (``pipelined.py``): between two
-            # backend calls, redis-py's own way through costs more than the take.
             return take_result(await self.store.pipelined.call(scripts.take, take, args))
-
-        def build(pipe: Pipeline) -> None:
-            queue_on(pipe, scripts.take, take, args)
-            self._queue_answer(pipe, replies, now_ms, keep)
-
-        return take_result((await execute(self.store.redis, scripts, build))[0])
+        commands = [
+            evalsha(scripts.take, take, args),
+            *self._answer_commands(replies, now_ms, keep),
+        ]
+        results = await self.store.pipelined.transaction(commands, self._scripts)
+        return take_result(results[0])
 
     def take_step(
         self, ran: bytes, step: str, now_ms: int, ack: bool
@@ -139,30 +140,30 @@ class WorkerQueue:
         reply to the transaction is lost, it is run again: gateways ignore
         the duplicate and a job's result is stored again. One round trip."""
         keys = self.keys
-        scripts = self.store.scripts
         processing = keys.processing(self.worker_id)
+        ack: tuple[object, ...] = (
+            evalsha(self.store.scripts.ack_batch, [processing, keys.ready], [self.worker_id, batch])
+            if leaving
+            else ("LREM", processing, 0, batch)
+        )
+        commands = [*self._answer_commands(replies, now_ms, keep), ack]
+        await self.store.pipelined.transaction(commands, self._scripts)
 
-        def build(pipe: Pipeline) -> None:
-            self._queue_answer(pipe, replies, now_ms, keep)
-            if leaving:
-                queue_on(pipe, scripts.ack_batch, [processing, keys.ready], [self.worker_id, batch])
-            else:
-                pipe.lrem(processing, 0, batch)  # type: ignore[arg-type]
+    @property
+    def _scripts(self) -> tuple[AsyncScript, ...]:
+        """The scripts a worker's transactions run."""
+        scripts = self.store.scripts
+        return (scripts.take, scripts.finish_jobs, scripts.ack_batch)
 
-        await execute(self.store.redis, scripts, build)
-
-    def _queue_answer(
-        self,
-        pipe: Pipeline,
-        replies: Mapping[str, wire.Reply],
-        now_ms: int,
-        keep: Sequence[KeptAnswer],
-    ) -> None:
+    def _answer_commands(
+        self, replies: Mapping[str, wire.Reply], now_ms: int, keep: Sequence[KeptAnswer]
+    ) -> list[tuple[Any, ...]]:
         """The replies, one per gateway (and the jobs' results), and the answers to keep."""
-        deliver_replies(pipe, self.store, replies, now_ms)
+        commands = reply_commands(self.store, replies, now_ms)
         for answer in keep:
             key = self.keys.cache(answer.digest, answer.fingerprint)
-            pipe.set(key, answer.output, px=answer.ttl_ms)
+            commands.append(("SET", key, answer.output, "PX", answer.ttl_ms))
+        return commands
 
 
 class BlockingTake:
