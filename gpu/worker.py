@@ -67,6 +67,10 @@ class Answer:
 
     replies: dict[str, wire.Reply] = field(default_factory=dict)
     keep: list[KeptAnswer] = field(default_factory=list)
+    # The batch's metrics and log line, once the answer is out (or given up
+    # on): off the way of the replies (a log line written just after an
+    # idle spell takes about 0.2 ms on this project's 2-core test machine).
+    report: Callable[[], None] = lambda: None
 
 
 class Finished:
@@ -345,14 +349,27 @@ class Worker:
                         env.cache_key, self.backend.fingerprint, result.output, env.cache_ttl_ms
                     )
                 )
+        answer.replies = group_by_gateway(results)
+        self.batches_done += 1
+        self.requests_done += len(live)
+        self._recent.append((clock.monotonic_s(), len(live)))
+        answer.report = partial(self._report, batch, live, outcome_of, infer_ms, idle_ms)
+        return answer
+
+    def _report(
+        self,
+        batch: wire.Batch,
+        live: list[wire.Envelope],
+        outcome_of: dict[str, str | BackendError],
+        infer_ms: int,
+        idle_ms: float | None,
+    ) -> None:
+        """A batch's metrics and log line."""
         failed = sum(isinstance(outcome_of[e.input], BackendError) for e in live)
         self.metrics.backend_inputs.inc(len(outcome_of))
         self.metrics.requests_collapsed.inc(len(live) - len(outcome_of))
         self.metrics.batch_size.observe(len(live))
         self.metrics.inference_failures.inc(failed)
-        self.batches_done += 1
-        self.requests_done += len(live)
-        self._recent.append((clock.monotonic_s(), len(live)))
         log.info(
             "batch.done",
             batch_id=batch.id,
@@ -362,8 +379,6 @@ class Worker:
             idle_ms=idle_ms,
             failed=failed,
         )
-        answer.replies = group_by_gateway(results)
-        return answer
 
     async def handle(self, data: bytes, running: Running | None = None) -> Finished:
         """Run one pulled batch; returns how to build its answer, whatever
@@ -613,6 +628,7 @@ class Worker:
         done = await retry_until_done("batch.take", take, stop, grace_after_stop_s=self._grace_left)
         if done and answer is not None:
             self.lane.answered.set()
+            answer.report()
         return done and answer is not None, following
 
     def _took(self, taken: TakeResult) -> bytes | None:
@@ -655,6 +671,7 @@ class Worker:
             self.lane.answered.set()
         else:
             log.error("batch.left_for_the_reaper", worker_id=self.id)
+        answer.report()
 
 
 def _result(
