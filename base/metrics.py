@@ -99,6 +99,7 @@ class PolicyWatching(Common):
 class GatewayMetrics(PolicyWatching):
     def __init__(self, registry: CollectorRegistry) -> None:
         super().__init__(registry)
+        self.forming = Forming(registry)
         self.cache_hits = Counter(
             "infergate_cache_hits",
             "Requests answered from the result cache, without queueing (GPU slots saved)",
@@ -180,8 +181,9 @@ class TakeCounts(Protocol):
 
 class Forming:
     """Batches formed, and envelopes dropped while forming them: by
-    dispatchers for idle workers, and by workers for their own next batch
-    (the same series in both, so their sum is the fleet's)."""
+    dispatchers for idle workers, by workers for their own next batch, and
+    by gateways for a lone request they hand straight to an idle worker (the
+    same series in all, so their sum is the fleet's)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.batches_formed = Counter(
@@ -197,6 +199,11 @@ class Forming:
             registry=registry,
         )
         self._dropped = {reason: self.dropped.labels(reason) for reason in DROP_REASONS}
+
+    def handed_one(self) -> None:
+        """A request a gateway handed straight to an idle worker, a batch of its own."""
+        self.batches_formed.inc()
+        self.requests_batched.inc()
 
     def count(self, taken: TakeCounts) -> None:
         if taken.size:

@@ -84,11 +84,14 @@ class Quota:
         envelope: bytes = b"",
     ) -> QuotaResult:
         """Charge the request to its key's limits; with ``queue_on`` (a tier),
-        queue ``envelope`` there too, in the same step, if it was admitted."""
+        queue ``envelope`` there too, in the same step, if it was admitted
+        (or hand it straight to an idle worker: ``GatewayQueue.admit``)."""
         charges = self.charges(key, tier, input_chars)
         if not charges and queue_on is None:
             return QuotaResult(True)
-        admitted = await self.queue.admit([c.counter for c in charges], queue_on, envelope)
+        admitted = await self.queue.admit(
+            [c.counter for c in charges], queue_on, envelope, straight=True
+        )
         return _result(charges, admitted)
 
     async def refund(self, key: KeyEntry, tier: Tier, input_chars: int) -> None:

@@ -159,7 +159,7 @@ class Gateway:
         self.store = Store.connect(
             settings.redis_url, settings.namespace, name="gateway:" + self.id
         )
-        self.queue = GatewayQueue(self.store, self.id)
+        self.queue = GatewayQueue(self.store, self.id, lambda: self.metrics.forming.handed_one())
         self.registry = CollectorRegistry()
         self.metrics = GatewayMetrics(self.registry)
         self.replies = ReplyRouter(self.queue, on_ignored=self.metrics.replies_ignored.inc)

@@ -457,6 +457,72 @@ async def test_every_queued_call_fails_with_a_store_error_when_redis_is_gone() -
         assert all(isinstance(r, STORE_ERRORS) for r in results), results
 
 
+async def test_a_lone_request_is_handed_straight_to_an_idle_worker(q: Faces) -> None:
+    """Nothing queued, an idle worker's credit on ready, pacing not holding:
+    the admit forms the batch itself (what a dispatcher's take would form)
+    and spends the credit. Anything else queues it as before."""
+    counter = Counter(q.gateway.counter_key("k"), 1, 100, 60)
+    await q.dispatcher.publish_rule(rule(10, interval_ms=50))
+
+    async def admit(i: int, tier: str = "paid") -> bool:
+        admitted = await q.gateway.admit([counter], tier, env(i, tier), straight=True)
+        assert admitted.admitted
+        return admitted.handed
+
+    await q.worker.offer_credit()  # w1: alive (the fixture's heartbeat)
+    before = await q.stats()
+    assert await admit(1)
+    assert await q.redis.llen(q.keys.ready) == 0  # the credit paid for it
+    batch, unreadable = wire.decode_batch(await q.redis.rpop(q.keys.batches))
+    assert ([e.id for e in batch.envelopes], batch.dispatcher, unreadable) == (["r1"], "gw", 0)
+    after = await q.stats()
+    assert after["batches_formed"] == before.get("batches_formed", 0) + 1
+    assert int(await q.redis.get(q.keys.last_dispatch)) >= batch.formed_ms
+    assert int(await q.redis.get(counter.key)) == 1  # charged all the same
+
+    # Pacing: a hand-off 50 ms ago at most holds the next one (queued, the doorbell rung).
+    await q.worker.offer_credit()
+    assert not await admit(2)
+    assert await q.redis.llen(q.keys.queue("paid")) == 1
+    assert await q.redis.llen(q.keys.doorbell) == 1
+    await q.redis.delete(q.keys.last_dispatch, q.keys.doorbell)
+    # Anything queued ahead (here r2, of any tier; or jobs) keeps it in line.
+    assert not await admit(3, "enterprise")
+    assert await q.redis.llen(q.keys.ready) == 1
+    await q.redis.delete(*q.keys.queues)
+    await q.redis.lpush(q.keys.job_queue("free"), b"a job")
+    assert not await admit(4)
+    await q.redis.delete(*q.keys.queues, *q.keys.job_queues)
+    # A credit whose worker's heartbeat is gone is dropped, not paid with.
+    await q.redis.lpush(q.keys.ready, b"gone")
+    await q.redis.rpoplpush(q.keys.ready, q.keys.ready)  # "gone" first in line
+    assert await q.redis.lrange(q.keys.ready, -1, -1) == [b"gone"]
+    assert await admit(5)
+    assert await q.redis.llen(q.keys.ready) == 0
+    assert await q.redis.llen(q.keys.batches) == 1
+    # No rule published (or an unreadable one): queued.
+    await q.worker.offer_credit()
+    await q.redis.set(q.keys.batch_rule, b"not json")
+    assert not await admit(6)
+    # A key of another type on its way (Redis contents are not trusted): queued.
+    await q.dispatcher.publish_rule(rule(10))
+    await q.redis.delete(*q.keys.queues, q.keys.batches)
+    await q.redis.set(q.keys.batches, b"a string")
+    assert not await admit(8)
+    assert await q.redis.llen(q.keys.queue("paid")) == 1
+    assert await q.redis.llen(q.keys.ready) == 1  # not spent
+    await q.redis.delete(q.keys.batches)
+    await q.redis.lpush(q.keys.batches, b"r5's batch")
+    # Refused by its quota: nothing formed, the credit kept.
+    await q.redis.delete(*q.keys.queues)
+    await q.dispatcher.publish_rule(rule(10))
+    await q.redis.set(counter.key, 100)
+    refused = await q.gateway.admit([counter], "paid", env(7, "paid"), straight=True)
+    assert (refused.admitted, refused.handed) == (False, False)
+    assert await q.redis.llen(q.keys.ready) == 1
+    assert await q.redis.llen(q.keys.batches) == 1
+
+
 async def test_a_transaction_on_the_held_connection_beside_script_calls(q: Faces) -> None:
     """A worker's answer goes out as one MULTI/EXEC on the held connection,
     written together with other calls: each caller gets its own replies; a

@@ -2,12 +2,13 @@
 one step), cancel one, keep and find jobs, and listen for its own replies."""
 
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import NamedTuple
 
 from infergate.base import clock, wire
 from infergate.base.errors import STORE_ERRORS
 from infergate.base.queue import dead_letters
+from infergate.base.queue.forming import new_batch_id
 from infergate.base.queue.resp import RawConnection
 from infergate.base.queue.store import Store
 from redis.asyncio.client import PubSub
@@ -30,6 +31,7 @@ class Admitted(NamedTuple):
     depth: int
     counts: list[int]
     ttls_ms: list[int]  # the ms left in each counter's window; negative: none open
+    handed: bool = False  # handed straight to an idle worker, not queued
 
 
 class ReplySubscription:
@@ -60,29 +62,46 @@ class ReplySubscription:
 
 
 class GatewayQueue:
-    def __init__(self, store: Store, gateway_id: str) -> None:
+    def __init__(
+        self, store: Store, gateway_id: str, on_handed: Callable[[], None] = lambda: None
+    ) -> None:
         self.store = store
         self.keys = store.keys
         self.gateway_id = gateway_id
+        self._on_handed = on_handed  # a request handed straight to a worker (``admit``)
 
     def counter_key(self, name: str) -> str:
         """A limit's counter, named as the ``limits`` library names it."""
         return f"{self.keys.ratelimit_prefix}:{name}"
 
     async def admit(
-        self, counters: Sequence[Counter], tier: str | None = None, envelope: bytes = b""
+        self,
+        counters: Sequence[Counter],
+        tier: str | None = None,
+        envelope: bytes = b"",
+        straight: bool = False,
     ) -> Admitted:
         """Charge ``counters`` and, if every one has room, queue ``envelope`` on
         ``tier`` and wake a dispatcher: one round trip (``admit.lua``). Without a
-        tier, charge only; without counters, queue only."""
-        keys = [c.key for c in counters]
+        tier, charge only; without counters, queue only. ``straight``: while
+        nothing is queued and a worker is idle, hand it to that worker as a
+        batch of its own instead, as a dispatcher would (``Admitted.handed``)."""
+        keys = self.keys
+        names = [c.key for c in counters]
         args: list[str | int | bytes] = [len(counters), envelope]
         for c in counters:
             args += (c.cost, c.amount, c.window_s)
         if tier is not None:
-            keys += (self.keys.queue(tier), self.keys.doorbell)
-        reply = await self.store.pipelined.call(self.store.scripts.admit, keys, args)
-        return Admitted(bool(reply[0]), int(reply[1]), reply[2::2], reply[3::2])
+            names += (keys.queue(tier), keys.doorbell)
+            if straight:
+                names += (keys.ready, keys.batches, keys.batch_rule, keys.last_dispatch)
+                names += (keys.stats, *keys.queues, *keys.job_queues)
+                args += (new_batch_id(), self.gateway_id, clock.now_ms())
+                args.append(keys.heartbeat("worker", ""))
+        reply = await self.store.pipelined.call(self.store.scripts.admit, names, args)
+        if reply[2]:
+            self._on_handed()
+        return Admitted(bool(reply[0]), int(reply[1]), reply[3::2], reply[4::2], bool(reply[2]))
 
     async def enqueue(self, tier: str, envelope: bytes) -> int:
         """Queue an envelope and wake a dispatcher; returns the tier's queue depth."""

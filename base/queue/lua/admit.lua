@@ -9,11 +9,24 @@
 -- zero, and one without an expiry gets its window's, refused or not, so no
 -- key can be blocked for ever.
 -- A refund is a charge of minus the cost.
+-- Handed straight to an idle worker: a request admitted while nothing at all
+-- is queued, an idle worker's credit is on `ready` (not held by a
+-- dispatcher) and pacing would not hold it back, is formed into a batch of
+-- its own here and handed off with that credit, as a dispatcher's take
+-- would do the moment the doorbell woke it (take.lua: the same batch, rule
+-- and counts), one hop and one round trip sooner. Anything queued ahead of
+-- it (it could be of a higher tier, or jobs a batch would take along), no
+-- published batching rule, or no live idle worker: it is queued as usual.
 -- KEYS[1..n] the counters  KEYS[n+1] queue:{tier}  KEYS[n+2] doorbell
 --   (without those two: charge only)
+-- KEYS[n+3..] (to hand it straight) ready, batches, batch-rule,
+--   last-dispatch, stats, then every queue:{tier} and jobs:{tier}
 -- ARGV[1] n  ARGV[2] the envelope (when queued)
 -- ARGV[3i], ARGV[3i+1], ARGV[3i+2] limit i's cost, amount and window (s)
+-- ARGV[3n+3..3n+6] (to hand it straight) the batch id, who forms it (the
+--   gateway), now (epoch ms), the worker heartbeat key prefix
 -- Returns {admitted (1 or 0), queue depth (0 if nothing was queued),
+--          handed straight (1 or 0),
 --          count_1, ttl_ms_1, ..., count_n, ttl_ms_n}: a counter after the
 -- charge (before it, if refused), and the ms left in its window (-2: none open).
 local n = tonumber(ARGV[1])
@@ -40,7 +53,55 @@ for i = 1, n do
   counts[i] = tonumber(raw or '0')
   if counts[i] + tonumber(ARGV[3 * i]) > tonumber(ARGV[3 * i + 1]) then admitted = 0 end
 end
-local reply = {admitted, 0}
+
+local function pacing_interval(rule_key)
+  -- the published rule's pacing interval (ms; 0 when batches are of one,
+  -- as take.lua never holds a full batch); nil if there is no readable
+  -- rule (Redis contents are not trusted)
+  local raw = redis.pcall('GET', rule_key)
+  if type(raw) ~= 'string' then return nil end
+  local ok, rule = pcall(cjson.decode, raw)
+  if not ok or type(rule) ~= 'table' or type(rule.interval_ms) ~= 'number'
+      or type(rule.n) ~= 'number' then
+    return nil
+  end
+  return rule.n > 1 and rule.interval_ms or 0
+end
+
+local function hand_straight()
+  -- the envelope as a batch of its own, to an idle worker; false if it
+  -- must be queued instead
+  local d = n + 3
+  local ready, batches, rule_key, last_key, stats = KEYS[d], KEYS[d + 1], KEYS[d + 2],
+    KEYS[d + 3], KEYS[d + 4]
+  for i = d + 5, #KEYS do
+    if redis.call('LLEN', KEYS[i]) > 0 then return false end
+  end
+  local interval = pacing_interval(rule_key)
+  if interval == nil then return false end
+  local now = tonumber(ARGV[3 * n + 5])
+  local last = math.min(tonumber(redis.pcall('GET', last_key)) or 0, now)
+  if interval > 0 and last + interval > now then return false end
+  local kind = redis.call('TYPE', batches)['ok']
+  if kind ~= 'list' and kind ~= 'none' then return false end  -- (before a credit is spent)
+  -- The oldest idle worker's credit, as a dispatcher would take it; one
+  -- whose worker's heartbeat is gone is dropped, as a dispatcher drops it.
+  local credit = redis.call('RPOP', ready)
+  while credit and redis.call('EXISTS', ARGV[3 * n + 6] .. credit) == 0 do
+    credit = redis.call('RPOP', ready)
+  end
+  if not credit then return false end
+  -- The batch as take.lua writes it (and wire.encode_batch).
+  redis.call('LPUSH', batches, '{"id":' .. cjson.encode(ARGV[3 * n + 3]) .. ',"dispatcher":'
+    .. cjson.encode(ARGV[3 * n + 4]) .. ',"formed_ms":' .. ARGV[3 * n + 5]
+    .. ',"envelopes":[' .. ARGV[2] .. '],"attempt":0}')
+  redis.call('HINCRBY', stats, 'batches_formed', 1)
+  redis.call('HINCRBY', stats, 'requests_batched', 1)
+  redis.call('SET', last_key, ARGV[3 * n + 5], 'PX', 60000)
+  return true
+end
+
+local reply = {admitted, 0, 0}
 if admitted == 1 then
   for i = 1, n do
     counts[i] = redis.call('INCRBY', KEYS[i], ARGV[3 * i])
@@ -49,14 +110,19 @@ if admitted == 1 then
       redis.call('PEXPIRE', KEYS[i], ttls[i])
     end
   end
-  if #KEYS > n then
+  -- (a key of another type on the way: queued, as without a worker idle)
+  local handable, handed = false, false
+  if #KEYS > n + 2 then handable, handed = pcall(hand_straight) end
+  if handable and handed then
+    reply[3] = 1
+  elseif #KEYS > n then
     reply[2] = redis.call('LPUSH', KEYS[n + 1], ARGV[2])
     redis.call('LPUSH', KEYS[n + 2], '1')
     redis.call('LTRIM', KEYS[n + 2], 0, 0)
   end
 end
 for i = 1, n do
-  reply[2 * i + 1] = counts[i]
-  reply[2 * i + 2] = ttls[i]
+  reply[2 * i + 2] = counts[i]
+  reply[2 * i + 3] = ttls[i]
 end
 return reply
