@@ -9,12 +9,11 @@ may take is the HTTP protocol's limit: ``edge.py``.) The app then reads the
 same bytes back.
 """
 
-import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
-from infergate.base import logs
+from infergate.base import ids, logs
 from infergate.gateway.errors import ApiError
 
 Scope = dict[str, Any]
@@ -30,7 +29,7 @@ log = logs.get(__name__)
 
 
 def new_request_id() -> str:
-    return os.urandom(8).hex()
+    return ids.random_hex(8)
 
 
 def content_length(value: bytes) -> int:
