@@ -625,7 +625,14 @@ class Worker:
                 await self._keep_credit_offered()
             following = self._took(taken)
 
-        done = await retry_until_done("batch.take", take, stop, grace_after_stop_s=self._grace_left)
+        try:
+            done = await retry_until_done(
+                "batch.take", take, stop, grace_after_stop_s=self._grace_left
+            )
+        except BaseException:  # (cancelled: the worker exits) its log line all the same
+            if answer is not None:
+                answer.report()
+            raise
         if done and answer is not None:
             self.lane.answered.set()
             answer.report()
@@ -665,13 +672,15 @@ class Worker:
                 answer.replies, clock.now_ms(), batch, answer.keep, leaving=leaving
             )
 
-        if await retry_until_done(
-            "batch.publish", publish, stop, grace_after_stop_s=self._grace_left
-        ):
-            self.lane.answered.set()
-        else:
-            log.error("batch.left_for_the_reaper", worker_id=self.id)
-        answer.report()
+        try:
+            if await retry_until_done(
+                "batch.publish", publish, stop, grace_after_stop_s=self._grace_left
+            ):
+                self.lane.answered.set()
+            else:
+                log.error("batch.left_for_the_reaper", worker_id=self.id)
+        finally:
+            answer.report()
 
 
 def _result(

@@ -511,7 +511,16 @@ async def test_a_lone_request_is_handed_straight_to_an_idle_worker(q: Faces) -> 
     assert not await admit(8)
     assert await q.redis.llen(q.keys.queue("paid")) == 1
     assert await q.redis.llen(q.keys.ready) == 1  # not spent
-    await q.redis.delete(q.keys.batches)
+    await q.redis.delete(q.keys.batches, *q.keys.queues)
+    stats = await q.redis.hgetall(q.keys.stats)
+    await q.redis.delete(q.keys.stats)
+    await q.redis.set(q.keys.stats, b"a string")
+    assert not await admit(9)  # queued once, never also handed
+    assert await q.redis.llen(q.keys.queue("paid")) == 1
+    assert await q.redis.llen(q.keys.batches) == 0
+    assert await q.redis.llen(q.keys.ready) == 1
+    await q.redis.delete(q.keys.stats)
+    await q.redis.hset(q.keys.stats, mapping=stats)
     await q.redis.lpush(q.keys.batches, b"r5's batch")
     # Refused by its quota: nothing formed, the credit kept.
     await q.redis.delete(*q.keys.queues)
@@ -545,6 +554,28 @@ async def test_a_transaction_on_the_held_connection_beside_script_calls(q: Faces
     assert await q.redis.llen(q.keys.queue("free")) == 2
 
 
+async def test_a_job_record_of_another_type_does_not_block_the_answer(q: Faces) -> None:
+    """finish_jobs runs in the transaction that answers a batch: a record
+    that is not a job's hash (or whose result ttl is not a number) must
+    not fail that answer, which would be retried for ever."""
+    await q.redis.lpush(q.keys.processing("w1"), b"the batch")
+    await q.redis.set(q.keys.job("j-string"), b"planted")
+    await q.redis.hset(q.keys.job("j-bad-ttl"), mapping={"status": "running", "result_ttl_ms": "x"})
+    await q.redis.hset(q.keys.job("j-fine"), mapping={"status": "running", "result_ttl_ms": 5000})
+    results = [
+        wire.Result(i, "b1", 3, "w1", 0, 100, output="out")
+        for i in ("j-string", "j-bad-ttl", "j-fine")
+    ]
+    reply = wire.Reply(results)
+    async with asyncio.timeout(5):
+        await q.worker.answer_batch({wire.JOBS: reply}, clock.now_ms(), b"the batch")
+    assert await q.redis.llen(q.keys.processing("w1")) == 0
+    assert await q.redis.get(q.keys.job("j-string")) == b"planted"
+    assert await q.redis.hget(q.keys.job("j-bad-ttl"), "status") == b"succeeded"
+    assert 0 < await q.redis.pttl(q.keys.job("j-bad-ttl")) <= 600_000
+    assert 0 < await q.redis.pttl(q.keys.job("j-fine")) <= 5000
+
+
 async def test_a_worker_takes_and_acks_after_redis_forgot_the_scripts(q: Faces) -> None:
     await q.redis.lpush(q.keys.processing("w1"), b"the batch")
     await q.redis.script_flush()  # as a restarted or failed-over Redis would have
@@ -554,7 +585,8 @@ async def test_a_worker_takes_and_acks_after_redis_forgot_the_scripts(q: Faces) 
     await q.worker.answer_batch({"gw": reply}, clock.now_ms(), b"the batch")
     assert await q.redis.llen(q.keys.processing("w1")) == 0
     # A small batch answered with the take, the scripts forgotten again: the
-    # replies are not published before the batch is taken off processing.
+    # whole transaction runs again once they are loaded (its replies may go
+    # out twice, which gateways ignore), and the batch is taken off processing.
     await q.redis.lpush(q.keys.processing("w1"), b"the small batch")
     await q.redis.script_flush()
     taken = await q.worker.take_next(b"the small batch", "s2", clock.now_ms(), {"gw": reply})
@@ -820,3 +852,24 @@ async def own_redis() -> AsyncIterator[tuple[RedisServer, Store, GatewayQueue]]:
     finally:
         await store.close()
         server.stop()
+
+
+def test_ids_cut_from_one_pool_never_repeat_even_in_a_forked_child() -> None:
+    from infergate.base import ids
+
+    drawn = [ids.random_hex(6) for _ in range(5_000)]  # several refills of the pool
+    assert len(set(drawn)) == len(drawn)
+    assert all(len(i) == 12 for i in drawn)
+    assert len(ids.random_hex(5_000)) == 10_000  # more than a pool at once
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child: its next ids, to the parent
+        os.write(write, " ".join(ids.random_hex(8) for _ in range(10)).encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(child, 0)
+    theirs = set(os.read(read, 1 << 16).decode().split())
+    os.close(read)
+    ours = {ids.random_hex(8) for _ in range(10)}
+    assert len(theirs) == 10
+    assert not theirs & ours

@@ -32,6 +32,7 @@ from typing import Any
 
 from hiredis import pack_command
 from infergate.base.errors import STORE_ERRORS, UNAVAILABLE
+from infergate.base.loops import running_loop
 from infergate.base.queue.resp import RawConnection, error_of
 from infergate.base.queue.scripts import evalsha
 from redis.asyncio import Redis
@@ -113,16 +114,17 @@ class Pipelined:
     def transaction(
         self, commands: Sequence[tuple[Any, ...]], scripts: Sequence[AsyncScript]
     ) -> "asyncio.Future[list[Any]]":
-        """``commands`` in one MULTI/EXEC; the future gets their replies (or
-        the first error among them, after all ran). ``scripts``: those its
-        EVALSHAs run. Sent again whole if Redis had forgotten a script (those
-        commands failed, the others ran): only for commands that may run twice."""
+        """``commands`` in one MULTI/EXEC; the future gets their replies (or,
+        after all ran, the first error among them, NOSCRIPT before any
+        other). ``scripts``: those its EVALSHAs run. Sent again whole if
+        Redis had forgotten a script (those commands failed, the others
+        ran): only for commands that may run twice."""
         framed = (("MULTI",), *commands, ("EXEC",))
         return self._queue(_Transaction(scripts, framed, self._future()))
 
     @staticmethod
     def _future() -> "asyncio.Future[Any]":
-        return asyncio.get_running_loop().create_future()
+        return running_loop().create_future()
 
     def _queue(self, call: _Call) -> "asyncio.Future[Any]":
         self._queued.append(call)

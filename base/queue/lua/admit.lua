@@ -56,16 +56,17 @@ end
 
 local function pacing_interval(rule_key)
   -- the published rule's pacing interval (ms; 0 when batches are of one,
-  -- as take.lua never holds a full batch); nil if there is no readable
-  -- rule (Redis contents are not trusted)
+  -- as take.lua never holds a full batch); nil if there is no rule that
+  -- take.lua would read (Redis contents are not trusted)
   local raw = redis.pcall('GET', rule_key)
   if type(raw) ~= 'string' then return nil end
   local ok, rule = pcall(cjson.decode, raw)
-  if not ok or type(rule) ~= 'table' or type(rule.interval_ms) ~= 'number'
-      or type(rule.n) ~= 'number' then
-    return nil
+  if not ok or type(rule) ~= 'table' or type(rule.min_slots) ~= 'table' then return nil end
+  for _, field in ipairs({'n', 'interval_ms', 'headroom', 'quiet_ms'}) do
+    if type(rule[field]) ~= 'number' then return nil end
   end
-  return rule.n > 1 and rule.interval_ms or 0
+  if not (rule.n >= 1 and rule.n <= 100) then return nil end
+  return math.floor(rule.n) > 1 and rule.interval_ms or 0
 end
 
 local function hand_straight()
@@ -82,8 +83,13 @@ local function hand_straight()
   local now = tonumber(ARGV[3 * n + 5])
   local last = math.min(tonumber(redis.pcall('GET', last_key)) or 0, now)
   if interval > 0 and last + interval > now then return false end
-  local kind = redis.call('TYPE', batches)['ok']
-  if kind ~= 'list' and kind ~= 'none' then return false end  -- (before a credit is spent)
+  -- Nothing after the credit is spent may fail (the envelope would be
+  -- queued as well): the keys it writes are checked first.
+  local batches_kind, stats_kind = redis.call('TYPE', batches)['ok'], redis.call('TYPE', stats)['ok']
+  if (batches_kind ~= 'list' and batches_kind ~= 'none')
+      or (stats_kind ~= 'hash' and stats_kind ~= 'none') then
+    return false
+  end
   -- The oldest idle worker's credit, as a dispatcher would take it; one
   -- whose worker's heartbeat is gone is dropped, as a dispatcher drops it.
   local credit = redis.call('RPOP', ready)
@@ -95,9 +101,10 @@ local function hand_straight()
   redis.call('LPUSH', batches, '{"id":' .. cjson.encode(ARGV[3 * n + 3]) .. ',"dispatcher":'
     .. cjson.encode(ARGV[3 * n + 4]) .. ',"formed_ms":' .. ARGV[3 * n + 5]
     .. ',"envelopes":[' .. ARGV[2] .. '],"attempt":0}')
-  redis.call('HINCRBY', stats, 'batches_formed', 1)
-  redis.call('HINCRBY', stats, 'requests_batched', 1)
-  redis.call('SET', last_key, ARGV[3 * n + 5], 'PX', 60000)
+  -- (a count that is not an integer stays wrong, as in take.lua; the batch goes)
+  redis.pcall('HINCRBY', stats, 'batches_formed', 1)
+  redis.pcall('HINCRBY', stats, 'requests_batched', 1)
+  redis.call('SET', last_key, ARGV[3 * n + 5], 'PX', 60000)  -- (SET replaces any type)
   return true
 end
 

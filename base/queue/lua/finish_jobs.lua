@@ -7,11 +7,15 @@
 -- KEYS[i] job:{id}
 -- ARGV[1] jobs-done channel  ARGV[2] now (epoch ms)
 -- ARGV[2 + i] the result of KEYS[i] (JSON)  ARGV[2 + #KEYS + i] its status
+-- A record that is not a job's (another type) is left as it is: this runs
+-- in the transaction that answers a batch, and an error here would fail
+-- that answer for ever (Redis contents are not trusted).
 -- Returns how many records were written.
 local written, ids = 0, {}
 for i, key in ipairs(KEYS) do
-  if redis.call('EXISTS', key) == 1 then
-    local ttl = tonumber(redis.call('HGET', key, 'result_ttl_ms') or '600000')
+  if redis.call('TYPE', key)['ok'] == 'hash' then
+    local ttl = tonumber(redis.call('HGET', key, 'result_ttl_ms'))
+    if not ttl or ttl <= 0 or ttl > 31536000000 or ttl ~= math.floor(ttl) then ttl = 600000 end
     redis.call('HSET', key, 'status', ARGV[2 + #KEYS + i], 'result', ARGV[2 + i],
       'done_ms', ARGV[2])
     redis.call('PEXPIRE', key, ttl)
