@@ -10,9 +10,7 @@ report a loop that keeps failing instead of serving on a frozen view.
 """
 
 import asyncio
-import os
 import random
-import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -21,26 +19,6 @@ from infergate.base import logs
 from infergate.base.errors import UNAVAILABLE
 
 log = logs.get(__name__)
-
-_this_thread = threading.local()
-
-
-def _forget_loop() -> None:
-    _this_thread.loop = None
-
-
-os.register_at_fork(after_in_child=_forget_loop)
-
-
-def running_loop() -> asyncio.AbstractEventLoop:
-    """``asyncio.get_running_loop()``, without the ``getpid()`` system call
-    Python 3.11 makes on every call (to tell a forked child from its
-    parent; about 5% of a gateway's CPU at 1,000 req/s, a few calls a
-    request): the loop found is kept for this thread while it runs."""
-    loop: asyncio.AbstractEventLoop | None = getattr(_this_thread, "loop", None)
-    if loop is None or not loop.is_running():
-        loop = _this_thread.loop = asyncio.get_running_loop()
-    return loop
 
 
 class Backoff:

@@ -4,10 +4,10 @@ Envelopes are JSON so the Lua scripts can read ``id`` and ``deadline_ms``
 with ``cjson``; a batch embeds its envelopes' bytes unchanged.
 """
 
+import os
 from typing import TypeVar
 
 import msgspec
-from infergate.base import ids
 
 
 class Envelope(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -74,7 +74,7 @@ class Result(msgspec.Struct, frozen=True, omit_defaults=True):
 
 def new_job_id() -> str:
     """128 random bits: a job id cannot be guessed (and says nothing)."""
-    return ids.random_hex(16)
+    return os.urandom(16).hex()
 
 
 # Where a job's result goes instead of a gateway's reply channel (``replies.py``).

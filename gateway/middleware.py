@@ -9,11 +9,12 @@ may take is the HTTP protocol's limit: ``edge.py``.) The app then reads the
 same bytes back.
 """
 
+import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
-from infergate.base import ids, logs
+from infergate.base import logs
 from infergate.gateway.errors import ApiError
 
 Scope = dict[str, Any]
@@ -29,7 +30,7 @@ log = logs.get(__name__)
 
 
 def new_request_id() -> str:
-    return ids.random_hex(8)
+    return os.urandom(8).hex()
 
 
 def content_length(value: bytes) -> int:

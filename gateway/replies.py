@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import msgspec
 from infergate.base import logs, wire
-from infergate.base.loops import Backoff, Supervised, running_loop
+from infergate.base.loops import Backoff, Supervised
 from infergate.base.queue.gateway import GatewayQueue
 
 log = logs.get(__name__)
@@ -31,7 +31,7 @@ class ReplyRouter:
         self.loop = Supervised("reply-listener", self.listen, 0, Backoff(0.05, 1.0))
 
     def park(self, request_id: str) -> asyncio.Future[wire.Result]:
-        fut: asyncio.Future[wire.Result] = running_loop().create_future()
+        fut: asyncio.Future[wire.Result] = asyncio.get_running_loop().create_future()
         self.pending[request_id] = fut
         return fut
 

@@ -16,7 +16,7 @@ from infergate.base import clock, logs, tracing, wire
 from infergate.base.errors import STORE_ERRORS, UNAVAILABLE
 from infergate.base.fleet import FleetView, fleet_reading, worker_capacity_rps
 from infergate.base.heartbeat import Heartbeater
-from infergate.base.loops import Supervised, running_loop
+from infergate.base.loops import Supervised
 from infergate.base.metrics import (
     NO_TIER,
     FleetCollector,
@@ -565,7 +565,9 @@ class Gateway:
     ) -> wire.Result:
         """The request's reply, or 504 at its deadline, or a cancel if the
         client leaves: one timer, and the edge's disconnect callback."""
-        timer = running_loop().call_later(max(0.0, remaining_s), _fail, future, TimeoutError)
+        timer = asyncio.get_running_loop().call_later(
+            max(0.0, remaining_s), _fail, future, TimeoutError
+        )
         if on_disconnect is not None:
             on_disconnect(lambda: _fail(future, ClientGone))
         try:

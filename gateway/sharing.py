@@ -24,7 +24,6 @@ from collections.abc import Callable
 
 from infergate.base import logs, wire
 from infergate.base.errors import STORE_ERRORS
-from infergate.base.loops import running_loop
 from infergate.base.queue.gateway import GatewayQueue
 from infergate.policies import KeyEntry
 
@@ -72,7 +71,7 @@ class Collapsing:
     def lead(self, identity: Identity) -> "asyncio.Future[wire.Result]":
         """Become the leader for ``identity`` (if another became it first,
         this one runs on its own, unfollowed); ``end`` must follow."""
-        leader: asyncio.Future[wire.Result] = running_loop().create_future()
+        leader: asyncio.Future[wire.Result] = asyncio.get_running_loop().create_future()
         self._leaders.setdefault(identity, leader)
         return leader
 

@@ -4,10 +4,11 @@ batch and forms its next one itself. Also the batching rule that
 dispatchers publish for the workers: they read the policy and the fleet,
 workers read neither."""
 
+import os
 from typing import Any, Literal
 
 import msgspec
-from infergate.base import ids, logs
+from infergate.base import logs
 from infergate.base.keys import Keys
 
 log = logs.get(__name__)
@@ -52,7 +53,7 @@ class TakeResult(msgspec.Struct, frozen=True):
 
 
 def new_batch_id() -> str:
-    return ids.random_hex(6)
+    return os.urandom(6).hex()
 
 
 def take_keys(keys: Keys, own: str, eighth: str, last_step: str | None = None) -> list[str]:

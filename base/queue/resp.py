@@ -16,7 +16,6 @@ from collections.abc import Callable
 from typing import Any
 
 import hiredis
-from infergate.base.loops import running_loop
 from redis._parsers import BaseParser
 from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -71,7 +70,7 @@ class RawConnection:
                 reply = self.parser.gets()
                 if reply is _MORE:
                     if timer is None and timeout_s is not None:
-                        timer = running_loop().call_later(timeout_s, self._time_out)
+                        timer = asyncio.get_running_loop().call_later(timeout_s, self._time_out)
                     await self._read()
                 elif not isinstance(reply, hiredis.PushNotification):
                     each(i, error_of(reply) if isinstance(reply, ResponseError) else reply)
