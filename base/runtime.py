@@ -8,7 +8,6 @@ that did not finish) and the process exits with ``EXIT_STUCK``.
 """
 
 import asyncio
-import gc
 import os
 import signal
 import sys
@@ -44,26 +43,6 @@ def _exit_stuck(grace_s: float) -> None:
     os._exit(EXIT_STUCK)
 
 
-# Python's cyclic garbage collector, for a process that serves: a young
-# collection after this many new container objects (Python's default, 700,
-# ran one every few requests), and the oldest generation after this many
-# younger ones. Requests free what they allocate by reference counting; the
-# collector is left to find the few cycles (futures that held an exception).
-GC_THRESHOLDS = (20_000, 20, 20)
-
-
-def serving_heap() -> None:
-    """Call once everything the process keeps for its lifetime is built (the
-    imported modules, the app, the policy): the collector then leaves those
-    objects out of every later collection (``gc.freeze``), and collects less
-    often. Measured on a gateway at 1,000 req/s: the collector was about 6%
-    of its CPU, most of it full collections walking every object imported at
-    start-up."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(*GC_THRESHOLDS)
-
-
 def run(
     main: Callable[[asyncio.Event], Coroutine[Any, Any, int]], shutdown_grace_s: float = 10.0
 ) -> int:
@@ -83,7 +62,6 @@ def run(
 
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, on_signal, signum)
-        serving_heap()
         return await main(stop)
 
     return uvloop.run(runner())

@@ -12,7 +12,7 @@ import socket
 from types import FrameType
 
 import uvicorn
-from infergate.base import clock, logs, runtime
+from infergate.base import clock, logs
 from infergate.gateway.app import create_asgi, inference_route
 from infergate.gateway.edge import EdgeProtocol, quiet_parser_warnings
 from infergate.gateway.limits import EdgeLimits
@@ -56,7 +56,6 @@ async def serve(
         backlog=2048,
     )
     server = DrainingServer(config, gateway, drain_timeout_s)
-    runtime.serving_heap()
     await server.serve(sockets=[sock])
     return 0 if server.started else 1
 
