@@ -852,24 +852,3 @@ async def own_redis() -> AsyncIterator[tuple[RedisServer, Store, GatewayQueue]]:
     finally:
         await store.close()
         server.stop()
-
-
-def test_ids_cut_from_one_pool_never_repeat_even_in_a_forked_child() -> None:
-    from infergate.base import ids
-
-    drawn = [ids.random_hex(6) for _ in range(5_000)]  # several refills of the pool
-    assert len(set(drawn)) == len(drawn)
-    assert all(len(i) == 12 for i in drawn)
-    assert len(ids.random_hex(5_000)) == 10_000  # more than a pool at once
-    read, write = os.pipe()
-    child = os.fork()
-    if child == 0:  # the child: its next ids, to the parent
-        os.write(write, " ".join(ids.random_hex(8) for _ in range(10)).encode())
-        os._exit(0)
-    os.close(write)
-    os.waitpid(child, 0)
-    theirs = set(os.read(read, 1 << 16).decode().split())
-    os.close(read)
-    ours = {ids.random_hex(8) for _ in range(10)}
-    assert len(theirs) == 10
-    assert not theirs & ours

@@ -32,7 +32,6 @@ from typing import Any
 
 from hiredis import pack_command
 from infergate.base.errors import STORE_ERRORS, UNAVAILABLE
-from infergate.base.loops import running_loop
 from infergate.base.queue.resp import RawConnection, error_of
 from infergate.base.queue.scripts import evalsha
 from redis.asyncio import Redis
@@ -124,7 +123,7 @@ class Pipelined:
 
     @staticmethod
     def _future() -> "asyncio.Future[Any]":
-        return running_loop().create_future()
+        return asyncio.get_running_loop().create_future()
 
     def _queue(self, call: _Call) -> "asyncio.Future[Any]":
         self._queued.append(call)
