@@ -69,6 +69,18 @@ class GatewayQueue:
         self.keys = store.keys
         self.gateway_id = gateway_id
         self._on_handed = on_handed  # a request handed straight to a worker (``admit``)
+        keys = self.keys
+        # What admit.lua reads and writes to hand a request straight to a worker.
+        self._straight_keys = (
+            keys.ready,
+            keys.batches,
+            keys.batch_rule,
+            keys.last_dispatch,
+            keys.stats,
+            *keys.queues,
+            *keys.job_queues,
+        )
+        self._worker_heartbeats = keys.heartbeat("worker", "")  # + a worker id
 
     def counter_key(self, name: str) -> str:
         """A limit's counter, named as the ``limits`` library names it."""
@@ -94,10 +106,8 @@ class GatewayQueue:
         if tier is not None:
             names += (keys.queue(tier), keys.doorbell)
             if straight:
-                names += (keys.ready, keys.batches, keys.batch_rule, keys.last_dispatch)
-                names += (keys.stats, *keys.queues, *keys.job_queues)
-                args += (new_batch_id(), self.gateway_id, clock.now_ms())
-                args.append(keys.heartbeat("worker", ""))
+                names += self._straight_keys
+                args += (new_batch_id(), self.gateway_id, clock.now_ms(), self._worker_heartbeats)
         reply = await self.store.pipelined.call(self.store.scripts.admit, names, args)
         if reply[2]:
             self._on_handed()
