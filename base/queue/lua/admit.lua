@@ -75,6 +75,8 @@ local function hand_straight()
   local d = n + 3
   local ready, batches, rule_key, last_key, stats = KEYS[d], KEYS[d + 1], KEYS[d + 2],
     KEYS[d + 3], KEYS[d + 4]
+  -- (no idle worker first: under load, the one check made)
+  if redis.call('LLEN', ready) == 0 then return false end
   for i = d + 5, #KEYS do
     if redis.call('LLEN', KEYS[i]) > 0 then return false end
   end
