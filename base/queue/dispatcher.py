@@ -77,7 +77,8 @@ class DispatcherQueue:
             rule=rule,
         )
         # Straight on the held connection (``pipelined.py``): at low load this
-        # call is on every request's way to a worker.
+        # call is on the way of every request that finds no idle worker's
+        # credit on ready (one that does goes straight: admit.lua).
         take = take_keys(keys, own, keys.heartbeat("worker", credit))
         return take_result(await self.store.pipelined.call(self.store.scripts.take, take, args))
 
