@@ -8,7 +8,7 @@ so the calls are queued here and sent by one flushing task, packed by
 hiredis (in C): whatever is queued goes out as one write, its replies are
 read in order, and what arrives during that round trip goes out in the
 next. Under load the batches grow by themselves; alone, a call goes out at
-once. A worker's answer (its replies, the ack, and for a small batch the
+once, written by its caller (the flushing task then reads its reply). A worker's answer (its replies, the ack, and for a small batch the
 take before them) goes the same way, as one MULTI/EXEC (``transaction``):
 at low load it is on every request's way back.
 
@@ -128,7 +128,14 @@ class Pipelined:
     def _queue(self, call: _Call) -> "asyncio.Future[Any]":
         self._queued.append(call)
         if self._flusher is None:
-            self._flusher = asyncio.ensure_future(self._flush())
+            # Nothing in flight: on an open connection the call is written
+            # now, not one turn of the event loop later, when the flushing
+            # task first runs (it reads the replies).
+            link, written = self._link, None
+            if link is not None and link.usable():
+                written, self._queued = self._queued, []
+                link.write(_packed(written))
+            self._flusher = asyncio.ensure_future(self._flush(written))
         return call.future
 
     async def close(self) -> None:
@@ -138,12 +145,17 @@ class Pipelined:
             await asyncio.gather(self._flusher, return_exceptions=True)
         await self._drop_link()
 
-    async def _flush(self) -> None:
+    async def _flush(self, written: list[_Call] | None = None) -> None:
+        """Send what is queued, a batch per round trip, until nothing is;
+        ``written``: a first batch already on the wire."""
         try:
-            while self._queued:
-                batch, self._queued = self._queued, []
+            while written is not None or self._queued:
+                if written is not None:
+                    batch, on_the_wire, written = written, True, None
+                else:
+                    batch, on_the_wire, self._queued = self._queued, False, []
                 try:
-                    await self._send(batch)
+                    await self._send(batch, on_the_wire)
                 except BaseException as exc:
                     _fail(batch, exc)
                     with contextlib.suppress(Exception):  # a broken link is dropped anyway
@@ -156,15 +168,20 @@ class Pipelined:
                 _fail(self._queued, RedisConnectionError("the Redis client is closing"))
                 self._queued = []
 
-    async def _send(self, batch: list[_Call]) -> None:
-        """One write, then the replies in order, each call settled as its
-        replies arrive. A connection error fails the calls not yet answered
-        (the caller fails them; a settled call stays settled)."""
+    async def _send(self, batch: list[_Call], written: bool = False) -> None:
+        """One write (unless ``written`` already, on the held link), then the
+        replies in order, each call settled as its replies arrive. A
+        connection error fails the calls not yet answered (the caller fails
+        them; a settled call stays settled)."""
         link = self._link
-        if link is None or not link.usable():
-            await self._drop_link()
-            link = await self._open_link()
-        link.write(b"".join([pack_command(c) for call in batch for c in call.commands]))
+        if written:
+            if link is None:  # (only this task drops it, and it wrote to it)
+                raise RedisConnectionError("the Redis connection was dropped")
+        else:
+            if link is None or not link.usable():
+                await self._drop_link()
+                link = await self._open_link()
+            link.write(_packed(batch))
         missing: list[_Call] = []
         lost: list[Exception] = []
         calls = iter(batch)
@@ -225,6 +242,10 @@ class Pipelined:
             await link.connection.disconnect()
         finally:
             await self.redis.connection_pool.release(link.connection)
+
+
+def _packed(batch: list[_Call]) -> bytes:
+    return b"".join([pack_command(c) for call in batch for c in call.commands])
 
 
 async def _load_scripts(link: RawConnection, scripts: list[AsyncScript]) -> None:
