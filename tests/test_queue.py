@@ -532,28 +532,6 @@ async def test_a_lone_request_is_handed_straight_to_an_idle_worker(q: Faces) -> 
     assert await q.redis.llen(q.keys.batches) == 1
 
 
-async def test_a_worker_whose_credit_a_dispatcher_holds_offers_no_second_one(q: Faces) -> None:
-    """A batch goes to whichever idle worker pulls it: w1 ran one while d1
-    held its credit. Free again with nothing queued, w1 offers no credit
-    beside that one (two would let a batch be formed for a worker that is
-    not there); a worker whose credit nobody holds offers it as before."""
-    await q.redis.sadd(q.keys.members("dispatcher"), "d0", "d1")
-    await q.redis.set(q.keys.credits("d0"), b"a string")  # (not trusted)
-    await q.worker.offer_credit()
-    assert await q.dispatcher.wait_credit(1) == "w1"
-    await q.dispatcher.publish_rule(rule(10))
-    await q.redis.lpush(q.keys.processing("w1"), b"a batch handed straight")
-    taken = await _take(q, b"a batch handed straight")
-    assert (taken.batch, taken.credit_lost) == (None, False)
-    assert await q.redis.llen(q.keys.ready) == 0
-    assert await q.redis.lrange(q.keys.credits("d1"), 0, -1) == [b"w1"]
-    # Nobody holds it: offered.
-    await q.redis.delete(q.keys.credits("d1"), q.keys.processing("w1"))
-    await q.redis.lpush(q.keys.processing("w1"), b"the next batch")
-    await _take(q, b"the next batch", "step 2")
-    assert await q.redis.lrange(q.keys.ready, 0, -1) == [b"w1"]
-
-
 async def test_a_transaction_on_the_held_connection_beside_script_calls(q: Faces) -> None:
     """A worker's answer goes out as one MULTI/EXEC on the held connection,
     written together with other calls: each caller gets its own replies; a

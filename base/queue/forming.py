@@ -90,8 +90,6 @@ def take_args(
 ) -> list[Any]:
     head: list[Any] = [mode, now_ms, credit, batch_id, former, keys.job_prefix, ran, step]
     head.append("ack" if ack else "")
-    if mode == "worker":  # where a dispatcher may hold this worker's credit
-        return [*head, keys.members("dispatcher"), keys.credits("")]
     if rule is None:
         return head
     return [*head, rule.n, rule.interval_ms, rule.headroom, rule.quiet_ms, *rule.min_slots]

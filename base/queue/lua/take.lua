@@ -58,8 +58,6 @@
 -- ARGV[9] 'worker': 'ack' to take the batch just run off processing in the
 --   same step (its replies are published in the same transaction); 'dispatch':
 --   unused
--- 'worker' only: ARGV[10] the dispatchers' members set, ARGV[11] the key
---   prefix of a dispatcher's held credits (credits:{dispatcher} without the id)
 -- 'dispatch' only (a worker reads them from KEYS[8]):
 -- ARGV[10] n  ARGV[11] min_interval_ms
 -- ARGV[12] headroom (idle workers a jobs-only batch must leave; -1: take no job)
@@ -98,26 +96,11 @@ local function ring_if_waiting(first)
   end
 end
 
-local function held_by_a_dispatcher()
-  -- A batch goes to whichever idle worker pulls it first, not always the
-  -- one whose credit paid for it: this worker may have run one while a
-  -- dispatcher still holds its credit, waiting for work. That credit
-  -- already stands for it, idle again; a second would let a batch be
-  -- formed for a worker that is not there.
-  local ids = redis.pcall('SMEMBERS', ARGV[10])
-  if type(ids) ~= 'table' or ids.err then return false end
-  for _, d in ipairs(ids) do
-    if type(redis.pcall('LPOS', ARGV[11] .. d, credit)) == 'number' then return true end
-  end
-  return false
-end
-
 local function offer_credit()
-  -- the worker's credit onto `ready`, once (unless a dispatcher holds it);
-  -- with jobs waiting, ring the doorbell (a dispatcher waiting for headroom
-  -- to run them may have it now)
+  -- the worker's credit onto `ready`, once; with jobs waiting, ring the
+  -- doorbell (a dispatcher waiting for headroom to run them may have it now)
   redis.call('LREM', ready, 0, credit)
-  if not held_by_a_dispatcher() then redis.call('LPUSH', ready, credit) end
+  redis.call('LPUSH', ready, credit)
   ring_if_waiting(first_job_queue)
 end
 
