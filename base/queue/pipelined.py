@@ -8,9 +8,10 @@ so the calls are queued here and sent by one flushing task, packed by
 hiredis (in C): whatever is queued goes out as one write, its replies are
 read in order, and what arrives during that round trip goes out in the
 next. Under load the batches grow by themselves; alone, a call goes out at
-once, written by its caller (the flushing task then reads its reply). A worker's answer (its replies, the ack, and for a small batch the
-take before them) goes the same way, as one MULTI/EXEC (``transaction``):
-at low load it is on every request's way back.
+once, written by its caller (the flushing task then reads its reply). A
+worker's answer (its replies, the ack, and for a small batch the take
+before them) goes the same way, as one MULTI/EXEC (``transaction``): at
+low load it is on every request's way back.
 
 The calls go over one connection of the client's pool that this class
 holds, read straight from its stream (``resp.RawConnection``). A round

@@ -11,9 +11,17 @@ from redis.asyncio.client import Pipeline
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
+# Lua put before a script's own (Redis scripts cannot call one another):
+# the scripts that read the published batching rule read it one way.
+_LIBRARIES = {"take": ("rule",), "admit": ("rule",)}
+
 
 @cache
 def source(name: str) -> str:
+    return "\n".join(_file(n) for n in (*_LIBRARIES.get(name, ()), name))
+
+
+def _file(name: str) -> str:
     return resources.files(__package__).joinpath("lua", name + ".lua").read_text("utf-8")
 
 

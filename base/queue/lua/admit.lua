@@ -54,19 +54,13 @@ for i = 1, n do
   if counts[i] + tonumber(ARGV[3 * i]) > tonumber(ARGV[3 * i + 1]) then admitted = 0 end
 end
 
-local function pacing_interval(rule_key)
+local function pacing_interval(rule_key, ntiers)
   -- the published rule's pacing interval (ms; 0 when batches are of one,
   -- as take.lua never holds a full batch); nil if there is no rule that
-  -- take.lua would read (Redis contents are not trusted)
-  local raw = redis.pcall('GET', rule_key)
-  if type(raw) ~= 'string' then return nil end
-  local ok, rule = pcall(cjson.decode, raw)
-  if not ok or type(rule) ~= 'table' or type(rule.min_slots) ~= 'table' then return nil end
-  for _, field in ipairs({'n', 'interval_ms', 'headroom', 'quiet_ms'}) do
-    if type(rule[field]) ~= 'number' then return nil end
-  end
-  if not (rule.n >= 1 and rule.n <= 100) then return nil end
-  return math.floor(rule.n) > 1 and rule.interval_ms or 0
+  -- take.lua would read (published_rule: rule.lua)
+  local batch_size, interval = published_rule(rule_key, ntiers)
+  if batch_size == nil then return nil end
+  return batch_size > 1 and interval or 0
 end
 
 local function hand_straight()
@@ -80,7 +74,7 @@ local function hand_straight()
   for i = d + 5, #KEYS do
     if redis.call('LLEN', KEYS[i]) > 0 then return false end
   end
-  local interval = pacing_interval(rule_key)
+  local interval = pacing_interval(rule_key, (#KEYS - d - 4) / 2)
   if interval == nil then return false end
   local now = tonumber(ARGV[3 * n + 5])
   local last = math.min(tonumber(redis.pcall('GET', last_key)) or 0, now)

@@ -104,26 +104,6 @@ local function offer_credit()
   ring_if_waiting(first_job_queue)
 end
 
-local function published_rule()
-  -- the batching rule as a dispatcher published it; nil if absent or not
-  -- readable (Redis contents are not trusted)
-  local raw = redis.pcall('GET', KEYS[8])
-  if type(raw) ~= 'string' then return nil end
-  local ok, rule = pcall(cjson.decode, raw)
-  if not ok or type(rule) ~= 'table' or type(rule.min_slots) ~= 'table' then return nil end
-  for _, field in ipairs({'n', 'interval_ms', 'headroom', 'quiet_ms'}) do
-    if type(rule[field]) ~= 'number' then return nil end
-  end
-  if not (rule.n >= 1 and rule.n <= 100) then return nil end
-  local slots = {}
-  for i = 1, ntiers do
-    local share = rule.min_slots[i]
-    if type(share) ~= 'number' then return nil end
-    slots[i] = math.floor(share)
-  end
-  return math.floor(rule.n), rule.interval_ms, rule.headroom, rule.quiet_ms, slots
-end
-
 local n, min_interval, headroom, quiet_ms, min_slots
 if for_worker then
   -- The batch just run is still in processing (it leaves when its replies
@@ -158,7 +138,7 @@ if for_worker then
   -- often be one too many, and keep a batch formed ahead of every worker.
   local waiting = redis.call('LMOVE', batches, own, 'RIGHT', 'LEFT')
   if waiting then return result(0, 0, 0, 0, waiting) end
-  n, min_interval, headroom, quiet_ms, min_slots = published_rule()
+  n, min_interval, headroom, quiet_ms, min_slots = published_rule(KEYS[8], ntiers)  -- rule.lua
   if n == nil then
     offer_credit()
     return result(0, 0, 0, 0, false)
