@@ -95,6 +95,25 @@ async def take(
     )
 
 
+async def test_a_batch_of_long_inputs_is_the_same_bytes_as_its_python_twin(q: Faces) -> None:
+    """Past 64 KB a batch is joined in groups of 16 (``take.lua``
+    ``comma_joined``): any count, the same bytes as ``wire.encode_batch``."""
+    now = clock.now_ms()
+    for count in (1, 15, 16, 17, 33, 100):
+        for i in range(count):
+            text = f"in{i}-" + "x" * 3000
+            envelope = wire.Envelope(f"r{i}", "gw", "paid", "k", text, now, now + 10_000)
+            await q.gateway.enqueue("paid", wire.encode(envelope))
+        taken = await take(q, 100)
+        assert taken.size == count
+        data = await q.redis.rpop(q.keys.batches)
+        assert data == wire.encode_batch("b1", "d1", now_of(data), taken.envelopes), count
+
+
+def now_of(data: bytes) -> int:
+    return wire.decode_batch(data)[0].formed_ms
+
+
 async def test_take_is_priority_ordered_and_fifo_within_a_tier(q: Faces) -> None:
     for i, tier in enumerate(["free", "paid", "free", "enterprise", "paid", "enterprise"]):
         await q.gateway.enqueue(tier, env(i, tier))

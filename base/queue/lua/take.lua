@@ -112,10 +112,13 @@ if for_worker then
   -- was too, or the reaper took the batch. Either way, whatever is there
   -- beside it is the answer again, and nothing more is formed or offered
   -- (the first run offered the credit if it formed nothing).
-  local held = redis.call('LRANGE', own, 0, 2)
   -- (a token key of another type is no token: the SET below replaces it)
   local repeated = redis.pcall('GET', KEYS[10]) == ARGV[8]
-  if repeated or #held ~= 1 or held[1] ~= ARGV[7] then
+  -- The batch just run alone there is found by LPOS, without reading it
+  -- into the script (a string made in a script costs about a nanosecond a
+  -- byte: a batch of long inputs is megabytes).
+  if repeated or redis.call('LLEN', own) ~= 1 or redis.call('LPOS', own, ARGV[7]) ~= 0 then
+    local held = redis.call('LRANGE', own, 0, 2)
     local following = false
     for _, b in ipairs(held) do
       if b ~= ARGV[7] then following = b break end
@@ -207,6 +210,33 @@ local function consider(raw)
   return 0
 end
 
+local function joined16(list, i, j)
+  -- list[i..j], at most 16 strings, joined by ',' in one concatenation
+  local s, c = {}, {}
+  for k = 1, 16 do
+    local at = i + k - 1
+    s[k] = at <= j and list[at] or ''
+    c[k] = (k > 1 and at <= j) and ',' or ''
+  end
+  return s[1] .. c[2] .. s[2] .. c[3] .. s[3] .. c[4] .. s[4] .. c[5] .. s[5] .. c[6] .. s[6]
+    .. c[7] .. s[7] .. c[8] .. s[8] .. c[9] .. s[9] .. c[10] .. s[10] .. c[11] .. s[11]
+    .. c[12] .. s[12] .. c[13] .. s[13] .. c[14] .. s[14] .. c[15] .. s[15] .. c[16] .. s[16]
+end
+
+local function comma_joined(list)
+  -- table.concat(list, ','). For a long result, in two concatenations
+  -- (groups of 16, then the groups): table.concat makes it through a
+  -- string per 8 KB and merges of those, every byte made (and hashed)
+  -- several times over (a batch of 91 inputs of 16,000 characters: 6.3 ms
+  -- of Redis, against 3.6).
+  local bytes = 0
+  for k = 1, #list do bytes = bytes + #list[k] end
+  if bytes < 65536 or #list > 256 then return table.concat(list, ',') end
+  local groups = {}
+  for i = 1, #list, 16 do groups[#groups + 1] = joined16(list, i, math.min(i + 15, #list)) end
+  return joined16(groups, 1, #groups)
+end
+
 local function pop_from(queue, limit)
   -- The oldest envelopes are read a chunk at a time (no more than could be
   -- taken, so each one read leaves the queue) and trimmed off together.
@@ -239,15 +269,15 @@ if #taken >= n then ring_if_waiting(first_queue) end
 local batch = false
 if #taken > 0 then
   -- The batch as wire.encode_batch writes it, the envelopes' bytes unchanged,
-  -- built by one table.concat: the head and tail go onto the first and last
-  -- envelopes (and back) rather than around the joined list, which would
-  -- copy the whole batch once more.
+  -- joined once: the head and tail go onto the first and last envelopes
+  -- (and back) rather than around the joined list, which would copy the
+  -- whole batch once more.
   local head = '{"id":' .. cjson.encode(ARGV[4]) .. ',"dispatcher":' .. cjson.encode(ARGV[5])
     .. ',"formed_ms":' .. ARGV[2] .. ',"envelopes":['
   local first, last = taken[1], taken[#taken]
   taken[1] = head .. first
   taken[#taken] = taken[#taken] .. '],"attempt":0}'
-  batch = table.concat(taken, ',')
+  batch = comma_joined(taken)
   taken[1], taken[#taken] = first, last
   if for_worker then
     redis.call('LPUSH', own, batch)
