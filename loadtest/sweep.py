@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from infergate.loadtest.bench import DEFAULT_MIX
 
 KINDS = ("gateway", "dispatcher", "worker", "redis", "loadgen")
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -149,6 +150,10 @@ def _run_rate(
             str(args.duration),
             "--json-out",
             out,
+            "--mix",
+            args.mix,
+            "--input-chars",
+            str(args.input_chars),
         ],
         stdout=subprocess.DEVNULL,
     )
@@ -212,6 +217,13 @@ def main(argv: list[str] | None = None) -> int:
         "--stack-python",
         default=sys.executable,
         help="the Python whose infergate runs the stack (another install, to compare)",
+    )
+    p.add_argument("--mix", default=DEFAULT_MIX, help=f"tier weights (default {DEFAULT_MIX})")
+    p.add_argument(
+        "--input-chars",
+        type=int,
+        default=32,
+        help="characters per input (a tier refuses more than its max_input_chars)",
     )
     p.add_argument("--log", default=None, help="append the stack's log lines to this file")
     p.add_argument("--json-out", default=None)
