@@ -5,6 +5,7 @@ with ``cjson``; a batch embeds its envelopes' bytes unchanged.
 """
 
 import os
+import re
 from typing import TypeVar
 
 import msgspec
@@ -152,7 +153,7 @@ def encode_batch(
 
 def retried_batch(data: bytes) -> bytes:
     """The same batch with ``attempt + 1`` (its envelopes' bytes unchanged)."""
-    raw = _decode(_raw_batch_decoder, data)
+    raw = _decode_raw_batch(data)
     return _json_encoder.encode(msgspec.structs.replace(raw, attempt=raw.attempt + 1))
 
 
@@ -176,7 +177,7 @@ def decode_envelope(data: bytes) -> Envelope:
 def decode_batch(data: bytes) -> tuple[Batch, int]:
     """The batch with every envelope that decodes, and how many did not.
     Raises ``msgspec.DecodeError`` only if the batch itself is unreadable."""
-    raw = _decode(_raw_batch_decoder, data)
+    raw = _decode_raw_batch(data)
     envelopes = []
     for env in raw.envelopes:
         try:
@@ -185,6 +186,57 @@ def decode_batch(data: bytes) -> tuple[Batch, int]:
             continue
     batch = Batch(raw.id, raw.dispatcher, raw.formed_ms, envelopes, raw.attempt)
     return batch, len(raw.envelopes) - len(envelopes)
+
+
+# take.lua checks each envelope with Redis's cjson, which reads more than
+# JSON does: NaN, Infinity, 0x10, 01, +1, 1., a raw tab or newline inside a
+# string. Redis contents are not trusted, and one such envelope made its
+# whole batch unreadable here, every request in it lost with it. Such a
+# batch's envelopes are found by their brackets instead (outside strings,
+# which are skipped whole), each to be read on its own.
+_STRING_OR_BRACKET = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{},]', re.DOTALL)
+_ENVELOPES_FROM = b'"envelopes":['
+
+
+def _decode_raw_batch(data: bytes) -> _RawBatch:
+    try:
+        return _decode(_raw_batch_decoder, data)
+    except msgspec.DecodeError:
+        return _split_batch(data)
+
+
+def _split_batch(data: bytes) -> _RawBatch:
+    """The batch, its envelopes split at the commas between them; raises
+    ``msgspec.DecodeError`` if the rest of it is not a batch."""
+    at = data.find(_ENVELOPES_FROM)  # (the id before it is a JSON string)
+    if at < 0:
+        raise msgspec.DecodeError("not a batch")
+    start = at + len(_ENVELOPES_FROM)
+    pieces: list[msgspec.Raw] = []
+    depth, begin = 0, start
+    for token in _STRING_OR_BRACKET.finditer(data, start):
+        mark = token.group()
+        if mark[0] == 0x22:  # a string
+            continue
+        if mark in b"{[":
+            depth += 1
+        elif mark in b"}]" and depth > 0:
+            depth -= 1
+        elif mark == b"," and depth > 0:
+            continue
+        elif mark == b",":  # between two envelopes
+            pieces.append(msgspec.Raw(data[begin : token.start()]))
+            begin = token.end()
+        elif mark == b"]":  # the list's end
+            if data[begin : token.start()].strip():
+                pieces.append(msgspec.Raw(data[begin : token.start()]))
+            head = _decode(_raw_batch_decoder, data[:start] + data[token.start() :])
+            if head.envelopes:
+                break
+            return msgspec.structs.replace(head, envelopes=pieces)
+        else:
+            break
+    raise msgspec.DecodeError("not a batch")
 
 
 def decode_reply(data: bytes) -> Reply:

@@ -18,8 +18,10 @@ import pytest
 import redis
 from infergate.base import clock, wire
 from infergate.base.queue import dead_letters
+from infergate.base.queue.dispatcher import DispatcherQueue
+from infergate.base.queue.forming import Rule
 from infergate.base.queue.store import Store
-from infergate.gpu.simulated import sim_output
+from infergate.gpu.simulated import SimulatedBackend, sim_output
 from infergate.gpu.worker import Answer, Finished, Worker, WorkerSettings
 from infergate.redis_server import RedisServer
 
@@ -170,6 +172,76 @@ async def test_a_batch_that_fails_outside_the_backend_is_answered(
     assert all(r.error is not None and r.error.code == "INFERENCE_FAILED" for r in results)
     # The bug's traceback is in the log, for whoever has to fix it.
     assert "KeyError: 'a bug, not a model failure'" in capsys.readouterr().out
+
+
+# Envelopes that Redis's cjson reads (so take.lua batches them) but JSON
+# does not: each would have made its whole batch unreadable to the worker.
+_CJSON_ONLY = [
+    b'"x":NaN',
+    b'"x":[Infinity,-Infinity]',
+    b'"x":0x10',
+    b'"x":01',
+    b'"x":+1',
+    b'"x":1.',
+    b'"x":"a\tb\nc"',  # a raw tab and newline inside a string
+]
+
+
+async def test_an_envelope_only_cjson_reads_fails_alone_not_its_batch(redis_url: str) -> None:
+    """Planted in a queue between real requests, each such envelope passes
+    take.lua's check and lands in their batch: the worker runs the real ones
+    and drops it (it cannot be answered: it is not an envelope)."""
+    worker = Worker(WorkerSettings("w-1", redis_url), SimulatedBackend(latency_ms=0))
+    store = worker.store
+    queue = store.keys.queue("paid")
+    now = clock.now_ms()
+    try:
+        await store.redis.set(store.keys.heartbeat("worker", "w-1"), b"{}")
+        for n, extra in enumerate(_CJSON_ONLY):
+            real = [
+                wire.Envelope(f"r{n}-{i}", "gw", "paid", "k", f"in {i}", now, now + 9_000)
+                for i in range(2)
+            ]
+            planted = b'{"id":"evil","gateway":"gw","input":"x","deadline_ms":9e15,' + extra + b"}"
+            await store.redis.lpush(queue, wire.encode(real[0]), planted, wire.encode(real[1]))
+            await store.redis.rpush(store.keys.credits("d1"), "w-1")
+            taken = await DispatcherQueue(store, "d1").take(
+                "w-1", f"b{n}", now, Rule(100, 0, -1, min_slots=(0, 0, 0))
+            )
+            assert taken.size == 3, extra  # the planted one is in the batch
+            data = await worker.queue.pull_batch(1)
+            assert data is not None
+            replies = (await worker.handle(data)).answer().replies
+            results = replies["gw"].results
+            assert sorted(r.id for r in results) == [f"r{n}-0", f"r{n}-1"], extra
+            assert all(
+                r.output == sim_output(f"in {i}")
+                for i, r in enumerate(sorted(results, key=lambda r: r.id))
+            )
+            await store.redis.delete(store.keys.processing("w-1"))
+        assert await store.redis.llen(store.keys.dead_letter) == 0
+    finally:
+        await store.close()
+
+
+def test_a_batch_with_such_an_envelope_is_retried_whole() -> None:
+    """The reaper's retry keeps every envelope's bytes (the planted one too,
+    dropped again by the next worker), and strings holding brackets, commas
+    and escaped quotes are not split."""
+    now = clock.now_ms()
+    text = 'in, [a] {b} "c" \\'
+    real = [
+        wire.encode(wire.Envelope(f"r{i}", "gw", "paid", "k", text, now, now + 9_000))
+        for i in range(2)
+    ]
+    for extra in _CJSON_ONLY:
+        planted = b'{"id":"evil","gateway":"gw","input":"x","deadline_ms":9e15,' + extra + b"}"
+        data = wire.encode_batch("b1", "d1", now, [real[0], planted, real[1]])
+        retried = wire.retried_batch(data)
+        assert retried == data.replace(b'"attempt":0}', b'"attempt":1}'), extra
+        batch, unreadable = wire.decode_batch(retried)
+        assert ([e.id for e in batch.envelopes], unreadable, batch.attempt) == (["r0", "r1"], 1, 1)
+        assert all(e.input == text for e in batch.envelopes)
 
 
 async def test_an_unreadable_batch_is_dead_lettered_not_dropped(redis_url: str) -> None:

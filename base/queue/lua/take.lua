@@ -16,7 +16,9 @@
 -- order (KEYS order). Envelopes past their deadline, cancelled, or
 -- unreadable (not JSON, or without a numeric deadline_ms and string id,
 -- gateway and input) are dropped here and counted: they never reach a
--- worker. If work is left behind, the doorbell rings again so another
+-- worker. (What cjson reads but JSON does not, NaN or 0x10 or a raw tab
+-- in a string, does: the worker drops it alone, wire.decode_batch.) If
+-- work is left behind, the doorbell rings again so another
 -- dispatcher holding a credit wakes for it.
 -- Jobs (asynchronous) come after every synchronous request, by tier among
 -- themselves: they fill the slots synchronous work leaves in a batch, and
