@@ -244,6 +244,46 @@ def test_a_batch_with_such_an_envelope_is_retried_whole() -> None:
         assert all(e.input == text for e in batch.envelopes)
 
 
+async def test_an_envelope_with_a_nul_byte_never_reaches_a_batch(redis_url: str) -> None:
+    """cjson stops reading at a NUL byte: what follows one (here, a forged
+    envelope, and a bracket that would end the batch's list) is dropped
+    with it by take.lua, and counted."""
+    store = Store.connect(redis_url, "t", block_s=1, name="test")
+    now = clock.now_ms()
+    planted = b'{"id":"evil","gateway":"gw","input":"x","deadline_ms":9e15}\x00'
+    forged = wire.Envelope("victim", "gw", "paid", "k", "FORGED", now, now + 9_000)
+    try:
+        await store.redis.set(store.keys.heartbeat("worker", "w-1"), b"{}")
+        real = wire.encode(wire.Envelope("r0", "gw", "paid", "k", "in", now, now + 9_000))
+        for tail in (b"," + wire.encode(forged), b'],"x":[0', b"]"):
+            await store.redis.lpush(store.keys.queue("paid"), real, planted + tail)
+            await store.redis.rpush(store.keys.credits("d1"), "w-1")
+            rule = Rule(100, 0, -1, min_slots=(0, 0, 0))
+            taken = await DispatcherQueue(store, "d1").take("w-1", "b", now, rule)
+            assert (taken.size, taken.malformed) == (1, 1), tail
+            batch, unreadable = wire.decode_batch(await store.redis.rpop(store.keys.batches))
+            assert ([e.id for e in batch.envelopes], unreadable) == (["r0"], 0)
+    finally:
+        await store.close()
+
+
+def test_a_batch_planted_whole_costs_no_more_than_its_length() -> None:
+    """The fallback reads each byte once (a 1 MB string of escaped quotes
+    that never ends once took minutes: each quote began a new scan), and
+    stops at 100 envelopes or 2 MB: past either, the batch is unreadable."""
+    head = b'{"id":"b","dispatcher":"d","formed_ms":1,"envelopes":['
+    started = time.monotonic()
+    for planted in (head + b'"' + b'\\"' * 500_000, head + b'{"x":NaN,"a":"' + b'\\"' * 500_000):
+        with pytest.raises(msgspec.DecodeError):
+            wire.decode_batch(planted)
+    assert time.monotonic() - started < 10  # about 0.2 s on the 2-core test machine
+    with pytest.raises(msgspec.DecodeError):
+        wire.decode_batch(head + b"{}," * 101 + b'{"x":NaN}],"attempt":0}')
+    wire.decode_batch(head + b"{}," * 99 + b'{"x":NaN}],"attempt":0}')  # 100: read
+    with pytest.raises(msgspec.DecodeError):
+        wire.decode_batch(head + b'{"x":NaN,"a":"' + b"x" * 2_100_000 + b'"}],"attempt":0}')
+
+
 async def test_an_unreadable_batch_is_dead_lettered_not_dropped(redis_url: str) -> None:
     worker = Worker(WorkerSettings("w-1", redis_url), _Buggy())
     store = worker.store

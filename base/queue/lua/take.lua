@@ -17,7 +17,8 @@
 -- unreadable (not JSON, or without a numeric deadline_ms and string id,
 -- gateway and input) are dropped here and counted: they never reach a
 -- worker. (What cjson reads but JSON does not, NaN or 0x10 or a raw tab
--- in a string, does: the worker drops it alone, wire.decode_batch.) If
+-- in a string, does: the worker drops it alone, wire.decode_batch; one
+-- with a NUL byte is dropped here.) If
 -- work is left behind, the doorbell rings again so another
 -- dispatcher holding a credit wakes for it.
 -- Jobs (asynchronous) come after every synchronous request, by tier among
@@ -189,8 +190,11 @@ local function left_queue(env, status)
 end
 
 local function consider(raw)
-  -- one envelope off a queue: taken, or dropped and counted
-  local ok, env = pcall(cjson.decode, raw)
+  -- one envelope off a queue: taken, or dropped and counted. (cjson stops
+  -- reading at a NUL byte: what followed one, anything at all, would go
+  -- into the batch unread. JSON escapes a NUL, so none is in an envelope.)
+  local ok, env = false, nil
+  if not string.find(raw, '\0', 1, true) then ok, env = pcall(cjson.decode, raw) end
   if not ok or type(env) ~= 'table' or type(env.deadline_ms) ~= 'number'
       or type(env.id) ~= 'string' or type(env.gateway) ~= 'string'
       or type(env.input) ~= 'string' then
