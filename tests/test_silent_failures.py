@@ -175,7 +175,8 @@ async def test_a_batch_that_fails_outside_the_backend_is_answered(
 
 
 # Envelopes that Redis's cjson reads (so take.lua batches them) but JSON
-# does not: each would have made its whole batch unreadable to the worker.
+# does not: each would have made its whole batch unreadable to the worker
+# (or, the last, raised UnicodeDecodeError out of it, ending its loop).
 _CJSON_ONLY = [
     b'"x":NaN',
     b'"x":[Infinity,-Infinity]',
@@ -184,6 +185,7 @@ _CJSON_ONLY = [
     b'"x":+1',
     b'"x":1.',
     b'"x":"a\tb\nc"',  # a raw tab and newline inside a string
+    b'"id":"\x95"',  # not UTF-8 (cjson keeps the last id, msgspec reads the first)
 ]
 
 
@@ -202,7 +204,7 @@ async def test_an_envelope_only_cjson_reads_fails_alone_not_its_batch(redis_url:
                 wire.Envelope(f"r{n}-{i}", "gw", "paid", "k", f"in {i}", now, now + 9_000)
                 for i in range(2)
             ]
-            planted = b'{"id":"evil","gateway":"gw","input":"x","deadline_ms":9e15,' + extra + b"}"
+            planted = b"{" + extra + b',"id":"evil","gateway":"gw","input":"x","deadline_ms":9e15}'
             await store.redis.lpush(queue, wire.encode(real[0]), planted, wire.encode(real[1]))
             await store.redis.rpush(store.keys.credits("d1"), "w-1")
             taken = await DispatcherQueue(store, "d1").take(
@@ -235,7 +237,7 @@ def test_a_batch_with_such_an_envelope_is_retried_whole() -> None:
         for i in range(2)
     ]
     for extra in _CJSON_ONLY:
-        planted = b'{"id":"evil","gateway":"gw","input":"x","deadline_ms":9e15,' + extra + b"}"
+        planted = b"{" + extra + b',"id":"evil","gateway":"gw","input":"x","deadline_ms":9e15}'
         data = wire.encode_batch("b1", "d1", now, [real[0], planted, real[1]])
         retried = wire.retried_batch(data)
         assert retried == data.replace(b'"attempt":0}', b'"attempt":1}'), extra
@@ -270,7 +272,8 @@ async def test_an_envelope_with_a_nul_byte_never_reaches_a_batch(redis_url: str)
 def test_a_batch_planted_whole_costs_no_more_than_its_length() -> None:
     """The fallback reads each byte once (a 1 MB string of escaped quotes
     that never ends once took minutes: each quote began a new scan), and
-    stops at 100 envelopes or 2 MB: past either, the batch is unreadable."""
+    stops at 100 envelopes: past it, the batch is unreadable. A long batch
+    of real envelopes is read whatever its length."""
     head = b'{"id":"b","dispatcher":"d","formed_ms":1,"envelopes":['
     started = time.monotonic()
     for planted in (head + b'"' + b'\\"' * 500_000, head + b'{"x":NaN,"a":"' + b'\\"' * 500_000):
@@ -280,8 +283,14 @@ def test_a_batch_planted_whole_costs_no_more_than_its_length() -> None:
     with pytest.raises(msgspec.DecodeError):
         wire.decode_batch(head + b"{}," * 101 + b'{"x":NaN}],"attempt":0}')
     wire.decode_batch(head + b"{}," * 99 + b'{"x":NaN}],"attempt":0}')  # 100: read
-    with pytest.raises(msgspec.DecodeError):
-        wire.decode_batch(head + b'{"x":NaN,"a":"' + b"x" * 2_100_000 + b'"}],"attempt":0}')
+    now = clock.now_ms()
+    text = "€" * 16_384 + '"\\'  # 49 KB as JSON
+    real = [wire.Envelope(f"r{i}", "gw", "paid", "k", text, now, now + 9_000) for i in range(45)]
+    planted = b'{"id":"evil","gateway":"gw","input":"x","deadline_ms":NaN}'
+    data = wire.encode_batch("b", "d", now, [*map(wire.encode, real), planted])
+    batch, unreadable = wire.decode_batch(data)
+    assert (len(batch.envelopes), unreadable) == (45, 1)
+    assert all(e.input == text for e in batch.envelopes)
 
 
 async def test_an_unreadable_batch_is_dead_lettered_not_dropped(redis_url: str) -> None:
@@ -412,6 +421,22 @@ def test_deeply_nested_json_from_redis_is_unreadable_not_a_crash() -> None:
             decode(nested)
     with pytest.raises(msgspec.DecodeError):
         wire.decode_batch(nested)
+
+
+def test_a_string_from_redis_that_is_not_utf8_is_unreadable_not_a_crash() -> None:
+    """msgspec raises UnicodeDecodeError for one it reads: the same
+    DecodeError here, which every caller handles."""
+    bad = b'"\xff"'
+    for decode, data in (
+        (wire.decode_heartbeat, b'{"role":' + bad + b',"id":"w","started_ms":1,"beat_ms":1}'),
+        (wire.decode_envelope, b'{"id":' + bad + b',"gateway":"g","tier":"t","key_id":"k"}'),
+        (wire.decode_result, b'{"id":' + bad + b',"batch_id":"b","batch_size":1}'),
+        (wire.decode_reply, b'{"results":[{"id":' + bad + b',"batch_id":"b"}]}'),
+        (wire.decode_batch, b'{"id":' + bad + b',"dispatcher":"d","formed_ms":1,"envelopes":[]}'),
+        (wire.retried_batch, b'{"id":' + bad + b',"dispatcher":"d","formed_ms":1,"envelopes":[]}'),
+    ):
+        with pytest.raises(msgspec.DecodeError):
+            decode(data)
 
 
 async def test_a_worker_stopping_has_one_publish_grace_for_everything_it_still_sends(
