@@ -201,9 +201,12 @@ def decode_batch(data: bytes) -> tuple[Batch, int]:
 # this project's 2-core machine, 0.3 s for 8 MB of escaped quotes), into at
 # most _SPLIT_MAX_ENVELOPES (the backend's contract), in at most
 # _SPLIT_MAX_MARKS steps of the loop (a real envelope takes about 25: a
-# bracket or a string each; 200,000 of them, about 60 ms).
+# bracket or a string each; 500,000 of them, 0.25 s, well under the
+# worker's 1 s heartbeat TTL even on a slower day). Only an envelope of
+# more than 500,000 brackets and strings (a megabyte or more of them) still
+# makes its batch unreadable.
 _SPLIT_MAX_ENVELOPES = 100
-_SPLIT_MAX_MARKS = 200_000
+_SPLIT_MAX_MARKS = 500_000
 _MARK_BETWEEN = re.compile(rb'["\[\]{},]')  # between envelopes: commas split them
 _MARK_WITHIN = re.compile(rb'["\[\]{}]')
 _STRING_REST = re.compile(rb'[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
