@@ -21,6 +21,7 @@ from infergate.base.queue import dead_letters
 from infergate.base.queue.dispatcher import DispatcherQueue
 from infergate.base.queue.forming import Rule
 from infergate.base.queue.store import Store
+from infergate.base.queue.worker import WorkerQueue
 from infergate.gpu.simulated import SimulatedBackend, sim_output
 from infergate.gpu.worker import Answer, Finished, Worker, WorkerSettings
 from infergate.redis_server import RedisServer
@@ -291,6 +292,37 @@ def test_a_batch_planted_whole_costs_no_more_than_its_length() -> None:
     batch, unreadable = wire.decode_batch(data)
     assert (len(batch.envelopes), unreadable) == (45, 1)
     assert all(e.input == text for e in batch.envelopes)
+
+
+async def test_a_member_or_credit_that_is_not_utf8_blinds_no_one(redis_url: str) -> None:
+    """A name in a members set, or a credit on ready, that is not UTF-8 (no
+    process has one) raised out of every read of the fleet: the reaper's,
+    the gateways' fleet view and status, a worker's credit check. Now it is
+    dropped where it is read, and the rest is read as ever."""
+    store = Store.connect(redis_url, "t", block_s=1, name="test")
+    keys = store.keys
+    try:
+        await store.redis.set(keys.heartbeat("worker", "w-1"), b"{}")
+        await store.redis.sadd(keys.members("worker"), b"w-1", b"\xff")
+        await store.redis.sadd(keys.members("dispatcher"), b"\xfe")
+        beats, _ = await store.heartbeats(["worker", "dispatcher"])
+        assert beats == {"worker": {"w-1": b"{}"}, "dispatcher": {}}
+        assert await store.redis.smembers(keys.members("worker")) == {b"w-1"}
+        assert await store.redis.smembers(keys.members("dispatcher")) == set()
+        assert [
+            h.id for h in (await store.fleet_status()).alive["worker"]
+        ] == []  # ("{}": not a heartbeat)
+        # A worker checking its credit against the dispatchers' held ones.
+        await store.redis.sadd(keys.members("dispatcher"), b"\xfe")
+        assert await WorkerQueue(store, "w-2").ensure_credit()
+        # A dispatcher waiting for a credit: the planted one goes, the next is held.
+        await store.redis.rpush(keys.ready, b"w-1", b"\xfd")  # the planted one oldest
+        dispatcher = DispatcherQueue(store, "d1")
+        assert await dispatcher.wait_credit(1) is None
+        assert await dispatcher.wait_credit(1) == "w-1"
+        assert await store.redis.lrange(keys.credits("d1"), 0, -1) == [b"w-1"]
+    finally:
+        await store.close()
 
 
 async def test_an_unreadable_batch_is_dead_lettered_not_dropped(redis_url: str) -> None:

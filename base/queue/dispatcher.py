@@ -3,6 +3,7 @@ batch with it and hand it off (one step), publish the batching rule for
 workers that form their next batch themselves, and return what it holds
 when it stops."""
 
+from infergate.base import logs
 from infergate.base.queue.forming import (
     RULE_TTL_MS,
     Rule,
@@ -12,8 +13,10 @@ from infergate.base.queue.forming import (
     take_keys,
     take_result,
 )
-from infergate.base.queue.store import Store
+from infergate.base.queue.store import Store, process_ids
 from infergate.base.tiers import TIERS
+
+log = logs.get(__name__)
 
 
 async def requeue(store: Store, dispatcher_id: str) -> tuple[int, int]:
@@ -47,10 +50,17 @@ class DispatcherQueue:
     async def wait_credit(self, timeout_s: float) -> str | None:
         """Block until an idle worker's credit is free, and hold it in
         ``credits:{dispatcher}`` (returned to ``ready`` if this dispatcher dies)."""
-        credit = await self.store.move_oldest(
-            self.keys.ready, self.keys.credits(self.dispatcher_id), timeout_s
-        )
-        return None if credit is None else credit.decode()
+        credits = self.keys.credits(self.dispatcher_id)
+        credit = await self.store.move_oldest(self.keys.ready, credits, timeout_s)
+        if credit is None:
+            return None
+        ids, planted = process_ids([credit])
+        if planted:  # not a worker's id (see process_ids): it goes
+            # (redis-py sends bytes as they are; its stubs say str)
+            await self.store.redis.lrem(credits, 0, credit)  # type: ignore[arg-type]
+            log.warning("credit.unreadable")
+            return None
+        return ids[0]
 
     async def take(
         self,

@@ -130,10 +130,12 @@ class Store:
                 pipe.hgetall(self.keys.stats)
             results = await pipe.execute()
         member_sets, extras = results[: len(roles)], results[len(roles) :]
-        ids = {
-            role: sorted(m.decode() for m in ms)
-            for role, ms in zip(roles, member_sets, strict=True)
-        }
+        ids = {}
+        for role, members in zip(roles, member_sets, strict=True):
+            ids[role], planted = process_ids(members)
+            if planted:  # no process has such a name: it goes, so no one reads it again
+                await self.redis.srem(self.keys.members(role), *planted)
+                log.warning("fleet.member_unreadable", role=role, count=len(planted))
         wanted = [self.keys.heartbeat(role, i) for role in roles for i in ids[role]]
         values: list[bytes | None] = await self.redis.mget(wanted) if wanted else []  # type: ignore[assignment]
         it = iter(values)
@@ -184,6 +186,19 @@ class Store:
             _depths(depths),
             _counters(raw_counters),
         )
+
+
+def process_ids(members: Iterable[bytes]) -> tuple[list[str], list[bytes]]:
+    """The process ids among a set's members (sorted), and the members that
+    are not one: a process's id is ASCII, so one that is not UTF-8 was
+    planted in Redis (and would raise wherever it was decoded)."""
+    ids, planted = [], []
+    for member in members:
+        try:
+            ids.append(member.decode())
+        except UnicodeDecodeError:
+            planted.append(member)
+    return sorted(ids), planted
 
 
 def _depths(values: list[Any]) -> dict[str, int]:

@@ -11,7 +11,7 @@ from infergate.base.queue import redis_url
 from infergate.base.queue.forming import TakeResult, new_batch_id, take_args, take_keys, take_result
 from infergate.base.queue.replies import reply_commands
 from infergate.base.queue.scripts import evalsha, source
-from infergate.base.queue.store import Store
+from infergate.base.queue.store import Store, process_ids
 from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
 from redis.retry import Retry
@@ -52,7 +52,7 @@ class WorkerQueue:
         members: set[bytes] = await self.store.redis.smembers(  # type: ignore[assignment]
             self.keys.members("dispatcher")
         )
-        dispatchers = sorted(m.decode() for m in members)
+        dispatchers, _ = process_ids(members)  # (a planted member: the fleet view drops it)
         offered = await self.store.scripts.ensure_credit(
             keys=[self.keys.ready, self.keys.batches, *map(self.keys.credits, dispatchers)],
             args=[self.worker_id],
