@@ -20,6 +20,7 @@ from infergate.base import clock, wire
 from infergate.base.queue import dead_letters
 from infergate.base.queue.dispatcher import DispatcherQueue
 from infergate.base.queue.forming import Rule
+from infergate.base.queue.gateway import GatewayQueue
 from infergate.base.queue.store import Store
 from infergate.base.queue.worker import WorkerQueue
 from infergate.gpu.simulated import SimulatedBackend, sim_output
@@ -321,6 +322,21 @@ async def test_a_member_or_credit_that_is_not_utf8_blinds_no_one(redis_url: str)
         assert await dispatcher.wait_credit(1) is None
         assert await dispatcher.wait_credit(1) == "w-1"
         assert await store.redis.lrange(keys.credits("d1"), 0, -1) == [b"w-1"]
+    finally:
+        await store.close()
+
+
+async def test_a_job_record_with_bytes_that_are_not_utf8_is_read(redis_url: str) -> None:
+    """Its fields and values are replaced, not raised (out of the GET of the job)."""
+    store = Store.connect(redis_url, "t", block_s=1, name="test")
+    try:
+        await store.redis.hset(
+            store.keys.job("j1"), mapping={b"\xff": b"x", b"status": b"\xfequeued", b"key_id": b"k"}
+        )
+        record = await GatewayQueue(store, "gw").job("j1")
+        assert record["key_id"] == "k"
+        assert record["status"] == "\ufffdqueued"
+        assert record["\ufffd"] == "x"
     finally:
         await store.close()
 

@@ -143,9 +143,11 @@ class GatewayQueue:
         return int(depth) >= 0
 
     async def job(self, job_id: str) -> dict[str, str]:
-        """A job's record (empty if there is none, or no more)."""
+        """A job's record (empty if there is none, or no more); bytes that are
+        not UTF-8 (planted: the gateway and workers write JSON and ASCII) are
+        replaced, not raised."""
         raw: dict[bytes, bytes] = await self.store.redis.hgetall(self.keys.job(job_id))  # type: ignore[assignment]
-        return {k.decode(): v.decode(errors="replace") for k, v in raw.items()}
+        return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in raw.items()}
 
     async def cancel_job(self, job_id: str, key_id: str) -> str | None:
         """Cancel a queued job of ``key_id``: its status afterwards, or None if
@@ -157,7 +159,7 @@ class GatewayQueue:
         return (
             None
             if status is None
-            else (status.decode() if isinstance(status, bytes) else str(status))
+            else (status.decode(errors="replace") if isinstance(status, bytes) else str(status))
         )
 
     async def cached_answer(self, digest: str, fingerprint: str) -> str | None:
