@@ -26,6 +26,7 @@ import uvloop
 from infergate.loadtest.http_client import HttpPool, PostTemplate
 
 DEFAULT_MIX = "free=0.70,paid=0.25,enterprise=0.05"
+DEFAULT_INPUT_CHARS = 32
 TIER_ORDER = ("enterprise", "paid", "free")
 
 
@@ -270,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=100.0, help="requests per second")
     p.add_argument("--duration", type=float, default=10.0, help="seconds of sending")
     p.add_argument("--mix", default=DEFAULT_MIX, help=f"tier weights (default {DEFAULT_MIX})")
-    p.add_argument("--input-chars", type=int, default=32)
+    p.add_argument("--input-chars", type=int, default=DEFAULT_INPUT_CHARS)
     p.add_argument("--timeout-ms", type=int, default=None, help="timeout_ms sent with each request")
     p.add_argument("--connections", type=int, default=1000, help="client connection pool size")
     p.add_argument("--client-timeout-s", type=float, default=30.0)

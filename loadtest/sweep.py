@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from infergate.loadtest.bench import DEFAULT_MIX
+from infergate.loadtest.bench import DEFAULT_INPUT_CHARS, DEFAULT_MIX
 
 KINDS = ("gateway", "dispatcher", "worker", "redis", "loadgen")
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--input-chars",
         type=int,
-        default=32,
+        default=DEFAULT_INPUT_CHARS,
         help="characters per input (a tier refuses more than its max_input_chars)",
     )
     p.add_argument("--log", default=None, help="append the stack's log lines to this file")

@@ -18,9 +18,8 @@
 -- gateway and input) are dropped here and counted: they never reach a
 -- worker. (What cjson reads but JSON does not, NaN or 0x10 or a raw tab
 -- in a string, does: the worker drops it alone, wire.decode_batch; one
--- with a NUL byte is dropped here.) If
--- work is left behind, the doorbell rings again so another
--- dispatcher holding a credit wakes for it.
+-- with a NUL byte is dropped here.) If work is left behind, the doorbell
+-- rings again so another dispatcher holding a credit wakes for it.
 -- Jobs (asynchronous) come after every synchronous request, by tier among
 -- themselves: they fill the slots synchronous work leaves in a batch, and
 -- make a batch of their own only while at least `headroom` other workers
