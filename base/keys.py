@@ -41,6 +41,7 @@ class Keys:
         self.job_prefix = self.prefix + "job:"
         self.jobs_queued = self.prefix + "jobs-queued"
         self.jobs_done = self.prefix + "jobs-done"
+        self.input_prefix = self.prefix + "input:"
 
     def queue(self, tier: str) -> str:
         return self.prefix + "queue:" + tier
@@ -50,6 +51,10 @@ class Keys:
 
     def job(self, job_id: str) -> str:
         return self.job_prefix + job_id
+
+    def input(self, request_id: str) -> str:
+        """A long input, kept beside its envelope (``queue/inputs.py``)."""
+        return self.input_prefix + request_id
 
     def cache(self, digest: str, fingerprint: str) -> str:
         """An answer kept for an input digest, under the model that gave it."""

@@ -29,6 +29,9 @@ class Envelope(msgspec.Struct, frozen=True, omit_defaults=True):
     # how long the worker keeps the answer under it.
     cache_key: str | None = None
     cache_ttl_ms: int = 0
+    # A long input is kept beside the queue, under this key, and ``input`` is
+    # empty: no script copies it on its way to a worker (``queue/inputs.py``).
+    input_key: str | None = None
 
 
 class Batch(msgspec.Struct, frozen=True):

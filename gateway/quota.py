@@ -15,6 +15,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from infergate.base.queue.gateway import Admitted, Counter, GatewayQueue
+from infergate.base.queue.inputs import Beside
 from infergate.policies import KeyEntry, Tier
 from limits import RateLimitItem, parse_many
 
@@ -82,15 +83,17 @@ class Quota:
         input_chars: int,
         queue_on: str | None = None,
         envelope: bytes = b"",
+        beside: Beside | None = None,
     ) -> QuotaResult:
         """Charge the request to its key's limits; with ``queue_on`` (a tier),
-        queue ``envelope`` there too, in the same step, if it was admitted
-        (or hand it straight to an idle worker: ``GatewayQueue.admit``)."""
+        queue ``envelope`` there too (and store its long input ``beside`` it),
+        in the same step, if it was admitted (or hand it straight to an idle
+        worker: ``GatewayQueue.admit``)."""
         charges = self.charges(key, tier, input_chars)
         if not charges and queue_on is None:
             return QuotaResult(True)
         admitted = await self.queue.admit(
-            [c.counter for c in charges], queue_on, envelope, straight=True
+            [c.counter for c in charges], queue_on, envelope, straight=True, beside=beside
         )
         return _result(charges, admitted)
 

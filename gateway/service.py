@@ -26,6 +26,7 @@ from infergate.base.metrics import (
 )
 from infergate.base.probes import Probes
 from infergate.base.queue.gateway import GatewayQueue
+from infergate.base.queue.inputs import Beside
 from infergate.base.queue.policy_copy import keep_policy
 from infergate.base.queue.store import Store
 from infergate.base.settings import ProcessSettings
@@ -474,10 +475,10 @@ class Gateway:
                 await self._enqueue(envelope)
             return
         key, queue_on = request.key, None if envelope is None else envelope.tier
-        data = b"" if envelope is None else wire.encode(envelope)
+        data, beside = (b"", None) if envelope is None else self.queue.stored(envelope)
         try:
             request.quota_headers = await self.charge_quota(
-                key, request.tier, len(request.text), queue_on, data
+                key, request.tier, len(request.text), queue_on, data, beside
             )
         except ApiError:
             self.admission.released(key.tier)  # counted when it was let in
@@ -491,11 +492,13 @@ class Gateway:
         input_chars: int,
         queue_on: str | None = None,
         envelope: bytes = b"",
+        beside: Beside | None = None,
     ) -> dict[str, str]:
-        """Charge the key's limits (and queue ``envelope`` on ``queue_on`` in the
-        same step); returns the x-ratelimit-* headers, or raises 429."""
+        """Charge the key's limits (and queue ``envelope`` on ``queue_on``, with
+        its long input ``beside`` it, in the same step); returns the
+        x-ratelimit-* headers, or raises 429."""
         try:
-            quota = await self.quota.charge(key, tier, input_chars, queue_on, envelope)
+            quota = await self.quota.charge(key, tier, input_chars, queue_on, envelope, beside)
         except STORE_ERRORS as exc:
             self.metrics.refusals.labels(key.tier, "redis").inc()
             if isinstance(exc, UNAVAILABLE):  # not a script's own error: Redis itself
@@ -550,7 +553,7 @@ class Gateway:
 
     async def _enqueue(self, envelope: wire.Envelope) -> None:
         try:
-            await self.queue.enqueue(envelope.tier, wire.encode(envelope))
+            await self.queue.enqueue(envelope.tier, *self.queue.stored(envelope))
         except STORE_ERRORS as exc:
             log.warning("request.enqueue_failed", request_id=envelope.id, error=type(exc).__name__)
             self.fleet.mark_unreachable()

@@ -22,7 +22,9 @@ last batch's answer is not out yet (``answered``: at most two batches in
 processing), and not after a call that failed. A take that fails leaves its
 step token to the event loop, which repeats the step (the same batch comes
 back if it ran). A batch it took but does not start (unreadable envelopes,
-any envelope past its deadline) goes to the event loop as any other.
+any envelope past its deadline, a long input gone) goes to the event loop
+as any other. Long inputs kept beside the queue are fetched here, on the
+take's client, before the call starts.
 """
 
 import asyncio
@@ -110,12 +112,20 @@ class Lane:
         take: Callable[[bytes, str, int], TakeResult],
         may_take: Callable[[], bool],
         chain_min: int,
+        with_inputs: Callable[
+            [list[wire.Envelope]], tuple[list[wire.Envelope], list[wire.Envelope]]
+        ]
+        | None = None,
     ) -> None:
         """``take(ran, step, now_ms)`` runs the worker's take, blocking;
         ``may_take()`` says whether the lane may take now (not stopping);
-        a batch of more than ``chain_min`` live requests is taken after."""
+        a batch of more than ``chain_min`` live requests is taken after;
+        ``with_inputs(envelopes)`` fetches their long inputs, blocking
+        (``inputs.filled``: those with them, those whose input is gone;
+        without it, a batch with long inputs is left to the event loop)."""
         self.backend = backend
         self._take = take
+        self._with_inputs = with_inputs
         self._may_take = may_take
         self._chain_min = chain_min
         # Set while nothing of this worker's waits to be answered: cleared by
@@ -208,6 +218,12 @@ class Lane:
         live = live_envelopes(batch, started_ms)
         if unreadable or not live or len(live) < len(batch.envelopes):
             return None  # logged there
+        if any(e.input_key is not None for e in live):
+            if self._with_inputs is None:
+                return None
+            live, lost = self._with_inputs(live)
+            if lost:
+                return None  # answered there
         inputs = distinct_inputs(live)
         return Running(data, batch, live, inputs, started_ms, clock.monotonic_s(), Future())
 

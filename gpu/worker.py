@@ -44,6 +44,7 @@ from infergate.base.heartbeat import Heartbeater
 from infergate.base.loops import Backoff, retry_until_done
 from infergate.base.metrics import WorkerMetrics
 from infergate.base.probes import Probes
+from infergate.base.queue import inputs
 from infergate.base.queue.forming import TakeResult, log_drops, new_batch_id
 from infergate.base.queue.recovery import RecoveryQueue
 from infergate.base.queue.replies import failure_replies, group_by_gateway
@@ -67,6 +68,8 @@ class Answer:
 
     replies: dict[str, wire.Reply] = field(default_factory=dict)
     keep: list[KeptAnswer] = field(default_factory=list)
+    # The long inputs kept beside the batch's envelopes, deleted with the answer.
+    inputs_done: list[str] = field(default_factory=list)
     # The batch's metrics and log line, once the answer is out (or given up
     # on): off the way of the replies (a log line written just after an
     # idle spell takes about 0.2 ms on this project's 2-core test machine).
@@ -127,7 +130,11 @@ class Worker:
         self._blocking_take = self.queue.blocking_take(settings.redis_url, timeout_s=1.0)
         # The backend's thread; under load it takes and starts the next batch itself.
         self.lane = Lane(
-            backend, self._blocking_take, lambda: not self.stopping.is_set(), ANSWERED_WITH_TAKE_MAX
+            backend,
+            self._blocking_take,
+            lambda: not self.stopping.is_set(),
+            ANSWERED_WITH_TAKE_MAX,
+            self._blocking_take.with_inputs,
         )
         # The take the lane runs after the last batch's call, if it runs one.
         self._stepping: concurrent.futures.Future[Stepped] | None = None
@@ -298,7 +305,14 @@ class Worker:
             log.info(
                 "batch.expired_skipped", batch_id=batch.id, count=len(batch.envelopes) - len(live)
             )
+        lost: list[wire.Envelope] = []
+        if running is None and any(e.input_key is not None for e in live):
+            live, lost = await self._with_inputs(live)
+            if lost:
+                log.error("batch.inputs_lost", batch_id=batch.id, count=len(lost))
         if not live:
+            if lost:
+                return Finished(len(lost), partial(self._lost_answer, batch, lost, started_ms))
             return NOTHING_TO_ANSWER
         started = running.started if running else clock.monotonic_s()
         idle_ms = self._backend_idle_ms(started)
@@ -312,8 +326,49 @@ class Worker:
         outcome_of = dict(zip(distinct, outputs, strict=True))
         self._backend_free_since = self._returned_at
         infer_ms = round((self._returned_at - started) * 1000.0)
-        build = partial(self._answer_of, batch, live, outcome_of, started_ms, infer_ms, idle_ms)
-        return Finished(len(live), build)
+        build = partial(
+            self._answer_of, batch, live, outcome_of, started_ms, infer_ms, idle_ms, lost
+        )
+        return Finished(len(live) + len(lost), build)
+
+    async def _with_inputs(
+        self, live: list[wire.Envelope]
+    ) -> tuple[list[wire.Envelope], list[wire.Envelope]]:
+        """``live`` with its long inputs fetched (``inputs.py``), and the
+        envelopes whose input is gone. Retried while Redis is away; past the
+        publish grace once stopping, the batch fails here (and, if its
+        failure cannot be published either, stays for the reaper)."""
+        keys = inputs.to_fetch(self.store.keys, live)
+        fetched: dict[str, bytes | None] = {}
+
+        async def fetch() -> None:
+            fetched.update(await self.queue.inputs(keys))
+
+        if keys and not await retry_until_done(
+            "batch.inputs", fetch, self.stopping, grace_after_stop_s=self._grace_left
+        ):
+            raise BackendError("the batch's inputs could not be read from Redis")
+        return inputs.filled(live, fetched)
+
+    def _lost_answer(self, batch: wire.Batch, lost: list[wire.Envelope], started_ms: int) -> Answer:
+        """A batch whose every live input is gone: each of those answered."""
+        return Answer(
+            group_by_gateway(self._lost_results(batch, lost, started_ms)),
+            inputs_done=inputs.kept_keys(self.store.keys, lost),
+        )
+
+    def _lost_results(
+        self, batch: wire.Batch, lost: list[wire.Envelope], started_ms: int
+    ) -> list[tuple[str, wire.Result]]:
+        """INFERENCE_FAILED for each request whose long input was gone."""
+        outcome = BackendError("the request's input was no longer in Redis")
+        return [
+            (
+                wire.destination(env),
+                _result(env, outcome, batch.id, len(batch.envelopes), self.id, started_ms, 0),
+            )
+            for env in lost
+        ]
 
     def _backend_idle_ms(self, now: float) -> float | None:
         """How long the backend sat idle before this call: under load, the
@@ -332,10 +387,12 @@ class Worker:
         started_ms: int,
         infer_ms: int,
         idle_ms: float | None,
+        lost: list[wire.Envelope],
     ) -> Answer:
-        """The replies of a batch the backend has run, and the answers to keep."""
+        """The replies of a batch the backend has run (and of the requests
+        in it whose long input was gone), and the answers to keep."""
         answer = Answer()
-        results = []
+        results = self._lost_results(batch, lost, started_ms) if lost else []
         for env in live:
             # Reported as served by the model, whichever copy ran: the keys of a
             # batch must not learn from served_by that another sent the same input.
@@ -350,6 +407,7 @@ class Worker:
                     )
                 )
         answer.replies = group_by_gateway(results)
+        answer.inputs_done = inputs.kept_keys(self.store.keys, [*live, *lost])
         self.batches_done += 1
         self.requests_done += len(live)
         self._recent.append((clock.monotonic_s(), len(live)))
@@ -433,7 +491,7 @@ class Worker:
             self.id,
             clock.now_ms(),
         )
-        return Answer(replies)
+        return Answer(replies, inputs_done=inputs.kept_keys(self.store.keys, batch.envelopes))
 
     # -- the loop ----------------------------------------------------------------
 
@@ -616,11 +674,15 @@ class Worker:
         following: bytes | None = None
         # The same for every attempt: a repeat is known.
         step = step or new_batch_id()
-        replies, keep = (answer.replies, answer.keep) if answer else (None, ())
+        replies, keep, inputs_done = (
+            (answer.replies, answer.keep, answer.inputs_done) if answer else (None, (), ())
+        )
 
         async def take() -> None:
             nonlocal following
-            taken = await self.queue.take_next(ran, step, clock.now_ms(), replies, keep)
+            taken = await self.queue.take_next(
+                ran, step, clock.now_ms(), replies, keep, inputs_done
+            )
             if taken.credit_lost:
                 await self._keep_credit_offered()
             following = self._took(taken)
@@ -669,7 +731,12 @@ class Worker:
 
         async def publish() -> None:
             await self.queue.answer_batch(
-                answer.replies, clock.now_ms(), batch, answer.keep, leaving=leaving
+                answer.replies,
+                clock.now_ms(),
+                batch,
+                answer.keep,
+                leaving=leaving,
+                inputs_done=answer.inputs_done,
             )
 
         try:

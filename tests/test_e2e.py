@@ -14,6 +14,7 @@ import pytest
 import redis
 from infergate.base import wire
 from infergate.base.keys import Keys
+from infergate.base.queue.inputs import BESIDE_MIN_CHARS
 from infergate.gpu.simulated import sim_output
 from infergate.redis_server import RedisServer, free_port
 
@@ -89,6 +90,27 @@ async def test_hundreds_of_concurrent_requests_each_get_their_own_output(
         return len(served) == 2 and all(n > 0 for n in served) and sum(served) >= 400
 
     wait_for(both_served, 5, "both gateways to report the requests they served")
+    client.close()
+
+
+async def test_long_inputs_are_answered_and_leave_nothing_behind(
+    stack: Stack, module_redis: RedisServer
+) -> None:
+    """Inputs of ``BESIDE_MIN_CHARS`` or more wait beside the queue (stored
+    by the admit, fetched by the worker, deleted with the answer): mixed in
+    batches with short ones, each request gets its own output."""
+    texts = [f"{i}:" + "long input " * (BESIDE_MIN_CHARS // 10) for i in range(60)]
+    texts += [f"short {i}" for i in range(30)]
+    assert all(len(t) >= BESIDE_MIN_CHARS for t in texts[:60])
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=100)) as session:
+        results = await asyncio.gather(*(_post(session, stack.url, "enterprise", t) for t in texts))
+    assert [status for status, _ in results] == [200] * 90, [b for s, b in results if s != 200][:3]
+    for text, (_, body) in zip(texts, results, strict=True):
+        assert body["output"] == sim_output(text)
+    assert max(body["batch_size"] for _, body in results) > 1
+    client = redis.Redis.from_url(module_redis.url)
+    # Deleted in the transaction that published each answer.
+    assert list(client.scan_iter(Keys().input_prefix + "*")) == []
     client.close()
 
 

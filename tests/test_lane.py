@@ -12,6 +12,7 @@ from infergate.base import clock, wire
 from infergate.base.queue.dispatcher import DispatcherQueue
 from infergate.base.queue.forming import Rule, TakeResult
 from infergate.base.queue.gateway import GatewayQueue
+from infergate.base.queue.inputs import BESIDE_MIN_CHARS
 from infergate.base.queue.store import Store
 from infergate.base.queue.worker import WorkerQueue
 from infergate.gpu.backend import BackendError
@@ -113,6 +114,46 @@ async def test_the_lane_takes_the_next_batch_and_starts_it_as_the_call_returns(
         assert not lane.answered.is_set()
     finally:
         _close(lane)
+
+
+async def test_the_lane_fetches_long_inputs_before_it_starts_their_batch(
+    store: Store, redis_url: str
+) -> None:
+    """Kept beside the queue (``inputs.py``), they are fetched on the take's
+    client; a batch with one gone is left to the event loop, which answers it."""
+    gateway = GatewayQueue(store, "gw")
+    texts = [f"{i}" + "z" * BESIDE_MIN_CHARS for i in range(2)]
+    for lose_one in (False, True):
+        backend = Gated()
+        take = WorkerQueue(store, "w1").blocking_take(redis_url, timeout_s=2.0)
+        lane = Lane(backend, take, lambda: True, chain_min=0, with_inputs=take.with_inputs)
+        try:
+            call = lane.call(["a"], Then(b"batch A"))
+            for i, text in enumerate(texts):
+                now = clock.now_ms()
+                env = wire.Envelope(f"r{i}", "gw", "paid", "k", text, now, now + 30_000)
+                await gateway.enqueue("paid", *gateway.stored(env))
+            if lose_one:
+                await store.redis.delete(store.keys.input("r1"))
+            backend.release.set()
+            ran = await asyncio.wait_for(call, 10)
+            assert ran.stepping is not None
+            stepped = await asyncio.wrap_future(ran.stepping)
+            assert stepped.taken is not None
+            assert stepped.taken.size == 2
+            if lose_one:
+                assert stepped.running is None
+                assert backend.calls == [["a"]]
+            else:
+                assert stepped.running is not None
+                assert stepped.running.inputs == texts
+                following = await asyncio.wait_for(asyncio.wrap_future(stepped.running.call), 10)
+                assert following.outputs == [t.upper() for t in texts]
+        finally:
+            _close(lane)
+        await store.redis.delete(store.keys.processing("w1"))
+        await store.redis.lpush(store.keys.processing("w1"), b"batch A")
+        await store.redis.delete(store.keys.last_step("w1"))
 
 
 async def test_the_lane_leaves_the_take_to_the_event_loop_when_it_must(

@@ -7,8 +7,9 @@ from typing import NamedTuple
 
 from infergate.base import clock, wire
 from infergate.base.errors import STORE_ERRORS
-from infergate.base.queue import dead_letters
+from infergate.base.queue import dead_letters, inputs
 from infergate.base.queue.forming import new_batch_id
+from infergate.base.queue.inputs import Beside
 from infergate.base.queue.resp import RawConnection
 from infergate.base.queue.store import Store
 from redis.asyncio.client import PubSub
@@ -92,12 +93,15 @@ class GatewayQueue:
         tier: str | None = None,
         envelope: bytes = b"",
         straight: bool = False,
+        beside: Beside | None = None,
     ) -> Admitted:
         """Charge ``counters`` and, if every one has room, queue ``envelope`` on
         ``tier`` and wake a dispatcher: one round trip (``admit.lua``). Without a
         tier, charge only; without counters, queue only. ``straight``: while
         nothing is queued and a worker is idle, hand it to that worker as a
-        batch of its own instead, as a dispatcher would (``Admitted.handed``)."""
+        batch of its own instead, as a dispatcher would (``Admitted.handed``).
+        ``beside``: the envelope's long input, stored under its own key in the
+        same step (``inputs.py``)."""
         keys = self.keys
         names = [c.key for c in counters]
         args: list[str | int | bytes] = [len(counters), envelope]
@@ -105,6 +109,11 @@ class GatewayQueue:
             args += (c.cost, c.amount, c.window_s)
         if tier is not None:
             names += (keys.queue(tier), keys.doorbell)
+            if beside is not None:
+                names.append(beside.key)
+                args += (beside.ttl_ms, beside.input)
+            else:
+                args += (0, "")
             if straight:
                 names += self._straight_keys
                 args += (new_batch_id(), self.gateway_id, clock.now_ms(), self._worker_heartbeats)
@@ -113,9 +122,14 @@ class GatewayQueue:
             self._on_handed()
         return Admitted(bool(reply[0]), int(reply[1]), reply[3::2], reply[4::2], bool(reply[2]))
 
-    async def enqueue(self, tier: str, envelope: bytes) -> int:
-        """Queue an envelope and wake a dispatcher; returns the tier's queue depth."""
-        return (await self.admit((), tier, envelope)).depth
+    def stored(self, envelope: wire.Envelope) -> tuple[bytes, Beside | None]:
+        """The envelope as it is queued, and its input if it is kept beside it."""
+        return inputs.stored(self.keys, envelope)
+
+    async def enqueue(self, tier: str, envelope: bytes, beside: Beside | None = None) -> int:
+        """Queue an envelope (and store its long input beside it) and wake a
+        dispatcher; returns the tier's queue depth."""
+        return (await self.admit((), tier, envelope, beside=beside)).depth
 
     async def enqueue_job(
         self, envelope: wire.Envelope, max_queued: int, result_ttl_ms: int

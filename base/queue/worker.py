@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from infergate.base import wire
-from infergate.base.queue import redis_url
+from infergate.base.queue import inputs, redis_url
 from infergate.base.queue.forming import TakeResult, new_batch_id, take_args, take_keys, take_result
 from infergate.base.queue.replies import reply_commands
 from infergate.base.queue.scripts import evalsha, source
@@ -65,6 +65,12 @@ class WorkerQueue:
             self.keys.batches, self.keys.processing(self.worker_id), timeout_s
         )
 
+    async def inputs(self, keys: Sequence[str]) -> dict[str, bytes | None]:
+        """The long inputs kept beside a batch's envelopes (``inputs.py``), by
+        key: one MGET, in which Redis copies them into no script."""
+        (values,) = await self.store.pipelined.transaction([("MGET", *keys)], ())
+        return dict(zip(keys, values, strict=True))
+
     async def batch_in_hand(self) -> bytes | None:
         """The batch already in this worker's processing list, if any (a pull
         whose reply was lost still moved it there)."""
@@ -80,6 +86,7 @@ class WorkerQueue:
         now_ms: int,
         replies: Mapping[str, wire.Reply] | None = None,
         keep: Sequence[KeptAnswer] = (),
+        inputs_done: Sequence[str] = (),
     ) -> TakeResult:
         """The backend has just run ``ran`` (still in processing): form this
         worker's next batch straight into its processing list, beside it
@@ -90,9 +97,9 @@ class WorkerQueue:
         trip, and a short one: as a rule the replies go out after the next
         batch has started (``answer_batch``). Given ``replies``, they are
         published, ``keep`` stored and ``ran`` acked in the same
-        transaction, after the take: for a small batch, whose few replies
-        add little to the step and so reach their clients one round trip
-        sooner."""
+        transaction, after the take, and its long inputs (``inputs_done``)
+        deleted: for a small batch, whose few replies add little to the step
+        and so reach their clients one round trip sooner."""
         scripts = self.store.scripts
         take, args = self.take_step(ran, step, now_ms, ack=replies is not None)
         # Straight on the held connection (``pipelined.py``): between two
@@ -102,7 +109,7 @@ class WorkerQueue:
             return take_result(await self.store.pipelined.call(scripts.take, take, args))
         commands = [
             evalsha(scripts.take, take, args),
-            *self._answer_commands(replies, now_ms, keep),
+            *self._answer_commands(replies, now_ms, keep, inputs_done),
         ]
         results = await self.store.pipelined.transaction(commands, self._scripts)
         return take_result(results[0])
@@ -132,9 +139,11 @@ class WorkerQueue:
         batch: bytes,
         keep: Sequence[KeptAnswer] = (),
         leaving: bool = False,
+        inputs_done: Sequence[str] = (),
     ) -> None:
         """Publish one reply per gateway, store the jobs' results and the
-        answers to keep, then ack ``batch``, in one transaction: a job's
+        answers to keep, delete the batch's long inputs (``inputs_done``),
+        then ack ``batch``, in one transaction: a job's
         result is stored by the same step that finishes its batch. A worker
         ``leaving`` also takes back its credit (``ack_batch.lua``). If the
         reply to the transaction is lost, it is run again: gateways ignore
@@ -146,7 +155,7 @@ class WorkerQueue:
             if leaving
             else ("LREM", processing, 0, batch)
         )
-        commands = [*self._answer_commands(replies, now_ms, keep), ack]
+        commands = [*self._answer_commands(replies, now_ms, keep, inputs_done), ack]
         await self.store.pipelined.transaction(commands, self._scripts)
 
     @property
@@ -156,13 +165,20 @@ class WorkerQueue:
         return (scripts.take, scripts.finish_jobs, scripts.ack_batch)
 
     def _answer_commands(
-        self, replies: Mapping[str, wire.Reply], now_ms: int, keep: Sequence[KeptAnswer]
+        self,
+        replies: Mapping[str, wire.Reply],
+        now_ms: int,
+        keep: Sequence[KeptAnswer],
+        inputs_done: Sequence[str],
     ) -> list[tuple[Any, ...]]:
-        """The replies, one per gateway (and the jobs' results), and the answers to keep."""
+        """The replies, one per gateway (and the jobs' results), the answers
+        to keep, and the deleting of the long inputs answered."""
         commands = reply_commands(self.store, replies, now_ms)
         for answer in keep:
             key = self.keys.cache(answer.digest, answer.fingerprint)
             commands.append(("SET", key, answer.output, "PX", answer.ttl_ms))
+        if inputs_done:
+            commands.append(("DEL", *inputs_done))
         return commands
 
 
@@ -186,6 +202,15 @@ class BlockingTake:
     def __call__(self, ran: bytes, step: str, now_ms: int) -> TakeResult:
         keys, args = self._queue.take_step(ran, step, now_ms, ack=False)
         return take_result(self._script(keys, args))
+
+    def with_inputs(
+        self, envelopes: Sequence[wire.Envelope]
+    ) -> tuple[list[wire.Envelope], list[wire.Envelope]]:
+        """``envelopes`` with their long inputs in place, and those whose
+        input is gone (``inputs.filled``): one MGET if any is kept beside."""
+        keys = inputs.to_fetch(self._queue.keys, envelopes)
+        values: list[bytes | None] = self._client.mget(keys) if keys else []  # type: ignore[assignment]
+        return inputs.filled(envelopes, dict(zip(keys, values, strict=True)))
 
     def close(self) -> None:
         self._client.close()

@@ -17,19 +17,27 @@
 -- and counts), one hop and one round trip sooner. Anything queued ahead of
 -- it (it could be of a higher tier, or jobs a batch would take along), no
 -- published batching rule, or no live idle worker: it is queued as usual.
+-- A long input is stored beside its envelope (queue/inputs.py), if admitted.
 -- KEYS[1..n] the counters  KEYS[n+1] queue:{tier}  KEYS[n+2] doorbell
 --   (without those two: charge only)
--- KEYS[n+3..] (to hand it straight) ready, batches, batch-rule,
---   last-dispatch, stats, then every queue:{tier} and jobs:{tier}
+-- KEYS[n+3] the input's key, when one is stored beside (ARGV[3n+3] > 0)
+-- KEYS[s..] (to hand it straight; s is n+3, or n+4 after an input's key)
+--   ready, batches, batch-rule, last-dispatch, stats, then every
+--   queue:{tier} and jobs:{tier}
 -- ARGV[1] n  ARGV[2] the envelope (when queued)
 -- ARGV[3i], ARGV[3i+1], ARGV[3i+2] limit i's cost, amount and window (s)
--- ARGV[3n+3..3n+6] (to hand it straight) the batch id, who forms it (the
+-- ARGV[3n+3] the input's time to live in ms (0: none stored beside)
+-- ARGV[3n+4] the input
+-- ARGV[3n+5..3n+8] (to hand it straight) the batch id, who forms it (the
 --   gateway), now (epoch ms), the worker heartbeat key prefix
 -- Returns {admitted (1 or 0), queue depth (0 if nothing was queued),
 --          handed straight (1 or 0),
 --          count_1, ttl_ms_1, ..., count_n, ttl_ms_n}: a counter after the
 -- charge (before it, if refused), and the ms left in its window (-2: none open).
 local n = tonumber(ARGV[1])
+local input_ttl = tonumber(ARGV[3 * n + 3] or '0') or 0
+local straight_from = input_ttl > 0 and n + 4 or n + 3
+local sa = 3 * n + 5  -- the first argument to hand it straight
 local counts, ttls = {}, {}
 local admitted = 1
 for i = 1, n do
@@ -66,7 +74,7 @@ end
 local function hand_straight()
   -- the envelope as a batch of its own, to an idle worker; false if it
   -- must be queued instead
-  local d = n + 3
+  local d = straight_from
   local ready, batches, rule_key, last_key, stats = KEYS[d], KEYS[d + 1], KEYS[d + 2],
     KEYS[d + 3], KEYS[d + 4]
   -- (no idle worker first: under load, the one check made)
@@ -76,7 +84,7 @@ local function hand_straight()
   end
   local interval = pacing_interval(rule_key, (#KEYS - d - 4) / 2)
   if interval == nil then return false end
-  local now = tonumber(ARGV[3 * n + 5])
+  local now = tonumber(ARGV[sa + 2])
   local last = math.min(tonumber(redis.pcall('GET', last_key)) or 0, now)
   if interval > 0 and last + interval > now then return false end
   -- Nothing after the credit is spent may fail (the envelope would be
@@ -89,18 +97,18 @@ local function hand_straight()
   -- The oldest idle worker's credit, as a dispatcher would take it; one
   -- whose worker's heartbeat is gone is dropped, as a dispatcher drops it.
   local credit = redis.call('RPOP', ready)
-  while credit and redis.call('EXISTS', ARGV[3 * n + 6] .. credit) == 0 do
+  while credit and redis.call('EXISTS', ARGV[sa + 3] .. credit) == 0 do
     credit = redis.call('RPOP', ready)
   end
   if not credit then return false end
   -- The batch as take.lua writes it (and wire.encode_batch).
-  redis.call('LPUSH', batches, '{"id":' .. cjson.encode(ARGV[3 * n + 3]) .. ',"dispatcher":'
-    .. cjson.encode(ARGV[3 * n + 4]) .. ',"formed_ms":' .. ARGV[3 * n + 5]
+  redis.call('LPUSH', batches, '{"id":' .. cjson.encode(ARGV[sa]) .. ',"dispatcher":'
+    .. cjson.encode(ARGV[sa + 1]) .. ',"formed_ms":' .. ARGV[sa + 2]
     .. ',"envelopes":[' .. ARGV[2] .. '],"attempt":0}')
   -- (a count that is not an integer stays wrong, as in take.lua; the batch goes)
   redis.pcall('HINCRBY', stats, 'batches_formed', 1)
   redis.pcall('HINCRBY', stats, 'requests_batched', 1)
-  redis.call('SET', last_key, ARGV[3 * n + 5], 'PX', 60000)  -- (SET replaces any type)
+  redis.call('SET', last_key, ARGV[sa + 2], 'PX', 60000)  -- (SET replaces any type)
   return true
 end
 
@@ -113,9 +121,10 @@ if admitted == 1 then
       redis.call('PEXPIRE', KEYS[i], ttls[i])
     end
   end
+  if input_ttl > 0 then redis.call('SET', KEYS[n + 3], ARGV[3 * n + 4], 'PX', input_ttl) end
   -- (a key of another type on the way: queued, as without a worker idle)
   local handable, handed = false, false
-  if #KEYS > n + 2 then handable, handed = pcall(hand_straight) end
+  if #KEYS >= straight_from then handable, handed = pcall(hand_straight) end
   if handable and handed then
     reply[3] = 1
   elseif #KEYS > n then

@@ -1,0 +1,103 @@
+"""Long inputs, kept beside the queue.
+
+A string a Redis script reads costs Redis about a nanosecond a byte each time,
+and a queued envelope is read by ``take.lua``: decoded, joined into its batch,
+pushed and returned. A take of 91 envelopes with inputs of 16,000 characters
+cost Redis 13 ms, and every gateway's admit waited behind it. So an input of
+at least ``BESIDE_MIN_CHARS`` characters is stored under a key of its own
+(``Keys.input``), by the admit that queues its envelope and only if it is
+admitted (``admit.lua``). The envelope goes through the queues with ``input``
+empty and ``input_key`` set.
+
+The worker fetches the inputs of a batch before running it: one MGET, in which
+Redis copies no byte into a script. It deletes them in the transaction that
+publishes the batch's answer.
+
+An input lives until its request's deadline plus ``GRACE_MS``. Past the
+deadline nobody runs it: the gateway has answered 504. So a request that was
+dropped (expired, cancelled, its batch dead-lettered) leaves nothing behind
+for long.
+
+An input that is missing when its batch runs fails its own request,
+INFERENCE_FAILED, never the batch. It can be missing because Redis evicted it
+or lost it, or because the envelope was planted. A key outside the inputs'
+prefix is never read.
+
+Jobs keep their input in the envelope: a job may wait in its queue for hours.
+"""
+
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+import msgspec
+from infergate.base import wire
+from infergate.base.keys import Keys
+
+# Shorter inputs stay in the envelope: up to here an input adds less to a take
+# than the worker's extra round trip for it would cost.
+BESIDE_MIN_CHARS = 2048
+
+# How long an input outlives its request's deadline: the workers' clocks may
+# be behind the gateway's.
+GRACE_MS = 30_000
+
+
+class Beside(NamedTuple):
+    """An input to store beside its envelope, if the request is admitted."""
+
+    key: str
+    input: str
+    ttl_ms: int
+
+
+def stored(keys: Keys, envelope: wire.Envelope) -> tuple[bytes, Beside | None]:
+    """The envelope as it is queued, and its input to store beside it if it
+    is long."""
+    if len(envelope.input) < BESIDE_MIN_CHARS or envelope.job:
+        return wire.encode(envelope), None
+    key = keys.input(envelope.id)
+    ttl_ms = max(1, envelope.deadline_ms - envelope.enqueued_ms) + GRACE_MS
+    queued = msgspec.structs.replace(envelope, input="", input_key=key)
+    return wire.encode(queued), Beside(key, envelope.input, ttl_ms)
+
+
+def to_fetch(keys: Keys, envelopes: Sequence[wire.Envelope]) -> list[str]:
+    """The keys of the inputs kept beside ``envelopes`` that may be read
+    (under the inputs' prefix), once each."""
+    prefix = keys.input_prefix
+    return list(
+        dict.fromkeys(
+            e.input_key
+            for e in envelopes
+            if e.input_key is not None and e.input_key.startswith(prefix)
+        )
+    )
+
+
+def filled(
+    envelopes: Sequence[wire.Envelope], fetched: Mapping[str, bytes | None]
+) -> tuple[list[wire.Envelope], list[wire.Envelope]]:
+    """``envelopes`` with the inputs ``fetched`` (key -> value) in place; and
+    those whose input is not there (missing, not text, or never fetched)."""
+    ready: list[wire.Envelope] = []
+    lost: list[wire.Envelope] = []
+    for env in envelopes:
+        if env.input_key is None:
+            ready.append(env)
+            continue
+        value = fetched.get(env.input_key)
+        try:
+            text = value.decode() if isinstance(value, bytes) else None
+        except UnicodeDecodeError:
+            text = None
+        if text is None:
+            lost.append(env)
+        else:
+            ready.append(msgspec.structs.replace(env, input=text))
+    return ready, lost
+
+
+def kept_keys(keys: Keys, envelopes: Sequence[wire.Envelope]) -> list[str]:
+    """The keys to delete once ``envelopes`` are answered: only inputs (a
+    planted envelope names no other key to delete)."""
+    return to_fetch(keys, envelopes)

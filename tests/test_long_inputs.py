@@ -1,0 +1,163 @@
+"""Long inputs wait beside the queue (``base/queue/inputs.py``): stored by the
+admit that queues their envelope, fetched by the worker that runs them,
+deleted with the answer; one that is gone fails only its own request. Real
+Redis, the real scripts, a real worker."""
+
+import msgspec
+from infergate.base import clock, wire
+from infergate.base.queue.dispatcher import DispatcherQueue
+from infergate.base.queue.forming import Rule
+from infergate.base.queue.gateway import Counter, GatewayQueue
+from infergate.base.queue.inputs import BESIDE_MIN_CHARS, GRACE_MS
+from infergate.base.queue.store import Store
+from infergate.gpu.simulated import SimulatedBackend, sim_output
+from infergate.gpu.worker import Worker, WorkerSettings
+
+LONG = BESIDE_MIN_CHARS
+
+
+def _envelope(i: int, text: str, deadline_in_ms: int = 9_000) -> wire.Envelope:
+    now = clock.now_ms()
+    return wire.Envelope(f"r{i}", "gw", "paid", "k", text, now, now + deadline_in_ms)
+
+
+async def _admit(queue: GatewayQueue, env: wire.Envelope, limit: int = 100) -> bool:
+    data, beside = queue.stored(env)
+    counter = Counter(queue.counter_key("c"), 1, limit, 60)
+    return (await queue.admit([counter], env.tier, data, beside=beside)).admitted
+
+
+async def test_a_long_input_waits_beside_its_envelope_only_once_admitted(redis_url: str) -> None:
+    store = Store.connect(redis_url, "t", name="test")
+    queue = GatewayQueue(store, "gw")
+    keys = store.keys
+    try:
+        text = "€" * LONG
+        assert await _admit(queue, _envelope(1, text, deadline_in_ms=9_000))
+        queued = wire.decode_envelope(await store.redis.lindex(keys.queue("paid"), 0))
+        # The envelope carries the key, not the input.
+        assert (queued.input, queued.input_key) == ("", keys.input("r1"))
+        assert (await store.redis.get(keys.input("r1"))).decode() == text
+        ttl_ms = await store.redis.pttl(keys.input("r1"))
+        assert 9_000 < ttl_ms <= 9_000 + GRACE_MS
+        # One character shorter: in the envelope, as always.
+        assert await _admit(queue, _envelope(2, "x" * (LONG - 1)))
+        short = wire.decode_envelope(await store.redis.lindex(keys.queue("paid"), 0))
+        assert (short.input, short.input_key) == ("x" * (LONG - 1), None)
+        assert not await store.redis.exists(keys.input("r2"))
+        # Refused by its quota: nothing queued, nothing stored.
+        assert not await _admit(queue, _envelope(3, text), limit=2)
+        assert not await store.redis.exists(keys.input("r3"))
+        assert await store.redis.llen(keys.queue("paid")) == 2
+    finally:
+        await store.close()
+
+
+async def _batch_of(store: Store, envelopes: list[bytes]) -> bytes:
+    """``envelopes`` (queued as given) formed into one batch for worker w-1, pulled."""
+    keys = store.keys
+    await store.redis.set(keys.heartbeat("worker", "w-1"), b"{}")
+    await store.redis.lpush(keys.queue("paid"), *envelopes)
+    await store.redis.rpush(keys.credits("d1"), "w-1")
+    taken = await DispatcherQueue(store, "d1").take(
+        "w-1", "b1", clock.now_ms(), Rule(100, 0, -1, min_slots=(0, 0, 0))
+    )
+    assert taken.size == len(envelopes)
+    data = await store.redis.lmove(keys.batches, keys.processing("w-1"), "RIGHT", "LEFT")
+    assert data is not None
+    return data
+
+
+async def test_a_worker_runs_long_inputs_and_deletes_them_with_the_answer(
+    redis_url: str,
+) -> None:
+    worker = Worker(WorkerSettings("w-1", redis_url), SimulatedBackend(latency_ms=0))
+    store, keys = worker.store, worker.store.keys
+    gateway = GatewayQueue(store, "gw")
+    texts = [f"{i}" + "é" * LONG for i in range(3)] + ["short"]
+    try:
+        queued = []
+        for i, text in enumerate(texts):
+            data, beside = gateway.stored(_envelope(i, text))
+            assert (beside is None) == (text == "short")
+            if beside is not None:
+                await store.redis.set(beside.key, beside.input, px=beside.ttl_ms)
+            queued.append(data)
+        # The batch is made of the envelopes alone.
+        batch = await _batch_of(store, queued)
+        assert len(batch) < 1_000
+        answer = (await worker.handle(batch)).answer()
+        results = sorted(answer.replies["gw"].results, key=lambda r: r.id)
+        assert [r.output for r in results] == [sim_output(t) for t in texts]
+        assert sorted(answer.inputs_done) == [keys.input(f"r{i}") for i in range(3)]
+        await worker.queue.answer_batch(
+            answer.replies, clock.now_ms(), batch, inputs_done=answer.inputs_done
+        )
+        assert await store.redis.exists(*(keys.input(f"r{i}") for i in range(3))) == 0
+        assert await store.redis.llen(keys.processing("w-1")) == 0
+    finally:
+        await store.close()
+
+
+async def test_an_input_that_is_gone_fails_its_own_request_not_the_batch(
+    redis_url: str,
+) -> None:
+    """Missing (evicted, lost), not text, or under a key that is not an
+    input's (planted: never read, never deleted): INFERENCE_FAILED for that
+    request; the others in the batch run."""
+    worker = Worker(WorkerSettings("w-1", redis_url), SimulatedBackend(latency_ms=0))
+    store, keys = worker.store, worker.store.keys
+    text = "y" * LONG
+    try:
+        await store.redis.set(keys.input("real"), text)
+        await store.redis.set(keys.input("binary"), b"\xff\xfe" * LONG)
+        await store.redis.set(keys.policy, b"not an input")
+        cases = {
+            "real": keys.input("real"),
+            "missing": keys.input("missing"),
+            "binary": keys.input("binary"),
+            "planted": keys.policy,
+        }
+        now = clock.now_ms()
+        queued = [
+            wire.encode(wire.Envelope(rid, "gw", "paid", "k", "", now, now + 9_000, input_key=key))
+            for rid, key in cases.items()
+        ]
+        queued.append(wire.encode(_envelope(9, "short")))
+        batch = await _batch_of(store, queued)
+        answer = (await worker.handle(batch)).answer()
+        by_id = {r.id: r for r in answer.replies["gw"].results}
+        assert by_id["real"].output == sim_output(text)
+        assert by_id["r9"].output == sim_output("short")
+        for rid in ("missing", "binary", "planted"):
+            error = by_id[rid].error
+            assert error is not None, rid
+            assert error.code == "INFERENCE_FAILED", rid
+        assert len(by_id) == 5
+        await worker.queue.answer_batch(
+            answer.replies, clock.now_ms(), batch, inputs_done=answer.inputs_done
+        )
+        assert not await store.redis.exists(keys.input("real"))
+        assert await store.redis.get(keys.policy) == b"not an input"
+        # A batch whose every input is gone is answered all the same.
+        queued = [
+            wire.encode(
+                wire.Envelope(
+                    "gone", "gw", "paid", "k", "", now, now + 9_000, input_key=cases["missing"]
+                )
+            )
+        ]
+        answer = (await worker.handle(await _batch_of(store, queued))).answer()
+        (result,) = answer.replies["gw"].results
+        assert result.id == "gone"
+        assert result.error is not None
+    finally:
+        await store.close()
+
+
+def test_the_envelope_of_a_long_input_reads_as_before_when_it_is_short() -> None:
+    """An envelope without ``input_key`` is encoded exactly as before it
+    existed (omitted by default), so queues written by older gateways read."""
+    env = _envelope(1, "hello")
+    assert b"input_key" not in wire.encode(env)
+    assert msgspec.json.decode(wire.encode(env))["input"] == "hello"
