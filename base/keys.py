@@ -52,9 +52,10 @@ class Keys:
     def job(self, job_id: str) -> str:
         return self.job_prefix + job_id
 
-    def input(self, request_id: str) -> str:
-        """A long input, kept beside its envelope (``queue/inputs.py``)."""
-        return self.input_prefix + request_id
+    def input(self, gateway_id: str, request_id: str) -> str:
+        """A long input, kept beside its envelope (``queue/inputs.py``);
+        request ids are random per gateway."""
+        return self.input_prefix + gateway_id + ":" + request_id
 
     def cache(self, digest: str, fingerprint: str) -> str:
         """An answer kept for an input digest, under the model that gave it."""

@@ -32,6 +32,7 @@ class Envelope(msgspec.Struct, frozen=True, omit_defaults=True):
     # A long input is kept beside the queue, under this key, and ``input`` is
     # empty: no script copies it on its way to a worker (``queue/inputs.py``).
     input_key: str | None = None
+    input_chars: int = 0  # (its length, when it is kept beside)
 
 
 class Batch(msgspec.Struct, frozen=True):

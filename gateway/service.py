@@ -579,17 +579,19 @@ class Gateway:
             timeout_ms = envelope.deadline_ms - envelope.enqueued_ms
             raise ApiError("TIMEOUT", f"no result within the {timeout_ms} ms deadline") from None
         except ClientGone:
-            await self._cancel(envelope.id, envelope.deadline_ms)
+            await self._cancel(envelope)
             raise ApiError("CLIENT_CLOSED", "the client disconnected") from None
         finally:
             timer.cancel()
             if on_disconnect is not None:
                 on_disconnect(None)
 
-    async def _cancel(self, request_id: str, deadline_ms: int) -> None:
-        """The client left: mark the request so ``take`` drops it before a worker sees it."""
+    async def _cancel(self, envelope: wire.Envelope) -> None:
+        """The client left: mark the request so ``take`` drops it before a
+        worker sees it (and let its long input go)."""
+        request_id = envelope.id
         try:
-            await self.queue.cancel(request_id, deadline_ms)
+            await self.queue.cancel(request_id, envelope.deadline_ms, envelope)
             log.info("request.cancelled", request_id=request_id)
         except STORE_ERRORS as exc:
             log.warning("request.cancel_failed", request_id=request_id, error=type(exc).__name__)

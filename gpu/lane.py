@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import msgspec
 from infergate.base import clock, wire
 from infergate.base.queue.forming import TakeResult, new_batch_id
+from infergate.base.queue.inputs import any_beside
 from infergate.gpu.backend import Backend
 
 Future = concurrent.futures.Future
@@ -114,15 +115,13 @@ class Lane:
         chain_min: int,
         with_inputs: Callable[
             [list[wire.Envelope]], tuple[list[wire.Envelope], list[wire.Envelope]]
-        ]
-        | None = None,
+        ],
     ) -> None:
         """``take(ran, step, now_ms)`` runs the worker's take, blocking;
         ``may_take()`` says whether the lane may take now (not stopping);
         a batch of more than ``chain_min`` live requests is taken after;
         ``with_inputs(envelopes)`` fetches their long inputs, blocking
-        (``inputs.filled``: those with them, those whose input is gone;
-        without it, a batch with long inputs is left to the event loop)."""
+        (``inputs.filled``: those with them, those whose input is gone)."""
         self.backend = backend
         self._take = take
         self._with_inputs = with_inputs
@@ -218,9 +217,7 @@ class Lane:
         live = live_envelopes(batch, started_ms)
         if unreadable or not live or len(live) < len(batch.envelopes):
             return None  # logged there
-        if any(e.input_key is not None for e in live):
-            if self._with_inputs is None:
-                return None
+        if any_beside(live):
             live, lost = self._with_inputs(live)
             if lost:
                 return None  # answered there

@@ -306,10 +306,8 @@ class Worker:
                 "batch.expired_skipped", batch_id=batch.id, count=len(batch.envelopes) - len(live)
             )
         lost: list[wire.Envelope] = []
-        if running is None and any(e.input_key is not None for e in live):
-            live, lost = await self._with_inputs(live)
-            if lost:
-                log.error("batch.inputs_lost", batch_id=batch.id, count=len(lost))
+        if running is None and inputs.any_beside(live):
+            live, lost = await self._with_inputs(batch.id, live)
         if not live:
             if lost:
                 return Finished(len(lost), partial(self._lost_answer, batch, lost, started_ms))
@@ -332,41 +330,42 @@ class Worker:
         return Finished(len(live) + len(lost), build)
 
     async def _with_inputs(
-        self, live: list[wire.Envelope]
+        self, batch_id: str, live: list[wire.Envelope]
     ) -> tuple[list[wire.Envelope], list[wire.Envelope]]:
         """``live`` with its long inputs fetched (``inputs.py``), and the
-        envelopes whose input is gone. Retried while Redis is away; past the
-        publish grace once stopping, the batch fails here (and, if its
-        failure cannot be published either, stays for the reaper)."""
-        keys = inputs.to_fetch(self.store.keys, live)
-        fetched: dict[str, bytes | None] = {}
+        envelopes whose input is gone. Retried while Redis is away; once
+        stopping, past the publish grace, the worker leaves as for a hung
+        call: the batch stays in processing for the reaper."""
+        fetched: tuple[list[wire.Envelope], list[wire.Envelope]] = ([], [])
 
         async def fetch() -> None:
-            fetched.update(await self.queue.inputs(keys))
+            nonlocal fetched
+            fetched = await self.queue.with_inputs(live)
 
-        if keys and not await retry_until_done(
+        if not await retry_until_done(
             "batch.inputs", fetch, self.stopping, grace_after_stop_s=self._grace_left
         ):
-            raise BackendError("the batch's inputs could not be read from Redis")
-        return inputs.filled(live, fetched)
+            await self._exit_hung("worker.inputs_unreachable", batch_id=batch_id)
+        ready, lost = fetched
+        if lost:
+            log.error("batch.inputs_lost", batch_id=batch_id, count=len(lost))
+            self.metrics.inference_failures.inc(len(lost))
+        return ready, lost
 
     def _lost_answer(self, batch: wire.Batch, lost: list[wire.Envelope], started_ms: int) -> Answer:
-        """A batch whose every live input is gone: each of those answered."""
+        """A batch whose every live request's input is gone: each answered."""
         return Answer(
-            group_by_gateway(self._lost_results(batch, lost, started_ms)),
-            inputs_done=inputs.kept_keys(self.store.keys, lost),
+            group_by_gateway(self._lost_results(batch, lost, started_ms, len(lost))),
+            inputs_done=inputs.input_keys(self.store.keys, batch.envelopes),
         )
 
     def _lost_results(
-        self, batch: wire.Batch, lost: list[wire.Envelope], started_ms: int
+        self, batch: wire.Batch, lost: list[wire.Envelope], started_ms: int, size: int
     ) -> list[tuple[str, wire.Result]]:
         """INFERENCE_FAILED for each request whose long input was gone."""
         outcome = BackendError("the request's input was no longer in Redis")
         return [
-            (
-                wire.destination(env),
-                _result(env, outcome, batch.id, len(batch.envelopes), self.id, started_ms, 0),
-            )
+            (wire.destination(env), _result(env, outcome, batch.id, size, self.id, started_ms, 0))
             for env in lost
         ]
 
@@ -392,12 +391,13 @@ class Worker:
         """The replies of a batch the backend has run (and of the requests
         in it whose long input was gone), and the answers to keep."""
         answer = Answer()
-        results = self._lost_results(batch, lost, started_ms) if lost else []
+        size = len(live) + len(lost)
+        results = self._lost_results(batch, lost, started_ms, size) if lost else []
         for env in live:
             # Reported as served by the model, whichever copy ran: the keys of a
             # batch must not learn from served_by that another sent the same input.
             result = _result(
-                env, outcome_of[env.input], batch.id, len(live), self.id, started_ms, infer_ms
+                env, outcome_of[env.input], batch.id, size, self.id, started_ms, infer_ms
             )
             results.append((wire.destination(env), result))
             if env.cache_key and env.cache_ttl_ms > 0 and result.output is not None:
@@ -407,7 +407,8 @@ class Worker:
                     )
                 )
         answer.replies = group_by_gateway(results)
-        answer.inputs_done = inputs.kept_keys(self.store.keys, [*live, *lost])
+        # (the batch leaves processing with its answer: none of them runs again)
+        answer.inputs_done = inputs.input_keys(self.store.keys, batch.envelopes)
         self.batches_done += 1
         self.requests_done += len(live)
         self._recent.append((clock.monotonic_s(), len(live)))
@@ -491,7 +492,7 @@ class Worker:
             self.id,
             clock.now_ms(),
         )
-        return Answer(replies, inputs_done=inputs.kept_keys(self.store.keys, batch.envelopes))
+        return Answer(replies, inputs_done=inputs.input_keys(self.store.keys, batch.envelopes))
 
     # -- the loop ----------------------------------------------------------------
 

@@ -76,7 +76,7 @@ async def _run_first(store: Store, lane: Lane, backend: Gated, queued: int) -> R
 
 def _lane(store: Store, redis_url: str, backend: Gated, may_take: bool = True) -> Lane:
     take = WorkerQueue(store, "w1").blocking_take(redis_url, timeout_s=2.0)
-    return Lane(backend, take, lambda: may_take, chain_min=0)
+    return Lane(backend, take, lambda: may_take, chain_min=0, with_inputs=take.with_inputs)
 
 
 def _close(lane: Lane) -> None:
@@ -134,7 +134,7 @@ async def test_the_lane_fetches_long_inputs_before_it_starts_their_batch(
                 env = wire.Envelope(f"r{i}", "gw", "paid", "k", text, now, now + 30_000)
                 await gateway.enqueue("paid", *gateway.stored(env))
             if lose_one:
-                await store.redis.delete(store.keys.input("r1"))
+                await store.redis.delete(store.keys.input("gw", "r1"))
             backend.release.set()
             ran = await asyncio.wait_for(call, 10)
             assert ran.stepping is not None
@@ -211,7 +211,13 @@ async def test_a_take_whose_reply_is_lost_is_repeated_by_the_event_loop_with_its
         blocking(ran, step, now_ms)
         raise ConnectionError("the reply was lost")
 
-    lane = Lane(backend, take_then_lose_the_reply, lambda: True, chain_min=0)
+    lane = Lane(
+        backend,
+        take_then_lose_the_reply,
+        lambda: True,
+        chain_min=0,
+        with_inputs=blocking.with_inputs,
+    )
     try:
         ran = await _run_first(store, lane, backend, queued=3)
         assert ran.stepping is not None
@@ -244,7 +250,7 @@ async def test_a_slow_take_does_not_hold_back_the_calls_outcome(
         assert take_may_finish.wait(10)
         return blocking(ran, step, now_ms)
 
-    lane = Lane(backend, slow_take, lambda: True, chain_min=0)
+    lane = Lane(backend, slow_take, lambda: True, chain_min=0, with_inputs=blocking.with_inputs)
     try:
         ran = await _run_first(store, lane, backend, queued=1)
         assert ran.stepping is not None

@@ -5,6 +5,7 @@ Redis, the real scripts, a real worker."""
 
 import msgspec
 from infergate.base import clock, wire
+from infergate.base.queue import dead_letters
 from infergate.base.queue.dispatcher import DispatcherQueue
 from infergate.base.queue.forming import Rule
 from infergate.base.queue.gateway import Counter, GatewayQueue
@@ -36,18 +37,19 @@ async def test_a_long_input_waits_beside_its_envelope_only_once_admitted(redis_u
         assert await _admit(queue, _envelope(1, text, deadline_in_ms=9_000))
         queued = wire.decode_envelope(await store.redis.lindex(keys.queue("paid"), 0))
         # The envelope carries the key, not the input.
-        assert (queued.input, queued.input_key) == ("", keys.input("r1"))
-        assert (await store.redis.get(keys.input("r1"))).decode() == text
-        ttl_ms = await store.redis.pttl(keys.input("r1"))
+        assert (queued.input, queued.input_key) == ("", keys.input("gw", "r1"))
+        assert queued.input_chars == LONG
+        assert (await store.redis.get(keys.input("gw", "r1"))).decode() == text
+        ttl_ms = await store.redis.pttl(keys.input("gw", "r1"))
         assert 9_000 < ttl_ms <= 9_000 + GRACE_MS
         # One character shorter: in the envelope, as always.
         assert await _admit(queue, _envelope(2, "x" * (LONG - 1)))
         short = wire.decode_envelope(await store.redis.lindex(keys.queue("paid"), 0))
         assert (short.input, short.input_key) == ("x" * (LONG - 1), None)
-        assert not await store.redis.exists(keys.input("r2"))
+        assert not await store.redis.exists(keys.input("gw", "r2"))
         # Refused by its quota: nothing queued, nothing stored.
         assert not await _admit(queue, _envelope(3, text), limit=2)
-        assert not await store.redis.exists(keys.input("r3"))
+        assert not await store.redis.exists(keys.input("gw", "r3"))
         assert await store.redis.llen(keys.queue("paid")) == 2
     finally:
         await store.close()
@@ -89,11 +91,11 @@ async def test_a_worker_runs_long_inputs_and_deletes_them_with_the_answer(
         answer = (await worker.handle(batch)).answer()
         results = sorted(answer.replies["gw"].results, key=lambda r: r.id)
         assert [r.output for r in results] == [sim_output(t) for t in texts]
-        assert sorted(answer.inputs_done) == [keys.input(f"r{i}") for i in range(3)]
+        assert sorted(answer.inputs_done) == [keys.input("gw", f"r{i}") for i in range(3)]
         await worker.queue.answer_batch(
             answer.replies, clock.now_ms(), batch, inputs_done=answer.inputs_done
         )
-        assert await store.redis.exists(*(keys.input(f"r{i}") for i in range(3))) == 0
+        assert await store.redis.exists(*(keys.input("gw", f"r{i}") for i in range(3))) == 0
         assert await store.redis.llen(keys.processing("w-1")) == 0
     finally:
         await store.close()
@@ -109,13 +111,13 @@ async def test_an_input_that_is_gone_fails_its_own_request_not_the_batch(
     store, keys = worker.store, worker.store.keys
     text = "y" * LONG
     try:
-        await store.redis.set(keys.input("real"), text)
-        await store.redis.set(keys.input("binary"), b"\xff\xfe" * LONG)
+        await store.redis.set(keys.input("gw", "real"), text)
+        await store.redis.set(keys.input("gw", "binary"), b"\xff\xfe" * LONG)
         await store.redis.set(keys.policy, b"not an input")
         cases = {
-            "real": keys.input("real"),
-            "missing": keys.input("missing"),
-            "binary": keys.input("binary"),
+            "real": keys.input("gw", "real"),
+            "missing": keys.input("gw", "missing"),
+            "binary": keys.input("gw", "binary"),
             "planted": keys.policy,
         }
         now = clock.now_ms()
@@ -137,7 +139,7 @@ async def test_an_input_that_is_gone_fails_its_own_request_not_the_batch(
         await worker.queue.answer_batch(
             answer.replies, clock.now_ms(), batch, inputs_done=answer.inputs_done
         )
-        assert not await store.redis.exists(keys.input("real"))
+        assert not await store.redis.exists(keys.input("gw", "real"))
         assert await store.redis.get(keys.policy) == b"not an input"
         # A batch whose every input is gone is answered all the same.
         queued = [
@@ -161,3 +163,42 @@ def test_the_envelope_of_a_long_input_reads_as_before_when_it_is_short() -> None
     env = _envelope(1, "hello")
     assert b"input_key" not in wire.encode(env)
     assert msgspec.json.decode(wire.encode(env))["input"] == "hello"
+
+
+async def test_a_batch_answered_or_a_request_cancelled_lets_its_inputs_go(
+    redis_url: str,
+) -> None:
+    """Every input of a batch goes with its answer, those of requests that
+    expired in it too (the batch leaves processing: none runs again); a
+    cancelled request's input goes with its cancel."""
+    worker = Worker(WorkerSettings("w-1", redis_url), SimulatedBackend(latency_ms=0))
+    store, keys = worker.store, worker.store.keys
+    gateway = GatewayQueue(store, "gw")
+    now = clock.now_ms()
+    try:
+        queued = []
+        for i, deadline_ms in enumerate((now + 9_000, now - 1)):
+            env = wire.Envelope(f"r{i}", "gw", "paid", "k", "w" * LONG, now - 10, deadline_ms)
+            data, beside = gateway.stored(env)
+            assert beside is not None
+            await store.redis.set(beside.key, beside.input)
+            queued.append(data)
+        batch = wire.encode_batch("b1", "d1", now, queued)
+        await store.redis.lpush(keys.processing("w-1"), batch)
+        # The operators' view of the batch still says how long each input is.
+        assert dead_letters.describe(batch, 0).input_chars == [LONG, LONG]
+        answer = (await worker.handle(batch)).answer()
+        assert [r.id for r in answer.replies["gw"].results] == ["r0"]
+        await worker.queue.answer_batch(
+            answer.replies, clock.now_ms(), batch, inputs_done=answer.inputs_done
+        )
+        assert await store.redis.exists(keys.input("gw", "r0"), keys.input("gw", "r1")) == 0
+
+        env = _envelope(7, "c" * LONG)
+        assert await _admit(gateway, env)
+        assert await store.redis.exists(keys.input("gw", "r7"))
+        await gateway.cancel(env.id, env.deadline_ms, env)
+        assert not await store.redis.exists(keys.input("gw", "r7"))
+        assert await store.redis.zscore(keys.cancelled, "r7") == env.deadline_ms
+    finally:
+        await store.close()

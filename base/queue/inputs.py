@@ -50,20 +50,34 @@ class Beside(NamedTuple):
     ttl_ms: int
 
 
+def beside_key(keys: Keys, envelope: wire.Envelope) -> str | None:
+    """The key ``envelope``'s input is stored under, if it is kept beside."""
+    if len(envelope.input) < BESIDE_MIN_CHARS or envelope.job:
+        return None
+    return keys.input(envelope.gateway, envelope.id)
+
+
 def stored(keys: Keys, envelope: wire.Envelope) -> tuple[bytes, Beside | None]:
     """The envelope as it is queued, and its input to store beside it if it
     is long."""
-    if len(envelope.input) < BESIDE_MIN_CHARS or envelope.job:
+    key = beside_key(keys, envelope)
+    if key is None:
         return wire.encode(envelope), None
-    key = keys.input(envelope.id)
     ttl_ms = max(1, envelope.deadline_ms - envelope.enqueued_ms) + GRACE_MS
-    queued = msgspec.structs.replace(envelope, input="", input_key=key)
+    queued = msgspec.structs.replace(
+        envelope, input="", input_key=key, input_chars=len(envelope.input)
+    )
     return wire.encode(queued), Beside(key, envelope.input, ttl_ms)
 
 
-def to_fetch(keys: Keys, envelopes: Sequence[wire.Envelope]) -> list[str]:
-    """The keys of the inputs kept beside ``envelopes`` that may be read
-    (under the inputs' prefix), once each."""
+def any_beside(envelopes: Sequence[wire.Envelope]) -> bool:
+    return any(e.input_key is not None for e in envelopes)
+
+
+def input_keys(keys: Keys, envelopes: Sequence[wire.Envelope]) -> list[str]:
+    """The keys of the inputs kept beside ``envelopes``, once each: only
+    those under the inputs' prefix (a planted envelope names no other key
+    to read or delete)."""
     prefix = keys.input_prefix
     return list(
         dict.fromkeys(
@@ -95,9 +109,3 @@ def filled(
         else:
             ready.append(msgspec.structs.replace(env, input=text))
     return ready, lost
-
-
-def kept_keys(keys: Keys, envelopes: Sequence[wire.Envelope]) -> list[str]:
-    """The keys to delete once ``envelopes`` are answered: only inputs (a
-    planted envelope names no other key to delete)."""
-    return to_fetch(keys, envelopes)

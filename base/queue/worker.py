@@ -65,11 +65,17 @@ class WorkerQueue:
             self.keys.batches, self.keys.processing(self.worker_id), timeout_s
         )
 
-    async def inputs(self, keys: Sequence[str]) -> dict[str, bytes | None]:
-        """The long inputs kept beside a batch's envelopes (``inputs.py``), by
-        key: one MGET, in which Redis copies them into no script."""
-        (values,) = await self.store.pipelined.transaction([("MGET", *keys)], ())
-        return dict(zip(keys, values, strict=True))
+    async def with_inputs(
+        self, envelopes: Sequence[wire.Envelope]
+    ) -> tuple[list[wire.Envelope], list[wire.Envelope]]:
+        """``envelopes`` with their long inputs in place, and those whose
+        input is gone (``inputs.filled``): one MGET, in which Redis copies
+        them into no script, if any is kept beside."""
+        keys = inputs.input_keys(self.keys, envelopes)
+        values: list[bytes | None] = []
+        if keys:
+            (values,) = await self.store.pipelined.transaction([("MGET", *keys)], ())
+        return inputs.filled(envelopes, dict(zip(keys, values, strict=True)))
 
     async def batch_in_hand(self) -> bytes | None:
         """The batch already in this worker's processing list, if any (a pull
@@ -206,9 +212,8 @@ class BlockingTake:
     def with_inputs(
         self, envelopes: Sequence[wire.Envelope]
     ) -> tuple[list[wire.Envelope], list[wire.Envelope]]:
-        """``envelopes`` with their long inputs in place, and those whose
-        input is gone (``inputs.filled``): one MGET if any is kept beside."""
-        keys = inputs.to_fetch(self._queue.keys, envelopes)
+        """``WorkerQueue.with_inputs``, blocking."""
+        keys = inputs.input_keys(self._queue.keys, envelopes)
         values: list[bytes | None] = self._client.mget(keys) if keys else []  # type: ignore[assignment]
         return inputs.filled(envelopes, dict(zip(keys, values, strict=True)))
 
