@@ -587,11 +587,12 @@ class Gateway:
                 on_disconnect(None)
 
     async def _cancel(self, envelope: wire.Envelope) -> None:
-        """The client left: mark the request so ``take`` drops it before a
-        worker sees it (and let its long input go)."""
+        """The client left: mark the request so ``take`` drops it (and its
+        long input) before a worker sees it. One already in a batch runs;
+        its input goes with the answer."""
         request_id = envelope.id
         try:
-            await self.queue.cancel(request_id, envelope.deadline_ms, envelope)
+            await self.queue.cancel(request_id, envelope.deadline_ms)
             log.info("request.cancelled", request_id=request_id)
         except STORE_ERRORS as exc:
             log.warning("request.cancel_failed", request_id=request_id, error=type(exc).__name__)

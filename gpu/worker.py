@@ -311,7 +311,8 @@ class Worker:
         if not live:
             if lost:
                 return Finished(len(lost), partial(self._lost_answer, batch, lost, started_ms))
-            return NOTHING_TO_ANSWER
+            # Nothing to run or answer; its long inputs go as it leaves processing.
+            return Finished(0, partial(self._lost_answer, batch, [], started_ms))
         started = running.started if running else clock.monotonic_s()
         idle_ms = self._backend_idle_ms(started)
         # Identical inputs in one batch take one slot of the backend's call:
@@ -353,7 +354,8 @@ class Worker:
         return ready, lost
 
     def _lost_answer(self, batch: wire.Batch, lost: list[wire.Envelope], started_ms: int) -> Answer:
-        """A batch whose every live request's input is gone: each answered."""
+        """A batch whose every live request's input is gone (or with none
+        live): each of those answered, and the batch's inputs let go."""
         return Answer(
             group_by_gateway(self._lost_results(batch, lost, started_ms, len(lost))),
             inputs_done=inputs.input_keys(self.store.keys, batch.envelopes),

@@ -165,40 +165,49 @@ def test_the_envelope_of_a_long_input_reads_as_before_when_it_is_short() -> None
     assert msgspec.json.decode(wire.encode(env))["input"] == "hello"
 
 
-async def test_a_batch_answered_or_a_request_cancelled_lets_its_inputs_go(
+async def test_an_input_goes_with_its_batch_or_when_take_drops_its_request(
     redis_url: str,
 ) -> None:
     """Every input of a batch goes with its answer, those of requests that
-    expired in it too (the batch leaves processing: none runs again); a
-    cancelled request's input goes with its cancel."""
+    expired in it too (the batch leaves processing: none runs again), even
+    when none of it is left to run; the input of a request ``take`` drops
+    (cancelled, expired) goes as it is dropped."""
     worker = Worker(WorkerSettings("w-1", redis_url), SimulatedBackend(latency_ms=0))
     store, keys = worker.store, worker.store.keys
     gateway = GatewayQueue(store, "gw")
     now = clock.now_ms()
     try:
-        queued = []
-        for i, deadline_ms in enumerate((now + 9_000, now - 1)):
-            env = wire.Envelope(f"r{i}", "gw", "paid", "k", "w" * LONG, now - 10, deadline_ms)
-            data, beside = gateway.stored(env)
-            assert beside is not None
-            await store.redis.set(beside.key, beside.input)
-            queued.append(data)
-        batch = wire.encode_batch("b1", "d1", now, queued)
-        await store.redis.lpush(keys.processing("w-1"), batch)
-        # The operators' view of the batch still says how long each input is.
-        assert dead_letters.describe(batch, 0).input_chars == [LONG, LONG]
-        answer = (await worker.handle(batch)).answer()
-        assert [r.id for r in answer.replies["gw"].results] == ["r0"]
-        await worker.queue.answer_batch(
-            answer.replies, clock.now_ms(), batch, inputs_done=answer.inputs_done
-        )
-        assert await store.redis.exists(keys.input("gw", "r0"), keys.input("gw", "r1")) == 0
+        for deadlines in ((now + 9_000, now - 1), (now - 1, now - 2)):
+            queued = []
+            for i, deadline_ms in enumerate(deadlines):
+                env = wire.Envelope(f"r{i}", "gw", "paid", "k", "w" * LONG, now - 10, deadline_ms)
+                data, beside = gateway.stored(env)
+                assert beside is not None
+                await store.redis.set(beside.key, beside.input)
+                queued.append(data)
+            batch = wire.encode_batch("b1", "d1", now, queued)
+            await store.redis.lpush(keys.processing("w-1"), batch)
+            # The operators' view of the batch still says how long each input is.
+            assert dead_letters.describe(batch, 0).input_chars == [LONG, LONG]
+            answer = (await worker.handle(batch)).answer()
+            live = [r.id for r in answer.replies.get("gw", wire.Reply([])).results]
+            assert live == (["r0"] if deadlines[0] > now else [])
+            await worker.queue.answer_batch(
+                answer.replies, clock.now_ms(), batch, inputs_done=answer.inputs_done
+            )
+            assert await store.redis.exists(keys.input("gw", "r0"), keys.input("gw", "r1")) == 0
 
-        env = _envelope(7, "c" * LONG)
-        assert await _admit(gateway, env)
-        assert await store.redis.exists(keys.input("gw", "r7"))
-        await gateway.cancel(env.id, env.deadline_ms, env)
-        assert not await store.redis.exists(keys.input("gw", "r7"))
-        assert await store.redis.zscore(keys.cancelled, "r7") == env.deadline_ms
+        cancelled, expired = _envelope(7, "c" * LONG), _envelope(8, "e" * LONG, deadline_in_ms=1)
+        assert await _admit(gateway, cancelled)
+        assert await _admit(gateway, expired)
+        await gateway.cancel(cancelled.id, cancelled.deadline_ms)
+        assert await store.redis.exists(keys.input("gw", "r7"), keys.input("gw", "r8")) == 2
+        await store.redis.set(keys.heartbeat("worker", "w-1"), b"{}")
+        await store.redis.rpush(keys.credits("d1"), "w-1")
+        taken = await DispatcherQueue(store, "d1").take(
+            "w-1", "b2", expired.deadline_ms + 1, Rule(100, 0, -1, min_slots=(0, 0, 0))
+        )
+        assert (taken.size, taken.cancelled, taken.expired) == (0, 1, 1)
+        assert await store.redis.exists(keys.input("gw", "r7"), keys.input("gw", "r8")) == 0
     finally:
         await store.close()

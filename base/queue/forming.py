@@ -88,7 +88,7 @@ def take_args(
     ack: bool = False,
     rule: Rule | None = None,
 ) -> list[Any]:
-    head: list[Any] = [mode, now_ms, credit, batch_id, former, keys.job_prefix, ran, step]
+    head: list[Any] = [mode, now_ms, credit, batch_id, former, keys.prefix, ran, step]
     head.append("ack" if ack else "")
     if rule is None:
         return head

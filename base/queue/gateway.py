@@ -181,18 +181,10 @@ class GatewayQueue:
         raw: bytes | None = await self.store.redis.get(self.keys.cache(digest, fingerprint))  # type: ignore[assignment]
         return None if raw is None else raw.decode("utf-8", errors="replace")
 
-    async def cancel(
-        self, request_id: str, until_ms: int, envelope: wire.Envelope | None = None
-    ) -> None:
-        """Mark a queued request as abandoned; ``take`` drops it. Its long
-        input (``envelope``'s, if kept beside) goes at once."""
-        key = None if envelope is None else inputs.beside_key(self.keys, envelope)
-        if key is None:
-            await self.store.redis.zadd(self.keys.cancelled, {request_id: until_ms})
-            return
-        await self.store.pipelined.transaction(
-            [("ZADD", self.keys.cancelled, until_ms, request_id), ("DEL", key)], ()
-        )
+    async def cancel(self, request_id: str, until_ms: int) -> None:
+        """Mark a queued request as abandoned; ``take`` drops it (and its
+        long input, if it has one)."""
+        await self.store.redis.zadd(self.keys.cancelled, {request_id: until_ms})
 
     async def dead_letters(self, limit: int) -> tuple[int, list[dead_letters.DeadLetter]]:
         """For operators: the dead-letter list's size and its newest ``limit`` batches."""

@@ -53,7 +53,8 @@
 --   for tracing) or 'worker'
 -- ARGV[2] now (epoch ms)  ARGV[3] the credit (worker id)  ARGV[4] the batch id
 -- ARGV[5] who forms it (the dispatcher's id, or the worker's)
--- ARGV[6] the job record key prefix
+-- ARGV[6] the namespace's key prefix ('{ns}:': job records are under
+--   'job:', long inputs under 'input:')
 -- ARGV[7] 'worker': the batch just run (as pulled); 'dispatch': unused
 -- ARGV[8] 'worker': this step's token, the same when the step is repeated;
 --   'dispatch': unused
@@ -77,7 +78,7 @@ local own, stats, doorbell, cancelled_set = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local ready, jobs_queued, batches = KEYS[6], KEYS[7], KEYS[9]
 local now = tonumber(ARGV[2])
 local credit = ARGV[3]
-local job_prefix = ARGV[6]
+local job_prefix, input_prefix = ARGV[6] .. 'job:', ARGV[6] .. 'input:'
 local first_queue = 11
 local ntiers = (#KEYS - first_queue + 1) / 2
 local first_job_queue = first_queue + ntiers
@@ -188,6 +189,15 @@ local function left_queue(env, status)
   end
 end
 
+local function drop_input(env)
+  -- a dropped request's long input (queue/inputs.py) goes with it; only
+  -- a key under the inputs' prefix (a planted envelope names no other)
+  local key = env.input_key
+  if type(key) == 'string' and string.sub(key, 1, #input_prefix) == input_prefix then
+    redis.call('DEL', key)
+  end
+end
+
 local function consider(raw)
   -- one envelope off a queue: taken, or dropped and counted. (cjson stops
   -- reading at a NUL byte: what followed one, anything at all, would go
@@ -201,9 +211,11 @@ local function consider(raw)
   elseif env.deadline_ms <= now then
     expired = expired + 1
     left_queue(env, 'expired')
+    drop_input(env)
   elseif check_cancelled and redis.call('ZSCORE', cancelled_set, env.id) then
     cancelled = cancelled + 1
     redis.call('ZREM', cancelled_set, env.id)
+    drop_input(env)
   else
     taken[#taken + 1] = raw
     if env.job == true then
