@@ -18,7 +18,10 @@ class Envelope(msgspec.Struct, frozen=True, omit_defaults=True):
     gateway: str
     tier: str
     key_id: str
-    input: str
+    # None: kept beside the queue, under ``input_key`` (``queue/inputs.py``).
+    # (So an envelope whose input waits there is unreadable to code from
+    # before it, which would run an empty input: dropped, never answered.)
+    input: str | None
     enqueued_ms: int
     deadline_ms: int
     # W3C traceparent of the request's span, when tracing is on.
@@ -30,7 +33,7 @@ class Envelope(msgspec.Struct, frozen=True, omit_defaults=True):
     cache_key: str | None = None
     cache_ttl_ms: int = 0
     # A long input is kept beside the queue, under this key, and ``input`` is
-    # empty: no script copies it on its way to a worker (``queue/inputs.py``).
+    # None: no script copies it on its way to a worker (``queue/inputs.py``).
     input_key: str | None = None
     input_chars: int = 0  # (its length, when it is kept beside)
 
@@ -84,6 +87,14 @@ def new_job_id() -> str:
 
 # Where a job's result goes instead of a gateway's reply channel (``replies.py``).
 JOBS = "~jobs"
+
+
+def input_of(env: Envelope) -> str:
+    """The input of an envelope whose input is in it (a worker fetches the
+    inputs kept beside the queue before it runs a batch)."""
+    if env.input is None:
+        raise ValueError(f"the input of {env.id!r} was not fetched")
+    return env.input
 
 
 def destination(env: Envelope) -> str:

@@ -53,7 +53,7 @@ def live_envelopes(batch: wire.Batch, now_ms: int) -> list[wire.Envelope]:
 
 def distinct_inputs(live: list[wire.Envelope]) -> list[str]:
     """Identical inputs in one batch take one slot of the backend's call."""
-    return list(dict.fromkeys(e.input for e in live))
+    return list(dict.fromkeys(wire.input_of(e) for e in live))
 
 
 @dataclass(frozen=True)

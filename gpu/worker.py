@@ -350,7 +350,6 @@ class Worker:
         ready, lost = fetched
         if lost:
             log.error("batch.inputs_lost", batch_id=batch_id, count=len(lost))
-            self.metrics.inference_failures.inc(len(lost))
         return ready, lost
 
     def _lost_answer(self, batch: wire.Batch, lost: list[wire.Envelope], started_ms: int) -> Answer:
@@ -364,10 +363,25 @@ class Worker:
     def _lost_results(
         self, batch: wire.Batch, lost: list[wire.Envelope], started_ms: int, size: int
     ) -> list[tuple[str, wire.Result]]:
-        """INFERENCE_FAILED for each request whose long input was gone."""
-        outcome = BackendError("the request's input was no longer in Redis")
+        """SERVICE_OVERLOADED, to be retried, for each request whose long
+        input was gone: not INFERENCE_FAILED, which says the input itself
+        failed (and is passed to every request collapsed onto it)."""
+        error = wire.ErrorInfo(
+            "SERVICE_OVERLOADED", "the request's input was no longer in Redis; retry"
+        )
         return [
-            (wire.destination(env), _result(env, outcome, batch.id, size, self.id, started_ms, 0))
+            (
+                wire.destination(env),
+                wire.Result(
+                    id=env.id,
+                    batch_id=batch.id,
+                    batch_size=size,
+                    worker=self.id,
+                    queue_ms=max(0, started_ms - env.enqueued_ms),
+                    infer_ms=0,
+                    error=error,
+                ),
+            )
             for env in lost
         ]
 
@@ -399,7 +413,7 @@ class Worker:
             # Reported as served by the model, whichever copy ran: the keys of a
             # batch must not learn from served_by that another sent the same input.
             result = _result(
-                env, outcome_of[env.input], batch.id, size, self.id, started_ms, infer_ms
+                env, outcome_of[wire.input_of(env)], batch.id, size, self.id, started_ms, infer_ms
             )
             results.append((wire.destination(env), result))
             if env.cache_key and env.cache_ttl_ms > 0 and result.output is not None:
@@ -426,7 +440,7 @@ class Worker:
         idle_ms: float | None,
     ) -> None:
         """A batch's metrics and log line."""
-        failed = sum(isinstance(outcome_of[e.input], BackendError) for e in live)
+        failed = sum(isinstance(outcome_of[wire.input_of(e)], BackendError) for e in live)
         self.metrics.backend_inputs.inc(len(outcome_of))
         self.metrics.requests_collapsed.inc(len(live) - len(outcome_of))
         self.metrics.batch_size.observe(len(live))

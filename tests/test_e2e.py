@@ -102,13 +102,20 @@ async def test_long_inputs_are_answered_and_leave_nothing_behind(
     texts = [f"{i}:" + "long input " * (BESIDE_MIN_CHARS // 10) for i in range(60)]
     texts += [f"short {i}" for i in range(30)]
     assert all(len(t) >= BESIDE_MIN_CHARS for t in texts[:60])
+    client = redis.Redis.from_url(module_redis.url)
+
+    def mgets() -> int:
+        return int(client.info("commandstats").get("cmdstat_mget", {}).get("calls", 0))
+
+    fetched_before = mgets()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=100)) as session:
         results = await asyncio.gather(*(_post(session, stack.url, "enterprise", t) for t in texts))
     assert [status for status, _ in results] == [200] * 90, [b for s, b in results if s != 200][:3]
     for text, (_, body) in zip(texts, results, strict=True):
         assert body["output"] == sim_output(text)
     assert max(body["batch_size"] for _, body in results) > 1
-    client = redis.Redis.from_url(module_redis.url)
+    # The long ones waited beside the queue: workers fetched them.
+    assert mgets() > fetched_before
     # Deleted in the transaction that published each answer.
     assert list(client.scan_iter(Keys().input_prefix + "*")) == []
     client.close()

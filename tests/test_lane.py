@@ -126,7 +126,15 @@ async def test_the_lane_fetches_long_inputs_before_it_starts_their_batch(
     for lose_one in (False, True):
         backend = Gated()
         take = WorkerQueue(store, "w1").blocking_take(redis_url, timeout_s=2.0)
-        lane = Lane(backend, take, lambda: True, chain_min=0, with_inputs=take.with_inputs)
+        fetched: list[tuple[list[wire.Envelope], list[wire.Envelope]]] = []
+
+        def with_inputs(
+            envs: list[wire.Envelope], take: Any = take, fetched: list[Any] = fetched
+        ) -> Any:
+            fetched.append(take.with_inputs(envs))
+            return fetched[-1]
+
+        lane = Lane(backend, take, lambda: True, chain_min=0, with_inputs=with_inputs)
         try:
             call = lane.call(["a"], Then(b"batch A"))
             for i, text in enumerate(texts):
@@ -142,6 +150,8 @@ async def test_the_lane_fetches_long_inputs_before_it_starts_their_batch(
             assert stepped.taken is not None
             assert stepped.taken.size == 2
             if lose_one:
+                # Fetched, r1's found gone: the event loop runs the batch.
+                assert [[e.id for e in lost] for _, lost in fetched] == [["r1"]]
                 assert stepped.running is None
                 assert backend.calls == [["a"]]
             else:

@@ -37,7 +37,7 @@ async def test_a_long_input_waits_beside_its_envelope_only_once_admitted(redis_u
         assert await _admit(queue, _envelope(1, text, deadline_in_ms=9_000))
         queued = wire.decode_envelope(await store.redis.lindex(keys.queue("paid"), 0))
         # The envelope carries the key, not the input.
-        assert (queued.input, queued.input_key) == ("", keys.input("gw", "r1"))
+        assert (queued.input, queued.input_key) == (None, keys.input("gw", "r1"))
         assert queued.input_chars == LONG
         assert (await store.redis.get(keys.input("gw", "r1"))).decode() == text
         ttl_ms = await store.redis.pttl(keys.input("gw", "r1"))
@@ -51,6 +51,33 @@ async def test_a_long_input_waits_beside_its_envelope_only_once_admitted(redis_u
         assert not await _admit(queue, _envelope(3, text), limit=2)
         assert not await store.redis.exists(keys.input("gw", "r3"))
         assert await store.redis.llen(keys.queue("paid")) == 2
+    finally:
+        await store.close()
+
+
+async def test_a_long_input_handed_straight_to_an_idle_worker_waits_beside_too(
+    redis_url: str,
+) -> None:
+    """The admit that hands a lone request straight to an idle worker (its
+    keys and arguments after the input's) stores the input as well."""
+    store = Store.connect(redis_url, "t", name="test")
+    queue, keys = GatewayQueue(store, "gw"), store.keys
+    try:
+        await DispatcherQueue(store, "d1").publish_rule(Rule(100, 0, -1, min_slots=(0, 0, 0)))
+        await store.redis.set(keys.heartbeat("worker", "w-1"), b"{}")
+        await store.redis.lpush(keys.ready, "w-1")
+        text = "s" * LONG
+        data, beside = queue.stored(_envelope(1, text))
+        counter = Counter(queue.counter_key("c"), 1, 100, 60)
+        admitted = await queue.admit([counter], "paid", data, straight=True, beside=beside)
+        assert (admitted.admitted, admitted.handed) == (True, True)
+        batch, unreadable = wire.decode_batch(await store.redis.lindex(keys.batches, 0))
+        assert unreadable == 0
+        assert [(e.id, e.input, e.input_key) for e in batch.envelopes] == [
+            ("r1", None, keys.input("gw", "r1"))
+        ]
+        assert (await store.redis.get(keys.input("gw", "r1"))).decode() == text
+        assert await store.redis.llen(keys.ready) == 0
     finally:
         await store.close()
 
@@ -105,8 +132,8 @@ async def test_an_input_that_is_gone_fails_its_own_request_not_the_batch(
     redis_url: str,
 ) -> None:
     """Missing (evicted, lost), not text, or under a key that is not an
-    input's (planted: never read, never deleted): INFERENCE_FAILED for that
-    request; the others in the batch run."""
+    input's (planted: never read, never deleted): SERVICE_OVERLOADED (503,
+    to be retried) for that request; the others in the batch run."""
     worker = Worker(WorkerSettings("w-1", redis_url), SimulatedBackend(latency_ms=0))
     store, keys = worker.store, worker.store.keys
     text = "y" * LONG
@@ -122,7 +149,9 @@ async def test_an_input_that_is_gone_fails_its_own_request_not_the_batch(
         }
         now = clock.now_ms()
         queued = [
-            wire.encode(wire.Envelope(rid, "gw", "paid", "k", "", now, now + 9_000, input_key=key))
+            wire.encode(
+                wire.Envelope(rid, "gw", "paid", "k", None, now, now + 9_000, input_key=key)
+            )
             for rid, key in cases.items()
         ]
         queued.append(wire.encode(_envelope(9, "short")))
@@ -134,7 +163,7 @@ async def test_an_input_that_is_gone_fails_its_own_request_not_the_batch(
         for rid in ("missing", "binary", "planted"):
             error = by_id[rid].error
             assert error is not None, rid
-            assert error.code == "INFERENCE_FAILED", rid
+            assert error.code == "SERVICE_OVERLOADED", rid
         assert len(by_id) == 5
         await worker.queue.answer_batch(
             answer.replies, clock.now_ms(), batch, inputs_done=answer.inputs_done
@@ -145,7 +174,7 @@ async def test_an_input_that_is_gone_fails_its_own_request_not_the_batch(
         queued = [
             wire.encode(
                 wire.Envelope(
-                    "gone", "gw", "paid", "k", "", now, now + 9_000, input_key=cases["missing"]
+                    "gone", "gw", "paid", "k", None, now, now + 9_000, input_key=cases["missing"]
                 )
             )
         ]
@@ -157,12 +186,43 @@ async def test_an_input_that_is_gone_fails_its_own_request_not_the_batch(
         await store.close()
 
 
-def test_the_envelope_of_a_long_input_reads_as_before_when_it_is_short() -> None:
-    """An envelope without ``input_key`` is encoded exactly as before it
-    existed (omitted by default), so queues written by older gateways read."""
-    env = _envelope(1, "hello")
-    assert b"input_key" not in wire.encode(env)
-    assert msgspec.json.decode(wire.encode(env))["input"] == "hello"
+class _EnvelopeBefore(msgspec.Struct):
+    """The envelope as workers before ``input_key`` read it."""
+
+    id: str
+    gateway: str
+    tier: str
+    key_id: str
+    input: str
+    enqueued_ms: int
+    deadline_ms: int
+
+
+async def test_code_from_before_drops_an_envelope_whose_input_waits_beside(
+    redis_url: str,
+) -> None:
+    """A gateway rolled out before the workers: its long input's envelope is
+    unreadable to their decoder and to their take.lua's check (a string
+    input), so it is dropped (504 at its deadline), never run as an empty
+    input (a wrong 200, and a wrong answer kept in the cache). A short
+    input's envelope is the same bytes as before."""
+    store = Store.connect(redis_url, "t", name="test")
+    try:
+        long, _ = GatewayQueue(store, "gw").stored(_envelope(1, "x" * LONG))
+        short, _ = GatewayQueue(store, "gw").stored(_envelope(2, "hello"))
+        try:
+            msgspec.json.decode(long, type=_EnvelopeBefore)
+            read_before = True
+        except msgspec.ValidationError:
+            read_before = False
+        assert not read_before
+        assert msgspec.json.decode(short, type=_EnvelopeBefore).input == "hello"
+        assert b"input_key" not in short
+        checks = "local e = cjson.decode(ARGV[1]) return type(e.input) == 'string' and 1 or 0"
+        assert await store.redis.eval(checks, 0, long) == 0
+        assert await store.redis.eval(checks, 0, short) == 1
+    finally:
+        await store.close()
 
 
 async def test_an_input_goes_with_its_batch_or_when_take_drops_its_request(

@@ -59,7 +59,7 @@ def describe(raw: bytes, position: int) -> DeadLetter:
         len(batch.envelopes) + unreadable,
         [e.id for e in batch.envelopes],
         tiers,
-        [e.input_chars if e.input_key is not None else len(e.input) for e in batch.envelopes],
+        [e.input_chars if e.input is None else len(e.input) for e in batch.envelopes],
     )
 
 

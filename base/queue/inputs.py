@@ -7,7 +7,10 @@ cost Redis 13 ms, and every gateway's admit waited behind it. So an input of
 at least ``BESIDE_MIN_CHARS`` characters is stored under a key of its own
 (``Keys.input``), by the admit that queues its envelope and only if it is
 admitted (``admit.lua``). The envelope goes through the queues with ``input``
-empty and ``input_key`` set.
+null and ``input_key`` set. Code from before this finds such an envelope
+unreadable, where an empty input would have run in its place: it drops it,
+and the request gets 504 at its deadline. So roll out workers and
+dispatchers before gateways.
 
 The worker fetches the inputs of a batch before running it: one MGET, in which
 Redis copies no byte into a script. It deletes them in the transaction that
@@ -18,10 +21,11 @@ deadline nobody runs it: the gateway has answered 504. So a request that was
 dropped (expired, cancelled, its batch dead-lettered) leaves nothing behind
 for long.
 
-An input that is missing when its batch runs fails its own request,
-INFERENCE_FAILED, never the batch. It can be missing because Redis evicted it
-or lost it, or because the envelope was planted. A key outside the inputs'
-prefix is never read.
+An input that is missing when its batch runs fails its own request, never
+the batch: 503 SERVICE_OVERLOADED, to be retried (not INFERENCE_FAILED, which
+says the input itself failed: identical requests collapsed onto it would get
+that too). It can be missing because Redis evicted it or lost it, or because
+the envelope was planted. A key outside the inputs' prefix is never read.
 
 Jobs keep their input in the envelope: a job may wait in its queue for hours.
 """
@@ -50,28 +54,20 @@ class Beside(NamedTuple):
     ttl_ms: int
 
 
-def beside_key(keys: Keys, envelope: wire.Envelope) -> str | None:
-    """The key ``envelope``'s input is stored under, if it is kept beside."""
-    if len(envelope.input) < BESIDE_MIN_CHARS or envelope.job:
-        return None
-    return keys.input(envelope.gateway, envelope.id)
-
-
 def stored(keys: Keys, envelope: wire.Envelope) -> tuple[bytes, Beside | None]:
     """The envelope as it is queued, and its input to store beside it if it
     is long."""
-    key = beside_key(keys, envelope)
-    if key is None:
+    text = envelope.input
+    if text is None or len(text) < BESIDE_MIN_CHARS or envelope.job:
         return wire.encode(envelope), None
+    key = keys.input(envelope.gateway, envelope.id)
     ttl_ms = max(1, envelope.deadline_ms - envelope.enqueued_ms) + GRACE_MS
-    queued = msgspec.structs.replace(
-        envelope, input="", input_key=key, input_chars=len(envelope.input)
-    )
-    return wire.encode(queued), Beside(key, envelope.input, ttl_ms)
+    queued = msgspec.structs.replace(envelope, input=None, input_key=key, input_chars=len(text))
+    return wire.encode(queued), Beside(key, text, ttl_ms)
 
 
 def any_beside(envelopes: Sequence[wire.Envelope]) -> bool:
-    return any(e.input_key is not None for e in envelopes)
+    return any(e.input is None for e in envelopes)
 
 
 def input_keys(keys: Keys, envelopes: Sequence[wire.Envelope]) -> list[str]:
@@ -83,7 +79,7 @@ def input_keys(keys: Keys, envelopes: Sequence[wire.Envelope]) -> list[str]:
         dict.fromkeys(
             e.input_key
             for e in envelopes
-            if e.input_key is not None and e.input_key.startswith(prefix)
+            if e.input is None and e.input_key is not None and e.input_key.startswith(prefix)
         )
     )
 
@@ -96,10 +92,10 @@ def filled(
     ready: list[wire.Envelope] = []
     lost: list[wire.Envelope] = []
     for env in envelopes:
-        if env.input_key is None:
+        if env.input is not None:
             ready.append(env)
             continue
-        value = fetched.get(env.input_key)
+        value = None if env.input_key is None else fetched.get(env.input_key)
         try:
             text = value.decode() if isinstance(value, bytes) else None
         except UnicodeDecodeError:

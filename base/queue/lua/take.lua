@@ -15,7 +15,8 @@
 -- the batch (if it has work), then the rest is filled in strict priority
 -- order (KEYS order). Envelopes past their deadline, cancelled, or
 -- unreadable (not JSON, or without a numeric deadline_ms and string id,
--- gateway and input) are dropped here and counted: they never reach a
+-- gateway and input, or a null input and a string input_key: a long input
+-- kept beside the queue) are dropped here and counted: they never reach a
 -- worker. (What cjson reads but JSON does not, NaN or 0x10 or a raw tab
 -- in a string, does: the worker drops it alone, wire.decode_batch; one
 -- with a NUL byte is dropped here.) If work is left behind, the doorbell
@@ -206,7 +207,8 @@ local function consider(raw)
   if not string.find(raw, '\0', 1, true) then ok, env = pcall(cjson.decode, raw) end
   if not ok or type(env) ~= 'table' or type(env.deadline_ms) ~= 'number'
       or type(env.id) ~= 'string' or type(env.gateway) ~= 'string'
-      or type(env.input) ~= 'string' then
+      or not (type(env.input) == 'string'
+        or (env.input == cjson.null and type(env.input_key) == 'string')) then
     malformed = malformed + 1
   elseif env.deadline_ms <= now then
     expired = expired + 1
