@@ -16,10 +16,11 @@ The worker fetches the inputs of a batch before running it: one MGET, in which
 Redis copies no byte into a script. It deletes them in the transaction that
 publishes the batch's answer.
 
-An input lives until its request's deadline plus ``GRACE_MS``. Past the
-deadline nobody runs it: the gateway has answered 504. So a request that was
-dropped (expired, cancelled, its batch dead-lettered) leaves nothing behind
-for long.
+``take.lua`` deletes the input of a request it drops (cancelled, expired).
+Otherwise an input lives until its request's deadline plus ``GRACE_MS``.
+Past the deadline nobody runs it: the gateway has answered 504. So a request
+dropped elsewhere (its batch dead-lettered, its envelope unreadable) leaves
+nothing behind for long.
 
 An input that is missing when its batch runs fails its own request, never
 the batch: 503 SERVICE_OVERLOADED, to be retried (not INFERENCE_FAILED, which

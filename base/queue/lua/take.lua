@@ -14,10 +14,10 @@
 -- process that dies. Each tier first gets its minimum share of
 -- the batch (if it has work), then the rest is filled in strict priority
 -- order (KEYS order). Envelopes past their deadline, cancelled, or
--- unreadable (not JSON, or without a numeric deadline_ms and string id,
--- gateway and input, or a null input and a string input_key: a long input
--- kept beside the queue) are dropped here and counted: they never reach a
--- worker. (What cjson reads but JSON does not, NaN or 0x10 or a raw tab
+-- unreadable (not JSON, or without a numeric deadline_ms, a string id and
+-- gateway, and a string input or, for a long input kept beside the queue,
+-- a null input and a string input_key) are dropped here and counted: they
+-- never reach a worker; a dropped one's long input is deleted with it. (What cjson reads but JSON does not, NaN or 0x10 or a raw tab
 -- in a string, does: the worker drops it alone, wire.decode_batch; one
 -- with a NUL byte is dropped here.) If work is left behind, the doorbell
 -- rings again so another dispatcher holding a credit wakes for it.
