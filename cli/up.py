@@ -27,7 +27,7 @@ from infergate.base.loops import Backoff
 from infergate.base.queue import redis_url
 from infergate.base.queue.scale_signal import SignalReader
 from infergate.policies import PolicyError, load_policy
-from infergate.policies.demo import demo_policy
+from infergate.policies.demo import ADMIN_TIER, demo_policy
 from infergate.policies.loader import public_error
 from infergate.redis_server import RedisServer
 from infergate.scaling import WorkerScaler
@@ -167,7 +167,8 @@ def _policy_path(args: argparse.Namespace, tmp: Path) -> str | None:
     path.write_text(text, "utf-8")
     print("infergate up: demo API keys (one per tier):", file=sys.stderr)
     for tier, secret in keys.items():
-        print(f"  {tier:<10} {secret}", file=sys.stderr)
+        admin = "  (the admin key: /v1/status, /v1/admin/*)" if tier == ADMIN_TIER else ""
+        print(f"  {tier:<10} {secret}{admin}", file=sys.stderr)
     if args.keys_out:
         _write_private(Path(args.keys_out), json.dumps(keys, indent=2) + "\n")
     return str(path)

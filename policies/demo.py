@@ -7,6 +7,9 @@ from importlib import resources
 from infergate.base.tiers import TIERS
 from infergate.policies.loader import digest
 
+# The tier whose demo key is also the admin key.
+ADMIN_TIER = "enterprise"
+
 
 def example_text() -> str:
     return resources.files("infergate.policies").joinpath("example.yaml").read_text("utf-8")
@@ -24,7 +27,7 @@ def demo_policy() -> tuple[str, dict[str, str]]:
     keys = {tier: new_secret(tier) for tier in TIERS}
     entries = "".join(
         f"  - id: demo-{tier}\n    tier: {tier}\n    sha256: {digest(secret)}\n"
-        + ("    admin: true\n" if tier == "enterprise" else "")
+        + ("    admin: true\n" if tier == ADMIN_TIER else "")
         for tier, secret in keys.items()
     )
     block = (
