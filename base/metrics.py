@@ -149,6 +149,12 @@ class GatewayMetrics(PolicyWatching):
             ["tier", "reason"],
             registry=registry,
         )
+        self.edge_faults = Counter(
+            "infergate_edge_faults",
+            "Requests the HTTP edge failed to read through a fault of its own, not the "
+            "client's (an internal of uvicorn or httptools it relies on that moved)",
+            registry=registry,
+        )
         self.replies_ignored = Counter(
             "infergate_replies_ignored",
             "Replies for requests no longer waiting here (a retried batch's duplicate, or late)",

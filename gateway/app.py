@@ -312,7 +312,7 @@ async def readyz(request: Request[Any, Any, Any]) -> Response[Readiness]:
     gw = _gateway(request)
     fleet = gw.fleet
     ready = gw.ready()
-    body = Readiness(ready, fleet.redis_ok, fleet.workers_alive, gw.draining)
+    body = Readiness(ready, fleet.redis_ok, fleet.workers_alive, gw.draining, gw.edge_fault)
     return Response(body, status_code=HTTP_200_OK if ready else HTTP_503_SERVICE_UNAVAILABLE)
 
 
@@ -462,4 +462,5 @@ def inference_route(gateway: Gateway) -> FastRoute:
         answer,
         lambda: gateway.policy.current.document.limits.max_body_bytes,
         lambda status: count_refused_inference(gateway, status),
+        gateway.edge_failed,
     )

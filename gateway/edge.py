@@ -32,10 +32,12 @@ chunk of the socket can bring beyond the limit is never kept.
 
 import asyncio
 import logging
+import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import httptools
 import msgspec
 from infergate.base import logs
 from infergate.gateway.errors import ApiError
@@ -81,6 +83,59 @@ class FastRoute:
     answer: Callable[[str, Headers, bytes, DisconnectHook], Awaitable[tuple[int, Headers, bytes]]]
     max_body_bytes: Callable[[], int]  # read per request: the live policy's
     on_refused: Callable[[int], None]  # a status the edge answered itself (413)
+    # The edge failed to read a request through its own fault (the cause's
+    # description): the gateway counts it and stops being ready.
+    on_fault: Callable[[str], None] = lambda cause: None
+
+
+# What the edge uses of uvicorn's httptools protocol beyond its public
+# constructor: checked when a gateway starts (``missing_internals``), so a
+# uvicorn that renamed one refuses to start instead of answering 400 to all.
+PROTOCOL_METHODS = (
+    "connection_made",
+    "connection_lost",
+    "data_received",
+    "on_message_begin",
+    "on_headers_complete",
+    "on_body",
+    "on_message_complete",
+    "on_response_complete",
+    "send_400_response",
+    "_start_asgi_task",
+)
+# Set on each connection by uvicorn once it has read a request.
+PROTOCOL_ATTRIBUTES = (
+    "cycle",
+    "flow",
+    "pipeline",
+    "parser",
+    "server_state",
+    "connections",
+    "loop",
+    "transport",
+    "headers",
+    "url",
+    "scope",
+    "expect_100_continue",
+)
+
+
+def missing_internals(protocol: object | None = None) -> list[str]:
+    """The uvicorn internals the edge uses that are not there: its methods on
+    the class and, given a protocol that has read a request, the attributes
+    on it."""
+    missing = [
+        f"HttpToolsProtocol.{name}"
+        for name in PROTOCOL_METHODS
+        if not callable(getattr(HttpToolsProtocol, name, None))
+    ]
+    if protocol is not None:
+        missing += [
+            f"HttpToolsProtocol().{name}"
+            for name in PROTOCOL_ATTRIBUTES
+            if not hasattr(protocol, name)
+        ]
+    return missing
 
 
 # Where a connection is in its request: the limits that apply.
@@ -261,7 +316,19 @@ class EdgeProtocol(HttpToolsProtocol):
 
     def send_400_response(self, msg: str) -> None:
         """What the HTTP parser cannot read (uvicorn answers it in plain
-        text): 400 in the one error shape, connection closed."""
+        text): 400 in the one error shape, connection closed. uvicorn calls
+        this inside its ``except HttpParserError``: an exception one of the
+        parser callbacks above raised arrives as its cause, and is the edge's
+        fault, not the client's (logged with the cause, counted, and the
+        gateway stops being ready)."""
+        error = sys.exc_info()[1]
+        if isinstance(error, httptools.HttpParserCallbackError):
+            cause = error.__cause__ or error.__context__ or error
+            described = f"{type(cause).__name__}: {cause}"
+            logs.limited(log, "edge.fault", level="error", cause=described)
+            route = self.route
+            if route is not None:
+                route.on_fault(described)
         self._refuse(400, "the request is not valid HTTP/1.1")
 
     def _refuse(self, status: int, message: str) -> None:

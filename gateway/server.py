@@ -14,7 +14,7 @@ from types import FrameType
 import uvicorn
 from infergate.base import clock, logs
 from infergate.gateway.app import create_asgi, inference_route
-from infergate.gateway.edge import EdgeProtocol, quiet_parser_warnings
+from infergate.gateway.edge import EdgeProtocol, missing_internals, quiet_parser_warnings
 from infergate.gateway.limits import EdgeLimits
 from infergate.gateway.service import Gateway
 
@@ -41,6 +41,11 @@ async def serve(
     """Serve on ``sock`` (from ``reuseport_socket``, bound before the event
     loop starts, so a busy port is a message, not a traceback)."""
     limits = limits or EdgeLimits()
+    missing = missing_internals()
+    if missing:
+        # This uvicorn is not one the edge was tested on (pyproject.toml's range).
+        log.error("gateway.uvicorn_unsupported", missing=missing, uvicorn=uvicorn.__version__)
+        return 1
     quiet_parser_warnings()
     config = uvicorn.Config(
         create_asgi(gateway),

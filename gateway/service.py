@@ -182,6 +182,9 @@ class Gateway:
         self.admitted = 0
         self.refused_for_capacity = 0
         self.draining = False
+        # Why the HTTP edge failed to read a request through its own fault
+        # (``edge_failed``); such a gateway is not ready.
+        self.edge_fault: str | None = None
         # Secrets already matched to a key of the active policy (``_key_of``).
         self._keys_policy: Policy | None = None
         self._keys_known: dict[str, KeyEntry] = {}
@@ -226,7 +229,19 @@ class Gateway:
 
     def ready(self) -> bool:
         """Takes requests now: ready for replies, a worker alive, not draining."""
-        return self.ready_for_replies() and self.fleet.workers_alive > 0 and not self.draining
+        return (
+            self.ready_for_replies()
+            and self.fleet.workers_alive > 0
+            and not self.draining
+            and self.edge_fault is None
+        )
+
+    def edge_failed(self, cause: str) -> None:
+        """The edge could not read a request through its own fault: counted,
+        and the gateway stays not ready (a fast path that fails one request
+        fails them all) until it is restarted."""
+        self.metrics.edge_faults.inc()
+        self.edge_fault = cause
 
     def probes(self) -> Probes:
         return Probes(alive=self.heartbeat.alive, ready=self.ready)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from infergate.redis_server import RedisServer
 
-from tests.helpers import Cluster, http, policy_yaml, wait_for
+from tests.helpers import Cluster, auth, free_port, http, policy_yaml, wait_for
 
 
 def probe(port: int, path: str) -> int:
@@ -71,3 +71,51 @@ def test_a_busy_port_is_a_message_not_a_traceback(
     assert out.returncode == 2, out.stderr[-2000:]
     assert says in out.stderr
     assert "Traceback" not in out.stderr
+
+
+# A gateway whose edge cannot read requests through its own fault (here: a
+# uvicorn internal that "moved" under the fast route).
+BROKEN_EDGE_GATEWAY = """
+import sys
+from infergate.gateway.edge import EdgeProtocol
+from infergate.main import main
+
+def moved(self, route):
+    raise AttributeError("'EdgeProtocol' object has no attribute '_start_asgi_task'")
+
+EdgeProtocol._start_fast = moved
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_gateway_whose_edge_fails_says_why_and_stops_being_ready(
+    tmp_path: Path, redis_url: str
+) -> None:
+    cluster = Cluster(tmp_path, redis_url, policy_yaml(), gateways=0, workers=1, metrics=True)
+    port, metrics_port = free_port(), free_port()
+    log_path = tmp_path / "gateway.log"
+    with open(log_path, "wb") as log:
+        gateway = subprocess.Popen(
+            [sys.executable, "-c", BROKEN_EDGE_GATEWAY, "gateway", "--port", str(port),
+             "--policy", str(cluster.policy_path), "--redis-url", redis_url,
+             "--metrics-port", str(metrics_port)],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: probe(port, "/readyz") == 200, 30, "the gateway to be ready")
+        status, _, body = http("POST", url + "/v1/inference", {"input": "x"}, auth("free"))
+        assert status == 400
+        assert body["error"]["code"] == "INVALID_INPUT"
+        status, _, ready = http("GET", url + "/readyz")
+        assert status == 503
+        assert ready["edge_fault"] == (
+            "AttributeError: 'EdgeProtocol' object has no attribute '_start_asgi_task'"
+        )
+        _, _, metrics = http("GET", f"http://127.0.0.1:{metrics_port}/metrics")
+        assert b"infergate_edge_faults_total 1.0" in metrics
+        assert "edge.fault" in log_path.read_text()
+    finally:
+        gateway.terminate()
+        gateway.wait(15)
+        cluster.stop()

@@ -25,6 +25,15 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 # What the reader returns while a reply is incomplete (False is a RESP3 value).
 _MORE = object()
 
+# The internals of redis-py's connection read here (pyproject.toml bounds
+# redis-py to the versions tested with them).
+CONNECTION_INTERNALS = ("_reader", "_writer")
+
+
+class RedisInternalsMoved(RuntimeError):
+    """This redis-py no longer has an internal this module reads: a bug of
+    the installation (a redis-py outside pyproject.toml's range), not of Redis."""
+
 
 def error_of(reply: ResponseError) -> Exception:
     """The exception redis-py raises for an error reply."""
@@ -37,6 +46,12 @@ class RawConnection:
 
     def __init__(self, connection: AbstractConnection) -> None:
         self.connection = connection
+        missing = [name for name in CONNECTION_INTERNALS if not hasattr(connection, name)]
+        if missing:
+            raise RedisInternalsMoved(
+                f"redis-py's {type(connection).__name__} has no {', '.join(missing)}: "
+                "install a redis-py within pyproject.toml's range"
+            )
         stream, writer = connection._reader, connection._writer
         if stream is None or writer is None:
             raise RedisConnectionError("the connection is not open")

@@ -1,0 +1,235 @@
+"""The library internals the hot paths rely on, driven in milliseconds over
+fake transports: a uvicorn or redis-py that moved one fails a test here that
+names it, before the stack tests fail for reasons that say nothing of it.
+
+The edge (``gateway/edge.py``) extends uvicorn's httptools protocol; the
+RESP reader (``base/queue/resp.py``) reads a redis-py connection's streams.
+pyproject.toml bounds both libraries to the versions tested here.
+"""
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import httptools
+import pytest
+import uvicorn
+from infergate.base.queue.resp import RawConnection, RedisInternalsMoved
+from infergate.gateway import edge
+from infergate.gateway.edge import EdgeProtocol, FastRoute, Headers, missing_internals
+from infergate.gateway.limits import EdgeLimits
+from redis.asyncio.connection import Connection
+from redis.exceptions import NoScriptError
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.server import ServerState
+
+INFERENCE = b'POST /v1/inference HTTP/1.1\r\nhost: t\r\ncontent-length: 16\r\n\r\n{"input":"ping"}'
+
+
+class FakeTransport(asyncio.Transport):
+    """What uvicorn's protocol asks of a socket transport, kept in memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = bytearray()
+        self.closed = False
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 50000)}.get(
+            name, default
+        )
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.written += data
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def abort(self) -> None:
+        self.closed = True
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+async def asgi_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """Every request that is not the fast route: 200 "asgi"."""
+    if scope["type"] != "http":
+        return
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"asgi"})
+
+
+def route(faults: list[str]) -> FastRoute:
+    async def answer(
+        request_id: str, headers: Headers, body: bytes, on_disconnect: Any
+    ) -> tuple[int, Headers, bytes]:
+        return 200, [(b"content-type", b"application/json")], b'{"echo":' + body + b"}"
+
+    return FastRoute(
+        b"POST", b"/v1/inference", answer, lambda: 1024, lambda status: None, faults.append
+    )
+
+
+def connect(route: FastRoute) -> tuple[EdgeProtocol, FakeTransport]:
+    """An edge connection as uvicorn's server makes one, on a fake socket."""
+    config = uvicorn.Config(asgi_app, http="httptools", lifespan="off", log_config=None)
+    config.load()
+    protocol_class = EdgeProtocol.with_limits(EdgeLimits(), route)
+    protocol = protocol_class(config=config, server_state=ServerState(), app_state={})
+    transport = FakeTransport()
+    protocol.connection_made(transport)
+    return protocol, transport
+
+
+async def wait_for_bytes(transport: FakeTransport, marker: bytes) -> bytes:
+    async with asyncio.timeout(2):
+        while marker not in transport.written:
+            await asyncio.sleep(0.001)
+    return bytes(transport.written)
+
+
+def test_the_installed_uvicorn_has_every_internal_the_edge_uses() -> None:
+    assert missing_internals() == []
+
+
+async def test_a_protocol_has_every_attribute_the_edge_uses() -> None:
+    protocol, transport = connect(route([]))
+    protocol.data_received(INFERENCE)
+    await wait_for_bytes(transport, b"}}")
+    assert missing_internals(protocol) == []
+
+
+def test_an_internal_that_moved_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(HttpToolsProtocol, "_start_asgi_task")
+    assert missing_internals() == ["HttpToolsProtocol._start_asgi_task"]
+
+
+async def test_the_fast_route_is_served_by_the_edge_itself() -> None:
+    faults: list[str] = []
+    protocol, transport = connect(route(faults))
+    protocol.data_received(INFERENCE)
+    written = await wait_for_bytes(transport, b"}}")
+    assert written.startswith(b"HTTP/1.1 200 OK\r\n"), written
+    assert written.endswith(b'\r\n\r\n{"echo":{"input":"ping"}}')
+    assert faults == []
+    assert not transport.closed  # keep-alive
+
+
+async def test_other_requests_go_through_asgi() -> None:
+    protocol, transport = connect(route([]))
+    protocol.data_received(b"GET /healthz HTTP/1.1\r\nhost: t\r\n\r\n")
+    written = await wait_for_bytes(transport, b"asgi")
+    assert written.startswith(b"HTTP/1.1 200 OK\r\n"), written
+
+
+async def test_pipelined_fast_requests_are_answered_in_order() -> None:
+    protocol, transport = connect(route([]))
+    protocol.data_received(INFERENCE + INFERENCE.replace(b"ping", b"pong"))
+    written = await wait_for_bytes(transport, b"pong")
+    assert written.index(b"ping") < written.index(b"pong")
+    assert written.count(b"HTTP/1.1 200 OK") == 2
+
+
+async def test_a_fault_of_the_edge_is_reported_with_its_cause(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An internal that moved fails inside a parser callback: httptools turns
+    that into a parser error, and the client sees 400 as for bad bytes. The
+    edge tells the two apart and reports its own fault (the gateway counts
+    it and stops being ready: tests/test_probes.py)."""
+
+    def moved(self: EdgeProtocol, route: FastRoute) -> None:
+        raise AttributeError("'EdgeProtocol' object has no attribute '_start_asgi_task'")
+
+    monkeypatch.setattr(EdgeProtocol, "_start_fast", moved)
+    faults: list[str] = []
+    protocol, transport = connect(route(faults))
+    protocol.data_received(INFERENCE)
+    written = await wait_for_bytes(transport, b"INVALID_INPUT")
+    assert written.startswith(b"HTTP/1.1 400 ")
+    assert faults == ["AttributeError: 'EdgeProtocol' object has no attribute '_start_asgi_task'"]
+
+
+async def test_a_clients_bad_bytes_are_not_a_fault() -> None:
+    faults: list[str] = []
+    protocol, transport = connect(route(faults))
+    protocol.data_received(b"NOT HTTP AT ALL\r\n\r\n")
+    written = await wait_for_bytes(transport, b"INVALID_INPUT")
+    assert written.startswith(b"HTTP/1.1 400 ")
+    assert faults == []
+    assert transport.closed
+
+
+def test_httptools_reports_a_callback_failure_as_its_own_error() -> None:
+    """What the edge's fault detection reads: a callback's exception comes
+    out as HttpParserCallbackError, chained to the original."""
+
+    class Callbacks:
+        def on_headers_complete(self) -> None:
+            raise KeyError("moved")
+
+    parser = httptools.HttpRequestParser(Callbacks())
+    with pytest.raises(httptools.HttpParserCallbackError) as raised:
+        parser.feed_data(b"GET / HTTP/1.1\r\nhost: t\r\n\r\n")
+    cause = raised.value.__cause__ or raised.value.__context__
+    assert isinstance(cause, KeyError)
+
+
+def opened(replies: bytes) -> tuple[Connection, list[bytes]]:
+    """A redis-py connection whose streams are in memory: the server's
+    ``replies`` to read, and what is written collected."""
+    connection = Connection()
+    reader = asyncio.StreamReader()
+    reader.feed_data(replies)
+    sent: list[bytes] = []
+
+    class Writer:
+        transport = FakeTransport()
+
+        def write(self, data: bytes) -> None:
+            sent.append(data)
+
+        def is_closing(self) -> bool:
+            return False
+
+    connection._reader = reader
+    connection._writer = Writer()  # type: ignore[assignment]
+    return connection, sent
+
+
+async def test_replies_are_read_from_a_redis_py_connections_stream() -> None:
+    connection, sent = opened(b"+OK\r\n:5\r\n$3\r\nabc\r\n-NOSCRIPT No matching script\r\n")
+    link = RawConnection(connection)
+    assert link.usable()
+    link.write(b"*1\r\n$4\r\nPING\r\n")
+    assert sent == [b"*1\r\n$4\r\nPING\r\n"]
+    got: list[Any] = []
+    await link.replies(4, 1.0, lambda i, reply: got.append(reply))
+    assert got[:3] == [b"OK", 5, b"abc"]
+    # An error reply is the exception redis-py raises for it.
+    assert isinstance(got[3], NoScriptError)
+    connection._reader = connection._writer = None  # closed: nothing for __del__ to warn of
+
+
+def test_a_redis_py_without_the_streams_read_is_named() -> None:
+    class Moved:  # a connection whose streams were renamed
+        _writer = None
+
+    with pytest.raises(RedisInternalsMoved, match="Moved has no _reader"):
+        RawConnection(Moved())  # type: ignore[arg-type]
+
+
+def test_the_edges_internals_list_matches_what_it_uses() -> None:
+    """The internals the start-up check reads include those the edge's
+    source uses (a sample: a name dropped from the lists fails here)."""
+    source = Path(edge.__file__).read_text("utf-8")
+    for name in ("cycle", "flow", "pipeline", "parser", "server_state", "_start_asgi_task"):
+        assert f"self.{name}" in source
+        assert name in edge.PROTOCOL_ATTRIBUTES + edge.PROTOCOL_METHODS
