@@ -32,6 +32,7 @@ class FakeTransport(asyncio.Transport):
     def __init__(self) -> None:
         super().__init__()
         self.written = bytearray()
+        self.wrote = asyncio.Event()
         self.closed = False
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
@@ -41,6 +42,7 @@ class FakeTransport(asyncio.Transport):
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         self.written += data
+        self.wrote.set()
 
     def is_closing(self) -> bool:
         return self.closed
@@ -91,7 +93,8 @@ def connect(route: FastRoute) -> tuple[EdgeProtocol, FakeTransport]:
 async def wait_for_bytes(transport: FakeTransport, marker: bytes) -> bytes:
     async with asyncio.timeout(2):
         while marker not in transport.written:
-            await asyncio.sleep(0.001)
+            transport.wrote.clear()
+            await transport.wrote.wait()
     return bytes(transport.written)
 
 
