@@ -309,7 +309,7 @@ class Gateway:
         return key
 
     async def infer(self, call: Call) -> tuple[InferenceResponse, dict[str, str]]:
-        """Who, capacity, quota (see README: how admission decides), then enqueue
+        """Who, capacity, quota (docs/configuration.md: how admission decides), then enqueue
         and wait. Returns the response and the headers it carries; counts it."""
         started = clock.monotonic_s()
         trace_id = None
