@@ -24,7 +24,8 @@ from infergate.base.queue.gateway import GatewayQueue
 from infergate.base.queue.store import Store
 from infergate.base.queue.worker import WorkerQueue
 from infergate.gpu.simulated import SimulatedBackend, sim_output
-from infergate.gpu.worker import Answer, Finished, Worker, WorkerSettings
+from infergate.gpu.answers import Answer, Finished
+from infergate.gpu.worker import Worker, WorkerSettings
 from infergate.redis_server import RedisServer
 
 from tests.helpers import KEYS, SECRETS, Cluster, http, policy_yaml, wait_for
@@ -372,8 +373,8 @@ async def test_a_finished_batch_is_published_once_redis_returns_however_long_it_
     stop = asyncio.Event()
 
     async def finish() -> None:
-        assert await worker._take_next(b"the batch", stop) == (False, None)
-        await worker._answer(Finished(1, lambda: Answer({env.gateway: reply})), stop, b"the batch")
+        assert await worker.loop.take_next(b"the batch", stop) == (False, None)
+        await worker.loop.answer(Finished(1, lambda: Answer({env.gateway: reply})), stop, b"the batch")
 
     answering = asyncio.create_task(finish())
     # Redis stays away for a while: the worker keeps trying, it does not give up.
@@ -505,7 +506,7 @@ async def test_a_worker_stopping_has_one_publish_grace_for_everything_it_still_s
 
     async def give_up_after(what: str) -> float:
         started = asyncio.get_running_loop().time()
-        done = await retry_until_done(what, redis_away, stop, grace_after_stop_s=worker._grace_left)
+        done = await retry_until_done(what, redis_away, stop, grace_after_stop_s=worker.grace_left)
         assert not done
         return asyncio.get_running_loop().time() - started
 
