@@ -22,19 +22,15 @@ from infergate.gateway.api import (
     inference_request_body,
 )
 from infergate.gateway.edge import FastRoute, Headers
-from infergate.gateway.errors import ERRORS, ApiError, ErrorBody
+from infergate.gateway.errors import ERRORS, JSON, ApiError, ErrorBody, render
+from infergate.gateway.inference import Call, OnDisconnect
 from infergate.gateway.jobs import Jobs
-from infergate.gateway.middleware import (
-    ON_DISCONNECT,
-    REQUEST_ID,
-    Receive,
-    RequestIdAndLimits,
-    Scope,
-    Send,
-)
-from infergate.gateway.service import Call, Gateway, OnDisconnect
-from litestar import Litestar, Request, Response, delete, get, post
+from infergate.gateway.middleware import ON_DISCONNECT, REQUEST_ID, RequestIdAndLimits
+from infergate.gateway.service import Gateway
+from litestar import Litestar, Request, Response, Router, delete, get, post
+from litestar.connection import ASGIConnection
 from litestar.exceptions import HTTPException, ValidationException
+from litestar.handlers.base import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.openapi.plugins import JsonRenderPlugin, SwaggerRenderPlugin
@@ -105,8 +101,14 @@ class _InferenceOperation(Operation):
         self.request_body = inference_request_body()
 
 
+# The inference route, defined once: the OpenAPI document's handler, the
+# ASGI path and the edge's fast route (``inference_route``) all serve it with
+# ``answer_inference``.
+INFERENCE_METHOD, INFERENCE_PATH = "POST", "/v1/inference"
+
+
 @post(
-    "/v1/inference",
+    INFERENCE_PATH,
     status_code=HTTP_200_OK,
     responses=INFERENCE_ERRORS,
     summary="Run one input through the model",
@@ -115,22 +117,26 @@ class _InferenceOperation(Operation):
     operation_class=_InferenceOperation,
 )
 async def inference(request: Request[Any, Any, Any]) -> Response[InferenceResponse]:
-    """The route as the OpenAPI document shows it. ``create_asgi`` serves
-    POST /v1/inference itself (``serve_inference``), before Litestar."""
-    headers = request.headers
-    call = Call(
+    """The route through ASGI (a request with a query string, or a server
+    without the edge); the edge serves the rest itself (``inference_route``)."""
+    status, headers, payload = await answer_inference(
+        _gateway(request),
         _request_id(request),
-        headers.get("authorization"),
+        list(request.scope["headers"]),
         await request.body(),
         request.scope.get(ON_DISCONNECT),  # type: ignore[arg-type]
-        headers.get("traceparent"),
-        headers.get("tracestate"),
     )
-    result, response_headers = await _gateway(request).infer(call)
-    return Response(result, headers=response_headers)
+    return _raw_response(status, headers, payload)
 
 
-_JSON = (b"content-type", b"application/json")
+def _raw_response(status: int, headers: Headers, payload: bytes) -> Response[Any]:
+    """A response whose body is already JSON bytes (content-type among ``headers``)."""
+    return Response(
+        payload,
+        status_code=status,
+        headers={k.decode("latin-1"): v.decode("latin-1") for k, v in headers if k != JSON[0]},
+        media_type=JSON[1].decode(),
+    )
 
 
 async def answer_inference(
@@ -140,11 +146,10 @@ async def answer_inference(
     body: bytes,
     on_disconnect: OnDisconnect | None,
 ) -> tuple[int, Headers, bytes]:
-    """POST /v1/inference without Litestar: its status, headers (all but
-    content-length) and body. The hot path skips Litestar's routing,
-    signature model and response machinery, with the same answers, headers
-    and error shape. The HTTP edge serves it straight from the connection
-    (``edge.FastRoute``); ``serve_inference`` serves it from ASGI."""
+    """POST /v1/inference: its status, headers (all but content-length and
+    x-request-id) and body, in the one error shape when it fails. The edge
+    serves it straight from the connection, skipping Litestar's routing,
+    signature model and response machinery."""
     authorization = traceparent = tracestate = None
     for name, value in headers:
         if name == b"authorization":
@@ -155,32 +160,16 @@ async def answer_inference(
             tracestate = value.decode("latin-1")
     call = Call(request_id, authorization, body, on_disconnect, traceparent, tracestate)
     try:
-        result, extra = await gateway.infer(call)
-        status, payload = HTTP_200_OK, msgspec.json.encode(result)
+        result, extra = await gateway.inference.infer(call)
     except ApiError as exc:
         if exc.status < 500:
             logs.limited(log, "request.refused", status=exc.status, code=exc.code)
-        status, payload = exc.status, msgspec.json.encode(exc.body(request_id))
-        extra = exc.all_headers()
+        return render(exc, request_id)
     except Exception as exc:
         log.exception("request.unexpected_error", request_id=request_id, error=type(exc).__name__)
-        error = ApiError("INTERNAL", "internal error")
-        status, payload, extra = error.status, msgspec.json.encode(error.body(request_id)), {}
-    head = [_JSON, (b"x-request-id", request_id.encode())]
-    head += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in extra.items()]
-    return status, head, payload
-
-
-async def serve_inference(
-    gateway: Gateway, scope: Scope, body: bytes, receive: Receive, send: Send
-) -> None:
-    """POST /v1/inference from ASGI (``answer_inference``)."""
-    status, head, payload = await answer_inference(
-        gateway, str(scope[REQUEST_ID]), scope["headers"], body, scope.get(ON_DISCONNECT)
-    )
-    head.append((b"content-length", str(len(payload)).encode()))
-    await send({"type": "http.response.start", "status": status, "headers": head})
-    await send({"type": "http.response.body", "body": payload})
+        return render(ApiError("INTERNAL", "internal error"), request_id)
+    head = [JSON, *((k.encode("latin-1"), v.encode("latin-1")) for k, v in extra.items())]
+    return HTTP_200_OK, head, msgspec.json.encode(result)
 
 
 JOB_ERRORS = {
@@ -232,6 +221,12 @@ async def cancel_job(request: Request[Any, Any, Any], job_id: str) -> JobView:
     return await _jobs(request).cancel(request.headers.get("authorization"), job_id)
 
 
+def admin_only(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
+    """The guard of every operator endpoint: an admin key (401, 403)."""
+    gateway: Gateway = connection.app.state.gateway
+    gateway.operators.admin(connection.headers.get("authorization"))
+
+
 ADMIN_ERRORS = {
     401: _error("UNAUTHENTICATED: no or unknown API key"),
     403: _error("FORBIDDEN: not an admin key"),
@@ -245,9 +240,7 @@ ADMIN_ERRORS = {
     security=[{"bearer": []}],
 )
 async def admin_policy(request: Request[Any, Any, Any]) -> AdminPolicy:
-    gw = _gateway(request)
-    gw.admin(request.headers.get("authorization"))
-    return gw.admin_policy()
+    return _gateway(request).operators.admin_policy()
 
 
 @post(
@@ -259,9 +252,7 @@ async def admin_policy(request: Request[Any, Any, Any]) -> AdminPolicy:
     security=[{"bearer": []}],
 )
 async def reload_policy(request: Request[Any, Any, Any]) -> ReloadResult:
-    gw = _gateway(request)
-    gw.admin(request.headers.get("authorization"))
-    return await gw.reload_policy()
+    return await _gateway(request).operators.reload_policy()
 
 
 @get(
@@ -276,9 +267,7 @@ async def dead_letters(
         int, Parameter(ge=1, le=MAX_LISTED, description="newest first (and at most 8 MB)")
     ] = 20,
 ) -> DeadLetters:
-    gw = _gateway(request)
-    gw.admin(request.headers.get("authorization"))
-    return await gw.dead_letters(limit)
+    return await _gateway(request).operators.dead_letters(limit)
 
 
 @delete(
@@ -289,9 +278,7 @@ async def dead_letters(
     security=[{"bearer": []}],
 )
 async def purge_dead_letters(request: Request[Any, Any, Any]) -> DeadLettersPurged:
-    gw = _gateway(request)
-    gw.admin(request.headers.get("authorization"))
-    return await gw.purge_dead_letters()
+    return await _gateway(request).operators.purge_dead_letters()
 
 
 @get("/healthz", summary="The process is alive")
@@ -323,27 +310,21 @@ async def readyz(request: Request[Any, Any, Any]) -> Response[Readiness]:
     security=[{"bearer": []}],
 )
 async def status(request: Request[Any, Any, Any]) -> StatusResponse:
-    gw = _gateway(request)
-    gw.admin(request.headers.get("authorization"))
-    return await gw.status()
+    return await _gateway(request).operators.status()
 
 
-def _render(request: Request[Any, Any, Any], error: ApiError) -> Response[ErrorBody]:
+def _render(request: Request[Any, Any, Any], error: ApiError) -> Response[Any]:
     if error.status < 500:
         # A client's mistake: one line, rate-limited (an attacker can repeat it at will).
         logs.limited(log, "request.refused", status=error.status, code=error.code)
-    return Response(
-        error.body(_request_id(request)), status_code=error.status, headers=error.all_headers()
-    )
+    return _raw_response(*render(error, _request_id(request)))
 
 
-def _on_api_error(request: Request[Any, Any, Any], exc: ApiError) -> Response[ErrorBody]:
+def _on_api_error(request: Request[Any, Any, Any], exc: ApiError) -> Response[Any]:
     return _render(request, exc)
 
 
-def _on_validation(
-    request: Request[Any, Any, Any], exc: ValidationException
-) -> Response[ErrorBody]:
+def _on_validation(request: Request[Any, Any, Any], exc: ValidationException) -> Response[Any]:
     detail = exc.detail
     extra = exc.extra
     if isinstance(extra, list) and extra:
@@ -354,7 +335,7 @@ def _on_validation(
     return _render(request, ApiError("INVALID_INPUT", f"invalid request body: {detail}"))
 
 
-def _on_http(request: Request[Any, Any, Any], exc: HTTPException) -> Response[ErrorBody]:
+def _on_http(request: Request[Any, Any, Any], exc: HTTPException) -> Response[Any]:
     code = _HTTP_CODES.get(
         exc.status_code, "INTERNAL" if exc.status_code >= 500 else "INVALID_INPUT"
     )
@@ -366,7 +347,7 @@ def _on_http(request: Request[Any, Any, Any], exc: HTTPException) -> Response[Er
     return response
 
 
-def _on_unexpected(request: Request[Any, Any, Any], exc: Exception) -> Response[ErrorBody]:
+def _on_unexpected(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
     log.exception(
         "request.unexpected_error", request_id=_request_id(request), error=type(exc).__name__
     )
@@ -388,11 +369,17 @@ def create_app(gateway: Gateway) -> Litestar:
             cancel_job,
             healthz,
             readyz,
-            status,
-            admin_policy,
-            reload_policy,
-            dead_letters,
-            purge_dead_letters,
+            Router(
+                "/",
+                route_handlers=[
+                    status,
+                    admin_policy,
+                    reload_policy,
+                    dead_letters,
+                    purge_dead_letters,
+                ],
+                guards=[admin_only],
+            ),
         ],
         on_startup=[on_startup],
         on_shutdown=[on_shutdown],
@@ -434,17 +421,13 @@ def create_asgi(gateway: Gateway) -> Any:
     """The Litestar app wrapped in the request-id and body-limit middleware."""
 
     def count_refused(scope: dict[str, Any], status: int) -> None:
-        if scope.get("path") == "/v1/inference":
+        if scope.get("path") == INFERENCE_PATH:
             count_refused_inference(gateway, status)
-
-    async def fast_inference(scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
-        await serve_inference(gateway, scope, body, receive, send)
 
     return RequestIdAndLimits(
         create_app(gateway),
         lambda: gateway.policy.current.document.limits.max_body_bytes,
         count_refused,
-        direct={("POST", "/v1/inference"): fast_inference},
     )
 
 
@@ -454,11 +437,15 @@ def inference_route(gateway: Gateway) -> FastRoute:
     async def answer(
         request_id: str, headers: Headers, body: bytes, on_disconnect: OnDisconnect
     ) -> tuple[int, Headers, bytes]:
-        return await answer_inference(gateway, request_id, headers, body, on_disconnect)
+        status, head, payload = await answer_inference(
+            gateway, request_id, headers, body, on_disconnect
+        )
+        head.append((b"x-request-id", request_id.encode()))
+        return status, head, payload
 
     return FastRoute(
-        b"POST",
-        b"/v1/inference",
+        INFERENCE_METHOD.encode(),
+        INFERENCE_PATH.encode(),
         answer,
         lambda: gateway.policy.current.document.limits.max_body_bytes,
         lambda status: count_refused_inference(gateway, status),

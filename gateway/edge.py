@@ -31,18 +31,16 @@ chunk of the socket can bring beyond the limit is never kept.
 """
 
 import asyncio
-import logging
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import httptools
-import msgspec
 from infergate.base import logs
-from infergate.gateway.errors import ApiError
-from infergate.gateway.limits import EdgeLimits
-from infergate.gateway.middleware import ON_DISCONNECT, content_length, new_request_id
+from infergate.gateway.errors import ApiError, render
+from infergate.gateway.limits import Body, EdgeLimits
+from infergate.gateway.middleware import ON_DISCONNECT, new_request_id
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 log = logs.get(__name__)
@@ -56,16 +54,26 @@ def error_response(
 ) -> bytes:
     """A complete HTTP/1.1 response in the one error shape, closing the
     connection (after the server's own headers, date and server, if given)."""
-    body = msgspec.json.encode(error.body(request_id))
-    head = [
-        *(f"{k.decode('latin-1')}: {v.decode('latin-1')}" for k, v in default_headers),
-        "content-type: application/json",
-        f"content-length: {len(body)}",
-        "connection: close",
-        *(f"{k}: {v}" for k, v in error.all_headers().items()),
-        f"x-request-id: {request_id}",
-    ]
-    return STATUS_LINE[error.status] + ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
+    status, headers, body = render(error, request_id)
+    return _response_bytes(
+        status,
+        [
+            *default_headers,
+            *headers,
+            (b"content-length", b"%d" % len(body)),
+            (b"connection", b"close"),
+            (b"x-request-id", request_id.encode()),
+        ],
+        body,
+    )
+
+
+def _response_bytes(status: int, headers: Iterable[tuple[bytes, bytes]], body: bytes) -> bytes:
+    out = [STATUS_LINE[status]]
+    for name, value in headers:
+        out += (name, b": ", value, b"\r\n")
+    out += (b"\r\n", body)
+    return b"".join(out)
 
 
 # Registers the callback to run if the connection is lost (None clears it).
@@ -86,56 +94,6 @@ class FastRoute:
     # The edge failed to read a request through its own fault (the cause's
     # description): the gateway counts it and stops being ready.
     on_fault: Callable[[str], None] = lambda cause: None
-
-
-# What the edge uses of uvicorn's httptools protocol beyond its public
-# constructor: checked when a gateway starts (``missing_internals``), so a
-# uvicorn that renamed one refuses to start instead of answering 400 to all.
-PROTOCOL_METHODS = (
-    "connection_made",
-    "connection_lost",
-    "data_received",
-    "on_message_begin",
-    "on_headers_complete",
-    "on_body",
-    "on_message_complete",
-    "on_response_complete",
-    "send_400_response",
-    "_start_asgi_task",
-)
-# Set on each connection by uvicorn once it has read a request.
-PROTOCOL_ATTRIBUTES = (
-    "cycle",
-    "flow",
-    "pipeline",
-    "parser",
-    "server_state",
-    "connections",
-    "loop",
-    "transport",
-    "headers",
-    "url",
-    "scope",
-    "expect_100_continue",
-)
-
-
-def missing_internals(protocol: object | None = None) -> list[str]:
-    """The uvicorn internals the edge uses that are not there: its methods on
-    the class and, given a protocol that has read a request, the attributes
-    on it."""
-    missing = [
-        f"HttpToolsProtocol.{name}"
-        for name in PROTOCOL_METHODS
-        if not callable(getattr(HttpToolsProtocol, name, None))
-    ]
-    if protocol is not None:
-        missing += [
-            f"HttpToolsProtocol().{name}"
-            for name in PROTOCOL_ATTRIBUTES
-            if not hasattr(protocol, name)
-        ]
-    return missing
 
 
 # Where a connection is in its request: the limits that apply.
@@ -345,21 +303,6 @@ class EdgeProtocol(HttpToolsProtocol):
         self.parser = _Closed()  # type: ignore[assignment]
 
 
-class _WithoutParserWarnings(logging.Filter):
-    """uvicorn logs a warning for every request its parser rejects, before
-    the edge answers it; the edge's own line (``edge.refused``) is
-    rate-limited, so uvicorn's is dropped: a hostile client cannot flood the log."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.getMessage() != "Invalid HTTP request received."
-
-
-def quiet_parser_warnings() -> None:
-    logger = logging.getLogger("uvicorn.error")
-    if not any(isinstance(f, _WithoutParserWarnings) for f in logger.filters):
-        logger.addFilter(_WithoutParserWarnings())
-
-
 class _Wakeup:
     """The one wait of a fast cycle for more of its body (or a disconnect)."""
 
@@ -393,10 +336,7 @@ class _FastCycle:
         self.keep_alive = keep_alive
         self.headers = protocol.headers  # this request's (the next one gets a new list)
         self.expect_100 = protocol.expect_100_continue
-        self.limit = route.max_body_bytes()
-        self.chunks: list[bytes] = []
-        self.size = 0
-        self.too_large = _declared_length(self.headers) > self.limit
+        self.body = Body(route.max_body_bytes(), self.headers)
         self.more_body = True
         self.disconnected = False
         self.response_complete = False
@@ -405,12 +345,7 @@ class _FastCycle:
     # -- the protocol's side ---------------------------------------------------
 
     def take(self, chunk: bytes) -> None:
-        self.size += len(chunk)
-        if self.size > self.limit:
-            self.too_large = True
-            self.chunks.clear()
-        elif not self.too_large:
-            self.chunks.append(chunk)
+        self.body.add(chunk)
         self.message_event.set()
 
     def complete(self) -> None:
@@ -429,20 +364,19 @@ class _FastCycle:
     async def _serve(self) -> None:
         protocol, route = self.protocol, self.route
         request_id = new_request_id()
-        while self.more_body and not self.too_large and not self.disconnected:
+        body = self.body
+        while self.more_body and not body.too_large and not self.disconnected:
             if self.expect_100:
                 self.expect_100 = False
                 protocol.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             await self.message_event.wait()
         if self.disconnected:
             return
-        if self.too_large:
+        if body.too_large:
             self._refuse_too_large(request_id)
             return
-        body = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
-        self.chunks = []
         status, headers, payload = await route.answer(
-            request_id, self.headers, body, protocol._watch_disconnect
+            request_id, self.headers, body.whole(), protocol._watch_disconnect
         )
         if protocol.flow.write_paused and not self._gone():
             await protocol.flow.drain()
@@ -458,21 +392,16 @@ class _FastCycle:
         return self.disconnected or protocol._lost or protocol.transport.is_closing()
 
     def _response(self, status: int, headers: Headers, payload: bytes) -> bytes:
-        out = [STATUS_LINE[status]]
-        for name, value in self.protocol.server_state.default_headers:
-            out += (name, b": ", value, b"\r\n")
-        for name, value in headers:
-            out += (name, b": ", value, b"\r\n")
-        out.append(b"content-length: %d\r\n" % len(payload))
+        out = [*self.protocol.server_state.default_headers, *headers]
+        out.append((b"content-length", b"%d" % len(payload)))
         if not self.keep_alive:
-            out.append(b"connection: close\r\n")
-        out += (b"\r\n", payload)
-        return b"".join(out)
+            out.append((b"connection", b"close"))
+        return _response_bytes(status, out, payload)
 
     def _refuse_too_large(self, request_id: str) -> None:
         logs.limited(log, "request.refused", status=413, code="PAYLOAD_TOO_LARGE")
         self.route.on_refused(413)
-        error = ApiError("PAYLOAD_TOO_LARGE", f"the request body is over {self.limit} bytes")
+        error = self.body.error()
         self.keep_alive = False
         if not self._gone():
             default = self.protocol.server_state.default_headers
@@ -484,13 +413,6 @@ class _FastCycle:
         if not self.keep_alive:
             self.protocol.transport.close()
         self.protocol.on_response_complete()
-
-
-def _declared_length(headers: Headers) -> int:
-    for name, value in headers:
-        if name == b"content-length":
-            return content_length(value)
-    return 0
 
 
 class _Sweeper:

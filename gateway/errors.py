@@ -81,6 +81,21 @@ class ApiError(Exception):
         return headers
 
 
+Headers = list[tuple[bytes, bytes]]
+
+JSON = (b"content-type", b"application/json")
+
+
+def render(error: ApiError, request_id: str) -> tuple[int, Headers, bytes]:
+    """The one rendering of an error, whatever sends it (the edge, the
+    middleware, Litestar's handlers, the inference route): its status, its
+    headers (content type, retry-after; the sender adds content-length,
+    x-request-id and its own) and its JSON body."""
+    headers = [JSON]
+    headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in error.all_headers().items()]
+    return error.status, headers, msgspec.json.encode(error.body(request_id))
+
+
 # Codes a worker or the reaper may put on a result; anything else it sends
 # is answered as INFERENCE_FAILED (the wire is not trusted to pick a status).
 RESULT_CODES = frozenset({"INFERENCE_FAILED", "TIMEOUT", "SERVICE_OVERLOADED"})
@@ -90,3 +105,10 @@ def error_from_result(error: wire.ErrorInfo) -> ApiError:
     """The client's error for a result that carries one, by its code."""
     code = error.code if error.code in RESULT_CODES else "INFERENCE_FAILED"
     return ApiError(code, error.message or "the backend failed")
+
+
+RETRY_REDIS_MS = 1_000
+
+
+def redis_unreachable() -> ApiError:
+    return ApiError("SERVICE_OVERLOADED", "the queue store is unreachable", RETRY_REDIS_MS)

@@ -20,8 +20,15 @@ import msgspec
 from infergate.base import clock, logs, wire
 from infergate.base.errors import STORE_ERRORS
 from infergate.gateway.api import InferenceResponse, JobAccepted, JobView
-from infergate.gateway.errors import ERRORS, ApiError, ErrorDetail, error_from_result
-from infergate.gateway.service import Call, Gateway, redis_unreachable
+from infergate.gateway.errors import (
+    ERRORS,
+    ApiError,
+    ErrorDetail,
+    error_from_result,
+    redis_unreachable,
+)
+from infergate.gateway.inference import Call
+from infergate.gateway.service import Gateway
 
 log = logs.get(__name__)
 
@@ -53,8 +60,8 @@ class Jobs:
         gw = self.gateway
         policy = gw.policy.current
         key = gw.authenticate(call.authorization, policy)
-        body, tier = gw.read_body(call.body, policy, key)
-        headers = await gw.charge_quota(key, tier, len(body.input))
+        body, tier = gw.inference.read_body(call.body, policy, key)
+        headers = await gw.inference.charge_quota(key, tier, len(body.input))
         now_ms = clock.now_ms()
         deadline_ms = tier.job_deadline_ms
         if body.timeout_ms is not None:

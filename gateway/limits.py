@@ -1,8 +1,12 @@
 """The gateway's edge limits and their defaults: one place, read by the
 command-line flags (``infergate gateway --help``), the HTTP protocol
-(``edge.py``) and the body reader (``middleware.py``)."""
+(``edge.py``) and the body reader (``middleware.py``); and the body's size
+limit (the live policy's), kept by one ``Body`` wherever a body is read."""
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+from infergate.gateway.errors import ApiError
 
 
 @dataclass(frozen=True)
@@ -20,3 +24,49 @@ class EdgeLimits:
     keep_alive_s: float = 5.0
     # Open connections per gateway process; one more is closed when accepted.
     max_connections: int = 1_000
+
+
+def content_length(value: bytes) -> int:
+    """A Content-Length header's number (the HTTP parser checked its form;
+    0 if it is not one). One too long to read, even zero-padded, is larger
+    than any body limit."""
+    digits = value.lstrip(b"0")
+    if len(digits) > 18:
+        return 1 << 62
+    return int(digits) if digits.isdigit() else 0
+
+
+def declared_length(headers: Iterable[tuple[bytes, bytes]]) -> int:
+    for name, value in headers:
+        if name == b"content-length":
+            return content_length(value)
+    return 0
+
+
+class Body:
+    """One request's body, kept up to its limit: past it (or declared past
+    it) nothing more is kept, so a body costs O(limit) memory whatever the
+    client sends. The limit is read once, when the request's head is in."""
+
+    __slots__ = ("chunks", "limit", "size", "too_large")
+
+    def __init__(self, limit: int, headers: Iterable[tuple[bytes, bytes]]) -> None:
+        self.limit = limit
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self.too_large = declared_length(headers) > limit
+
+    def add(self, chunk: bytes) -> None:
+        self.size += len(chunk)
+        if self.size > self.limit:
+            self.too_large = True
+            self.chunks.clear()
+        elif not self.too_large:
+            self.chunks.append(chunk)
+
+    def whole(self) -> bytes:
+        chunks, self.chunks = self.chunks, []
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def error(self) -> ApiError:
+        return ApiError("PAYLOAD_TOO_LARGE", f"the request body is over {self.limit} bytes")

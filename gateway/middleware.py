@@ -10,12 +10,12 @@ same bytes back.
 """
 
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
-import msgspec
 from infergate.base import logs
-from infergate.gateway.errors import ApiError
+from infergate.gateway.errors import ApiError, render
+from infergate.gateway.limits import Body
 
 Scope = dict[str, Any]
 Receive = Callable[[], Any]
@@ -33,16 +33,6 @@ def new_request_id() -> str:
     return os.urandom(8).hex()
 
 
-def content_length(value: bytes) -> int:
-    """A Content-Length header's number (the HTTP parser checked its form;
-    0 if it is not one). One too long to read, even zero-padded, is larger
-    than any body limit."""
-    digits = value.lstrip(b"0")
-    if len(digits) > 18:
-        return 1 << 62
-    return int(digits) if digits.isdigit() else 0
-
-
 class BodyRefused(Exception):
     def __init__(self, error: ApiError) -> None:
         super().__init__(error.message)
@@ -53,24 +43,16 @@ class ClientLeft(Exception):
     """The client disconnected before its body arrived."""
 
 
-# A route served without the app: (scope, body, receive, send); it sends every
-# header itself, x-request-id (the scope's REQUEST_ID) included.
-Direct = Callable[[Scope, bytes, Receive, Send], Awaitable[None]]
-
-
 class RequestIdAndLimits:
     def __init__(
         self,
         app: ASGIApp,
         max_body_bytes: Callable[[], int],
         on_refused: Callable[[Scope, int], None] = lambda scope, status: None,
-        direct: dict[tuple[str, str], Direct] | None = None,
     ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.on_refused = on_refused
-        # (method, path) -> the handler that serves it instead of the app
-        self.direct = direct or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -94,33 +76,18 @@ class RequestIdAndLimits:
             return
         except ClientLeft:
             return
-        direct = self.direct.get((scope["method"], scope["path"]))
-        if direct is not None:  # it sends the x-request-id header itself
-            await direct(scope, body, receive, send)
-            return
         await self.app(scope, _replay(body, receive), send_with_id)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
-        limit = self.max_body_bytes()
-        too_large = ApiError("PAYLOAD_TOO_LARGE", f"the request body is over {limit} bytes")
-        for name, value in scope["headers"]:
-            if name == b"content-length":
-                if content_length(value) > limit:
-                    raise BodyRefused(too_large)
-                break
-        chunks: list[bytes] = []
-        size = 0
-        while True:
+        body = Body(self.max_body_bytes(), scope["headers"])
+        while not body.too_large:
             message = await receive()
             if message["type"] == "http.disconnect":
                 raise ClientLeft()
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise BodyRefused(too_large)
-            if not message.get("more_body", False):
-                return chunk if not chunks else b"".join([*chunks, chunk])
-            chunks.append(chunk)
+            body.add(message.get("body", b""))
+            if not message.get("more_body", False) and not body.too_large:
+                return body.whole()
+        raise BodyRefused(body.error())
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
@@ -140,12 +107,7 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 
 
 async def _send_error(send: Send, error: ApiError, request_id: str) -> None:
-    body = msgspec.json.encode(error.body(request_id))
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-        (b"connection", b"close"),
-        *((k.encode(), v.encode()) for k, v in error.all_headers().items()),
-    ]
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    status, headers, body = render(error, request_id)
+    headers += [(b"content-length", b"%d" % len(body)), (b"connection", b"close")]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

@@ -14,7 +14,8 @@ from types import FrameType
 import uvicorn
 from infergate.base import clock, logs
 from infergate.gateway.app import create_asgi, inference_route
-from infergate.gateway.edge import EdgeProtocol, missing_internals, quiet_parser_warnings
+from infergate.gateway.edge import EdgeProtocol
+from infergate.gateway.edge_contract import missing_internals, quiet_parser_warnings
 from infergate.gateway.limits import EdgeLimits
 from infergate.gateway.service import Gateway
 

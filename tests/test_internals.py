@@ -16,7 +16,9 @@ import pytest
 import uvicorn
 from infergate.base.queue.resp import RawConnection, RedisInternalsMoved
 from infergate.gateway import edge
-from infergate.gateway.edge import EdgeProtocol, FastRoute, Headers, missing_internals
+from infergate.gateway import edge_contract
+from infergate.gateway.edge import EdgeProtocol, FastRoute, Headers
+from infergate.gateway.edge_contract import missing_internals
 from infergate.gateway.limits import EdgeLimits
 from redis.asyncio.connection import Connection
 from redis.exceptions import NoScriptError
@@ -235,4 +237,4 @@ def test_the_edges_internals_list_matches_what_it_uses() -> None:
     source = Path(edge.__file__).read_text("utf-8")
     for name in ("cycle", "flow", "pipeline", "parser", "server_state", "_start_asgi_task"):
         assert f"self.{name}" in source
-        assert name in edge.PROTOCOL_ATTRIBUTES + edge.PROTOCOL_METHODS
+        assert name in edge_contract.PROTOCOL_ATTRIBUTES + edge_contract.PROTOCOL_METHODS

@@ -222,3 +222,25 @@ def test_the_wheel_installs_one_top_level_name(tmp_path: Path) -> None:
     assert "infergate/py.typed" in names
     # ...and nothing of the tests.
     assert not any(n.startswith("infergate/tests") or "/tests/" in n for n in names)
+
+
+MAX_MODULE_LINES = 500
+MAX_CLASS_LINES = 300
+
+
+def test_one_concern_a_module_and_a_class() -> None:
+    """A source module over 500 lines, or a class over 300, holds two
+    concepts: split it along its seam (docs/architecture.md)."""
+    too_big = []
+    for folder in ("cli", "base", "policies", "gateway", "dispatcher", "gpu", "loadtest"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            text = path.read_text("utf-8")
+            where = path.relative_to(ROOT)
+            if len(lines := text.splitlines()) > MAX_MODULE_LINES:
+                too_big.append(f"{where}: {len(lines)} lines")
+            for node in ast.walk(ast.parse(text)):
+                if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
+                    size = node.end_lineno - node.lineno + 1
+                    if size > MAX_CLASS_LINES:
+                        too_big.append(f"{where}: class {node.name} is {size} lines")
+    assert too_big == []

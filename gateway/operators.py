@@ -1,0 +1,128 @@
+"""What operators ask a gateway (admin keys only): the policy in force, a
+reload, the dead letters, and the fleet at a glance."""
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from infergate.base import logs
+from infergate.base.errors import STORE_ERRORS
+from infergate.base.fleet import worker_capacity_rps
+from infergate.base.tiers import TIERS
+from infergate.gateway.api import (
+    AdminPolicy,
+    DeadLetters,
+    DeadLettersPurged,
+    ReloadResult,
+    StatusResponse,
+    WorkerStatus,
+)
+from infergate.gateway.errors import ApiError, redis_unreachable
+from infergate.policies import KeyEntry
+
+if TYPE_CHECKING:
+    from infergate.gateway.service import Gateway
+
+log = logs.get(__name__)
+
+# The fleet counters /v1/status always shows (0 until something happens).
+COUNTERS = (
+    "batches_formed",
+    "requests_batched",
+    "expired_dropped",
+    "cancelled_dropped",
+    "malformed_dropped",
+    "requeued",
+    "batches_retried",
+    "batches_dead_lettered",
+)
+
+
+class Operators:
+    """A gateway's operator endpoints."""
+
+    def __init__(self, gateway: "Gateway") -> None:
+        self.gw = gateway
+
+    def admin(self, authorization: str | None) -> KeyEntry:
+        key = self.gw.authenticate(authorization, self.gw.policy.current)
+        if not key.admin:
+            raise ApiError(
+                "FORBIDDEN", "this endpoint needs an admin key (admin: true in the policy)"
+            )
+        return key
+
+    def admin_policy(self) -> AdminPolicy:
+        policy = self.gw.policy.current
+        document: dict[str, Any] = msgspec.to_builtins(policy.document)
+        for key in document.get("keys", []):
+            key.pop("sha256", None)
+        return AdminPolicy(policy.version, Path(policy.source).name, self.gw.policy.error, document)
+
+    async def reload_policy(self) -> ReloadResult:
+        changed = await self.gw.policy.reload()
+        return ReloadResult(changed, self.gw.policy.current.version, self.gw.policy.error)
+
+    async def dead_letters(self, limit: int) -> DeadLetters:
+        try:
+            total, batches = await self.gw.queue.dead_letters(limit)
+        except STORE_ERRORS as exc:
+            raise redis_unreachable() from exc
+        return DeadLetters(total, batches)
+
+    async def purge_dead_letters(self) -> DeadLettersPurged:
+        try:
+            purged = await self.gw.queue.purge_dead_letters()
+        except STORE_ERRORS as exc:
+            raise redis_unreachable() from exc
+        log.info("admin.dead_letters_purged", purged=purged)
+        return DeadLettersPurged(purged)
+
+    async def status(self) -> StatusResponse:
+        try:
+            fleet = await self.gw.store.fleet_status()
+        except STORE_ERRORS as exc:
+            raise redis_unreachable() from exc
+        policy = self.gw.policy.current
+        max_batch = policy.document.batching.max_batch_size
+        stats = fleet.counters
+        workers = fleet.alive["worker"]
+        batches = stats.get("batches_formed", 0)
+        batched = stats.get("requests_batched", 0)
+        return StatusResponse(
+            gateway_id=self.gw.id,
+            policy_version=policy.version,
+            policy_error=self.gw.policy.error,
+            redis_ok=True,
+            workers_alive=len(workers),
+            workers_busy=sum(w.busy for w in workers),
+            workers=[
+                WorkerStatus(
+                    id=w.id,
+                    busy=w.busy,
+                    draining=w.draining,
+                    batches_done=w.batches_done,
+                    requests_done=w.requests_done,
+                    delivered_rps=w.delivered_rps,
+                    batch_ms=w.batch_ms,
+                    capacity_rps=round(worker_capacity_rps(w, max_batch), 1),
+                )
+                for w in workers
+            ],
+            dispatchers_alive=len(fleet.alive["dispatcher"]),
+            gateways_alive=len(fleet.alive["gateway"]),
+            queue_depth=fleet.queue_depth,
+            batches_formed=batches,
+            requests_batched=batched,
+            mean_batch_size=round(batched / batches, 2) if batches else 0.0,
+            expired_dropped=stats.get("expired_dropped", 0),
+            counters={name: stats.get(name, 0) for name in COUNTERS} | stats,
+            pending_here=len(self.gw.replies.pending),
+            replies_ignored=self.gw.replies.duplicates,
+            capacity_rps=round(self.gw.admission.capacity_rps(policy), 1),
+            estimated_wait_ms={
+                t: (None if w == float("inf") else round(w, 1))
+                for t in TIERS
+                for w in [self.gw.admission.estimate_wait_ms(policy, t)]
+            },
+        )
