@@ -5,7 +5,6 @@ with ``cjson``; a batch embeds its envelopes' bytes unchanged.
 """
 
 import os
-import re
 from typing import TypeVar
 
 import msgspec
@@ -48,15 +47,38 @@ class Batch(msgspec.Struct, frozen=True):
     attempt: int = 0
 
 
+class _BatchHead(msgspec.Struct, frozen=True):
+    """A batch less its envelopes: the line before them in its frame."""
+
+    id: str
+    dispatcher: str
+    formed_ms: int
+    attempt: int = 0
+
+
 class _RawBatch(msgspec.Struct, frozen=True):
-    """``Batch`` with its envelopes as raw bytes: built from envelopes as they
-    came out of Redis without re-encoding them, and read one envelope at a time."""
+    """Version 1 of a batch (before the frame): one JSON document, its
+    envelopes as raw bytes. Still read, so that a rolling upgrade loses
+    nothing (docs/operations.md: upgrades)."""
 
     id: str
     dispatcher: str
     formed_ms: int
     envelopes: list[msgspec.Raw]
     attempt: int = 0
+
+
+# A batch as it sits in Redis (version 2, written by take.lua and
+# ``encode_batch``): this line, the head as JSON on a line of its own, then
+# each envelope's bytes as they came off its queue, after their length:
+#   infergate-batch/2\n{"id":..,"dispatcher":..,"formed_ms":..,"attempt":0}\n
+#   <length>\n<envelope><length>\n<envelope>...
+# No byte of an envelope is read to find where it ends, so a planted one (what
+# Redis's cjson reads but JSON does not, a bracket that would end a list) is
+# only ever itself: unreadable, and dropped alone.
+BATCH_FRAME = b"infergate-batch/2\n"
+# A length is at most this many digits (a batch is at most 512 MB, Redis's limit).
+_LENGTH_DIGITS_MAX = 10
 
 
 class ErrorInfo(msgspec.Struct, frozen=True):
@@ -145,6 +167,7 @@ class ScaleSignal(msgspec.Struct, frozen=True):
 _json_encoder = msgspec.json.Encoder()
 _envelope_decoder = msgspec.json.Decoder(Envelope)
 _raw_batch_decoder = msgspec.json.Decoder(_RawBatch)
+_batch_head_decoder = msgspec.json.Decoder(_BatchHead)
 _reply_decoder = msgspec.json.Decoder(Reply)
 _heartbeat_decoder = msgspec.json.Decoder(Heartbeat)
 _scale_signal_decoder = msgspec.json.Decoder(ScaleSignal)
@@ -158,24 +181,34 @@ def encode(obj: Envelope | Reply | Result | Heartbeat | Batch | ScaleSignal) -> 
 def encode_batch(
     batch_id: str, dispatcher: str, formed_ms: int, envelopes: list[bytes], attempt: int = 0
 ) -> bytes:
-    """Encode a batch from envelopes as they came out of Redis, without
+    """Frame a batch from envelopes as they came out of Redis, without
     re-encoding them: the bytes ``take.lua`` writes when it forms a batch
     (tests/test_queue.py holds the two to the same bytes)."""
-    return _json_encoder.encode(
-        _RawBatch(batch_id, dispatcher, formed_ms, [msgspec.Raw(e) for e in envelopes], attempt)
-    )
+    parts = [
+        BATCH_FRAME,
+        _json_encoder.encode(_BatchHead(batch_id, dispatcher, formed_ms, attempt)),
+    ]
+    parts.append(b"\n")
+    for envelope in envelopes:
+        parts += (b"%d\n" % len(envelope), envelope)
+    return b"".join(parts)
 
 
 def retried_batch(data: bytes) -> bytes:
-    """The same batch with ``attempt + 1`` (its envelopes' bytes unchanged)."""
-    raw = _decode_raw_batch(data)
-    return _json_encoder.encode(msgspec.structs.replace(raw, attempt=raw.attempt + 1))
+    """The same batch with ``attempt + 1`` (its envelopes' bytes unchanged),
+    in the version it came in."""
+    if not data.startswith(BATCH_FRAME):
+        raw = _decode(_raw_batch_decoder, data)
+        return _json_encoder.encode(msgspec.structs.replace(raw, attempt=raw.attempt + 1))
+    head, end = _head_of(data)
+    head = msgspec.structs.replace(head, attempt=head.attempt + 1)
+    return BATCH_FRAME + _json_encoder.encode(head) + b"\n" + data[end:]
 
 
 T = TypeVar("T")
 
 
-def _decode(decoder: "msgspec.json.Decoder[T]", data: bytes) -> T:
+def _decode(decoder: "msgspec.json.Decoder[T]", data: bytes | memoryview | msgspec.Raw) -> T:
     """Every decode of bytes from Redis: anything unreadable, however it is
     unreadable (msgspec raises RecursionError for deeply nested JSON, and
     UnicodeDecodeError for a string that is not UTF-8), is a
@@ -195,91 +228,44 @@ def decode_envelope(data: bytes) -> Envelope:
 def decode_batch(data: bytes) -> tuple[Batch, int]:
     """The batch with every envelope that decodes, and how many did not.
     Raises ``msgspec.DecodeError`` only if the batch itself is unreadable."""
-    raw = _decode_raw_batch(data)
+    head, raws = _split_batch(data)
     envelopes = []
-    for env in raw.envelopes:
+    for raw in raws:
         try:
-            envelopes.append(_decode(_envelope_decoder, env))
+            envelopes.append(_decode(_envelope_decoder, raw))
         except msgspec.DecodeError:
             continue
-    batch = Batch(raw.id, raw.dispatcher, raw.formed_ms, envelopes, raw.attempt)
-    return batch, len(raw.envelopes) - len(envelopes)
+    batch = Batch(head.id, head.dispatcher, head.formed_ms, envelopes, head.attempt)
+    return batch, len(raws) - len(envelopes)
 
 
-# take.lua checks each envelope with Redis's cjson, which reads more than
-# JSON does: NaN, Infinity, 0x10, 01, +1, 1., a raw tab or newline inside a
-# string. Redis contents are not trusted, and one such envelope made its
-# whole batch unreadable here, every request in it lost with it. Such a
-# batch's envelopes are found by their brackets instead (outside strings),
-# each to be read on its own. One pass over the bytes (a string, however
-# long, in one match of the regex engine: at worst about 40 ns a byte on
-# this project's 2-core machine, 0.3 s for 8 MB of escaped quotes), into at
-# most _SPLIT_MAX_ENVELOPES (the backend's contract), in at most
-# _SPLIT_MAX_MARKS steps of the loop (a real envelope takes about 25: a
-# bracket or a string each; 500,000 of them, 0.25 s, well under the
-# worker's 1 s heartbeat TTL even on a slower day). Only an envelope of
-# more than 500,000 brackets and strings (a megabyte or more of them) still
-# makes its batch unreadable.
-_SPLIT_MAX_ENVELOPES = 100
-_SPLIT_MAX_MARKS = 500_000
-_MARK_BETWEEN = re.compile(rb'["\[\]{},]')  # between envelopes: commas split them
-_MARK_WITHIN = re.compile(rb'["\[\]{}]')
-_STRING_REST = re.compile(rb'[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
-_ENVELOPES_FROM = b'"envelopes":['
-_QUOTE, _COMMA, _LIST_END = 0x22, 0x2C, 0x5D
-_OPENING = b"{["
+def _split_batch(data: bytes) -> tuple[_BatchHead, list[memoryview] | list[msgspec.Raw]]:
+    """A batch's head, and its envelopes' bytes (not copied)."""
+    if not data.startswith(BATCH_FRAME):
+        raw = _decode(_raw_batch_decoder, data)
+        return _BatchHead(raw.id, raw.dispatcher, raw.formed_ms, raw.attempt), raw.envelopes
+    head, at = _head_of(data)
+    view = memoryview(data)
+    envelopes = []
+    while at < len(data):
+        line = data.find(b"\n", at, at + _LENGTH_DIGITS_MAX + 1)
+        length = data[at:line]
+        if line < 0 or not length.isdigit():
+            raise msgspec.DecodeError("a batch whose frame is broken")
+        at, end = line + 1, line + 1 + int(length)
+        if end > len(data):
+            raise msgspec.DecodeError("a batch cut short")
+        envelopes.append(view[at:end])
+        at = end
+    return head, envelopes
 
 
-def _decode_raw_batch(data: bytes) -> _RawBatch:
-    try:
-        return _decode(_raw_batch_decoder, data)
-    except msgspec.DecodeError:
-        return _split_batch(data)
-
-
-def _split_batch(data: bytes) -> _RawBatch:
-    """The batch, its envelopes split at the commas between them; raises
-    ``msgspec.DecodeError`` if the rest of it is not a batch."""
-    at = data.find(_ENVELOPES_FROM)  # (the id before it is a JSON string)
-    if at < 0:
-        raise msgspec.DecodeError("not a batch")
-    start = begin = at = at + len(_ENVELOPES_FROM)
-    pieces: list[msgspec.Raw] = []
-    depth = 0
-    for _ in range(_SPLIT_MAX_MARKS):
-        found = (_MARK_WITHIN if depth else _MARK_BETWEEN).search(data, at)
-        if found is None:
-            break
-        mark, at = data[found.start()], found.end()
-        if mark == _QUOTE:
-            at = _string_end(data, at)
-        elif mark in _OPENING:
-            depth += 1
-        elif depth > 0:  # (a closing bracket: commas are not looked for)
-            depth -= 1
-        elif mark == _COMMA:  # between two envelopes
-            if len(pieces) == _SPLIT_MAX_ENVELOPES:
-                break
-            pieces.append(msgspec.Raw(data[begin : found.start()]))
-            begin = at
-        elif mark == _LIST_END:
-            if data[begin : found.start()].strip():
-                pieces.append(msgspec.Raw(data[begin : found.start()]))
-            head = _decode(_raw_batch_decoder, data[:start] + data[found.start() :])
-            if head.envelopes:
-                break
-            return msgspec.structs.replace(head, envelopes=pieces)
-        else:
-            break
-    raise msgspec.DecodeError("not a batch")
-
-
-def _string_end(data: bytes, at: int) -> int:
-    """Just past the quote that ends the string whose first byte is at ``at``."""
-    found = _STRING_REST.match(data, at)
-    if found is None:
-        raise msgspec.DecodeError("not a batch")
-    return found.end()
+def _head_of(data: bytes) -> tuple[_BatchHead, int]:
+    """A framed batch's head, and where its envelopes begin."""
+    end = data.find(b"\n", len(BATCH_FRAME))
+    if end < 0:
+        raise msgspec.DecodeError("a batch without its head")
+    return _decode(_batch_head_decoder, data[len(BATCH_FRAME) : end]), end + 1
 
 
 def decode_reply(data: bytes) -> Reply:

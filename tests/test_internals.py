@@ -15,8 +15,7 @@ import httptools
 import pytest
 import uvicorn
 from infergate.base.queue.resp import RawConnection, RedisInternalsMoved
-from infergate.gateway import edge
-from infergate.gateway import edge_contract
+from infergate.gateway import edge, edge_contract
 from infergate.gateway.edge import EdgeProtocol, FastRoute, Headers
 from infergate.gateway.edge_contract import missing_internals
 from infergate.gateway.limits import EdgeLimits

@@ -97,7 +97,7 @@ async def take(
 
 async def test_a_batch_of_long_inputs_is_the_same_bytes_as_its_python_twin(q: Faces) -> None:
     """Past 64 KB a batch is joined in groups of 16 (``take.lua``
-    ``comma_joined``): any count, the same bytes as ``wire.encode_batch``."""
+    ``joined``): any count, the same bytes as ``wire.encode_batch``."""
     now = clock.now_ms()
     for count in (1, 15, 16, 17, 33, 100):
         for i in range(count):

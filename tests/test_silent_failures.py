@@ -23,8 +23,8 @@ from infergate.base.queue.forming import Rule
 from infergate.base.queue.gateway import GatewayQueue
 from infergate.base.queue.store import Store
 from infergate.base.queue.worker import WorkerQueue
-from infergate.gpu.simulated import SimulatedBackend, sim_output
 from infergate.gpu.answers import Answer, Finished
+from infergate.gpu.simulated import SimulatedBackend, sim_output
 from infergate.gpu.worker import Worker, WorkerSettings
 from infergate.redis_server import RedisServer
 
@@ -272,28 +272,56 @@ async def test_an_envelope_with_a_nul_byte_never_reaches_a_batch(redis_url: str)
         await store.close()
 
 
-def test_a_batch_planted_whole_costs_no_more_than_its_length() -> None:
-    """The fallback reads each byte once (a 1 MB string of escaped quotes
-    that never ends once took minutes: each quote began a new scan), and
-    stops at 100 envelopes: past it, the batch is unreadable. A long batch
-    of real envelopes is read whatever its length."""
-    head = b'{"id":"b","dispatcher":"d","formed_ms":1,"envelopes":['
-    started = time.monotonic()
-    for planted in (head + b'"' + b'\\"' * 500_000, head + b'{"x":NaN,"a":"' + b'\\"' * 500_000):
-        with pytest.raises(msgspec.DecodeError):
-            wire.decode_batch(planted)
-    assert time.monotonic() - started < 10  # about 0.2 s on the 2-core test machine
-    with pytest.raises(msgspec.DecodeError):
-        wire.decode_batch(head + b"{}," * 101 + b'{"x":NaN}],"attempt":0}')
-    wire.decode_batch(head + b"{}," * 99 + b'{"x":NaN}],"attempt":0}')  # 100: read
+def test_a_batch_frames_each_envelope_by_its_length() -> None:
+    """No byte of an envelope is read to find where it ends: brackets,
+    commas, quotes and NaN inside one (planted) leave the others whole,
+    however long the batch."""
     now = clock.now_ms()
-    text = "€" * 16_384 + '"\\'  # 49 KB as JSON
+    text = "€" * 16_384 + '"\\],{'  # 49 KB as JSON
     real = [wire.Envelope(f"r{i}", "gw", "paid", "k", text, now, now + 9_000) for i in range(45)]
-    planted = b'{"id":"evil","gateway":"gw","input":"x","deadline_ms":NaN}'
-    data = wire.encode_batch("b", "d", now, [*map(wire.encode, real), planted])
-    batch, unreadable = wire.decode_batch(data)
-    assert (len(batch.envelopes), unreadable) == (45, 1)
-    assert all(e.input == text for e in batch.envelopes)
+    for planted in (
+        b'{"id":"evil","gateway":"gw","input":"x","deadline_ms":NaN}',
+        b'],"attempt":9}\n5\n{"id":"forged"}',
+        b'"' + b'\\"' * 100_000,
+    ):
+        data = wire.encode_batch("b", "d", now, [*map(wire.encode, real), planted])
+        batch, unreadable = wire.decode_batch(data)
+        assert (len(batch.envelopes), unreadable, batch.attempt) == (45, 1, 0)
+        assert all(e.input == text for e in batch.envelopes)
+
+
+def test_a_broken_frame_is_an_unreadable_batch() -> None:
+    good = wire.encode_batch("b", "d", 1, [b'{"id":"x"}'])
+    for broken in (
+        wire.BATCH_FRAME,  # no head
+        wire.BATCH_FRAME + b'{"id":"b"}\n',  # a head without its fields
+        good[:-1],  # cut short
+        good.replace(b"\n10\n", b"\n99\n"),  # a length past the end
+        good.replace(b"\n10\n", b"\n1x\n"),  # not a length
+        good + b"12345678901234567890",  # no line after a length
+    ):
+        with pytest.raises(msgspec.DecodeError):
+            wire.decode_batch(broken)
+
+
+def test_a_batch_from_before_the_frame_is_still_read() -> None:
+    """Version 1 (one JSON document), from a process not yet upgraded: read,
+    and retried in the same version."""
+    now = clock.now_ms()
+    envs = [
+        wire.encode(wire.Envelope(f"r{i}", "gw", "paid", "k", "in", now, now + 9_000))
+        for i in range(2)
+    ]
+    old = (
+        b'{"id":"b","dispatcher":"d","formed_ms":1,"envelopes":['
+        + b",".join(envs)
+        + b'],"attempt":0}'
+    )
+    batch, unreadable = wire.decode_batch(old)
+    assert ([e.id for e in batch.envelopes], unreadable) == (["r0", "r1"], 0)
+    retried = wire.retried_batch(old)
+    assert retried == old.replace(b'"attempt":0}', b'"attempt":1}')
+    assert wire.decode_batch(retried)[0].attempt == 1
 
 
 async def test_a_member_or_credit_that_is_not_utf8_blinds_no_one(redis_url: str) -> None:
@@ -374,7 +402,9 @@ async def test_a_finished_batch_is_published_once_redis_returns_however_long_it_
 
     async def finish() -> None:
         assert await worker.loop.take_next(b"the batch", stop) == (False, None)
-        await worker.loop.answer(Finished(1, lambda: Answer({env.gateway: reply})), stop, b"the batch")
+        await worker.loop.answer(
+            Finished(1, lambda: Answer({env.gateway: reply})), stop, b"the batch"
+        )
 
     answering = asyncio.create_task(finish())
     # Redis stays away for a while: the worker keeps trying, it does not give up.
@@ -483,6 +513,14 @@ def test_a_string_from_redis_that_is_not_utf8_is_unreadable_not_a_crash() -> Non
         (wire.decode_reply, b'{"results":[{"id":' + bad + b',"batch_id":"b"}]}'),
         (wire.decode_batch, b'{"id":' + bad + b',"dispatcher":"d","formed_ms":1,"envelopes":[]}'),
         (wire.retried_batch, b'{"id":' + bad + b',"dispatcher":"d","formed_ms":1,"envelopes":[]}'),
+        (
+            wire.decode_batch,
+            wire.BATCH_FRAME + b'{"id":' + bad + b',"dispatcher":"d","formed_ms":1}\n',
+        ),
+        (
+            wire.retried_batch,
+            wire.BATCH_FRAME + b'{"id":' + bad + b',"dispatcher":"d","formed_ms":1}\n',
+        ),
     ):
         with pytest.raises(msgspec.DecodeError):
             decode(data)

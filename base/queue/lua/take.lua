@@ -17,9 +17,10 @@
 -- unreadable (not JSON, or without a numeric deadline_ms, a string id and
 -- gateway, and a string input or, for a long input kept beside the queue,
 -- a null input and a string input_key) are dropped here and counted: they
--- never reach a worker; a dropped one's long input is deleted with it. (What cjson reads but JSON does not, NaN or 0x10 or a raw tab
--- in a string, does: the worker drops it alone, wire.decode_batch; one
--- with a NUL byte is dropped here.) If work is left behind, the doorbell
+-- never reach a worker; a dropped one's long input is deleted with it. (What
+-- cjson reads but JSON does not, NaN or 0x10 or a raw tab in a string, does:
+-- the batch frames each envelope by its length, and the worker drops that
+-- one alone, wire.decode_batch; one with a NUL byte is dropped here.) If work is left behind, the doorbell
 -- rings again so another dispatcher holding a credit wakes for it.
 -- Jobs (asynchronous) come after every synchronous request, by tier among
 -- themselves: they fill the slots synchronous work leaves in a batch, and
@@ -230,27 +231,25 @@ local function consider(raw)
 end
 
 local function joined16(list, i, j)
-  -- list[i..j], at most 16 strings, joined by ',' in one concatenation
-  local s, c = {}, {}
+  -- list[i..j], at most 16 strings, in one concatenation
+  local s = {}
   for k = 1, 16 do
     local at = i + k - 1
     s[k] = at <= j and list[at] or ''
-    c[k] = (k > 1 and at <= j) and ',' or ''
   end
-  return s[1] .. c[2] .. s[2] .. c[3] .. s[3] .. c[4] .. s[4] .. c[5] .. s[5] .. c[6] .. s[6]
-    .. c[7] .. s[7] .. c[8] .. s[8] .. c[9] .. s[9] .. c[10] .. s[10] .. c[11] .. s[11]
-    .. c[12] .. s[12] .. c[13] .. s[13] .. c[14] .. s[14] .. c[15] .. s[15] .. c[16] .. s[16]
+  return s[1] .. s[2] .. s[3] .. s[4] .. s[5] .. s[6] .. s[7] .. s[8] .. s[9] .. s[10]
+    .. s[11] .. s[12] .. s[13] .. s[14] .. s[15] .. s[16]
 end
 
-local function comma_joined(list)
-  -- table.concat(list, ','). For a long result, in two concatenations
-  -- (groups of 16, then the groups: each byte copied twice): table.concat
-  -- makes it through a string per 8 KB and merges of those, each byte
-  -- copied several times over (a batch of 91 inputs of 16,000 characters:
-  -- 6.3 ms of Redis, against 3.6). (A worker's batch is at most 100.)
+local function joined(list)
+  -- table.concat(list). For a long result, in two concatenations (groups
+  -- of 16, then the groups: each byte copied twice): table.concat makes it
+  -- through a string per 8 KB and merges of those, each byte copied several
+  -- times over (a batch of 91 inputs of 16,000 characters: 6.3 ms of Redis,
+  -- against 3.6). (A worker's batch is at most 100 envelopes: 201 pieces.)
   local bytes = 0
   for k = 1, #list do bytes = bytes + #list[k] end
-  if bytes < 65536 or #list > 256 then return table.concat(list, ',') end
+  if bytes < 65536 or #list > 256 then return table.concat(list) end
   local groups = {}
   for i = 1, #list, 16 do groups[#groups + 1] = joined16(list, i, math.min(i + 15, #list)) end
   return joined16(groups, 1, #groups)
@@ -287,17 +286,15 @@ if check_cancelled then redis.call('ZREMRANGEBYSCORE', cancelled_set, '-inf', no
 if #taken >= n then ring_if_waiting(first_queue) end
 local batch = false
 if #taken > 0 then
-  -- The batch as wire.encode_batch writes it, the envelopes' bytes unchanged
-  -- (comma_joined): the head and tail go onto the first and last envelopes
-  -- (and back) rather than around the joined list, which would copy the
-  -- whole batch once more.
-  local head = '{"id":' .. cjson.encode(ARGV[4]) .. ',"dispatcher":' .. cjson.encode(ARGV[5])
-    .. ',"formed_ms":' .. ARGV[2] .. ',"envelopes":['
-  local first, last = taken[1], taken[#taken]
-  taken[1] = head .. first
-  taken[#taken] = taken[#taken] .. '],"attempt":0}'
-  batch = comma_joined(taken)
-  taken[1], taken[#taken] = first, last
+  -- The batch's frame, as wire.encode_batch writes it: its head on a line,
+  -- then each envelope's bytes unchanged after their length, so no byte of
+  -- an envelope is ever read to find where it ends.
+  local parts = {'infergate-batch/2\n{"id":' .. cjson.encode(ARGV[4]) .. ',"dispatcher":'
+    .. cjson.encode(ARGV[5]) .. ',"formed_ms":' .. ARGV[2] .. ',"attempt":0}\n'}
+  for k = 1, #taken do
+    parts[2 * k], parts[2 * k + 1] = #taken[k] .. '\n', taken[k]
+  end
+  batch = joined(parts)
   if for_worker then
     redis.call('LPUSH', own, batch)
   else
