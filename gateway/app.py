@@ -23,9 +23,10 @@ from infergate.gateway.api import (
 )
 from infergate.gateway.edge import FastRoute, Headers
 from infergate.gateway.errors import ERRORS, JSON, ApiError, ErrorBody, render
-from infergate.gateway.inference import Call, OnDisconnect
+from infergate.gateway.inference import Call, Inference, OnDisconnect
 from infergate.gateway.jobs import Jobs
 from infergate.gateway.middleware import ON_DISCONNECT, REQUEST_ID, RequestIdAndLimits
+from infergate.gateway.operators import Operators
 from infergate.gateway.service import Gateway
 from litestar import Litestar, Request, Response, Router, delete, get, post
 from litestar.connection import ASGIConnection
@@ -87,6 +88,11 @@ def _gateway(request: Request[Any, Any, Any]) -> Gateway:
     return gw
 
 
+def _operators(request: Request[Any, Any, Any]) -> Operators:
+    operators: Operators = request.app.state.operators
+    return operators
+
+
 def _jobs(request: Request[Any, Any, Any]) -> Jobs:
     jobs: Jobs = request.app.state.jobs
     return jobs
@@ -116,11 +122,11 @@ INFERENCE_METHOD, INFERENCE_PATH = "POST", "/v1/inference"
     security=[{"bearer": []}],
     operation_class=_InferenceOperation,
 )
-async def inference(request: Request[Any, Any, Any]) -> Response[InferenceResponse]:
+async def post_inference(request: Request[Any, Any, Any]) -> Response[InferenceResponse]:
     """The route through ASGI (a request with a query string, or a server
     without the edge); the edge serves the rest itself (``inference_route``)."""
     status, headers, payload = await answer_inference(
-        _gateway(request),
+        request.app.state.inference,
         _request_id(request),
         list(request.scope["headers"]),
         await request.body(),
@@ -140,7 +146,7 @@ def _raw_response(status: int, headers: Headers, payload: bytes) -> Response[Any
 
 
 async def answer_inference(
-    gateway: Gateway,
+    inference: Inference,
     request_id: str,
     headers: Headers,
     body: bytes,
@@ -160,7 +166,7 @@ async def answer_inference(
             tracestate = value.decode("latin-1")
     call = Call(request_id, authorization, body, on_disconnect, traceparent, tracestate)
     try:
-        result, extra = await gateway.inference.infer(call)
+        result, extra = await inference.infer(call)
     except ApiError as exc:
         if exc.status < 500:
             logs.limited(log, "request.refused", status=exc.status, code=exc.code)
@@ -223,8 +229,8 @@ async def cancel_job(request: Request[Any, Any, Any], job_id: str) -> JobView:
 
 def admin_only(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
     """The guard of every operator endpoint: an admin key (401, 403)."""
-    gateway: Gateway = connection.app.state.gateway
-    gateway.operators.admin(connection.headers.get("authorization"))
+    operators: Operators = connection.app.state.operators
+    operators.admin(connection.headers.get("authorization"))
 
 
 ADMIN_ERRORS = {
@@ -240,7 +246,7 @@ ADMIN_ERRORS = {
     security=[{"bearer": []}],
 )
 async def admin_policy(request: Request[Any, Any, Any]) -> AdminPolicy:
-    return _gateway(request).operators.admin_policy()
+    return _operators(request).admin_policy()
 
 
 @post(
@@ -252,7 +258,7 @@ async def admin_policy(request: Request[Any, Any, Any]) -> AdminPolicy:
     security=[{"bearer": []}],
 )
 async def reload_policy(request: Request[Any, Any, Any]) -> ReloadResult:
-    return await _gateway(request).operators.reload_policy()
+    return await _operators(request).reload_policy()
 
 
 @get(
@@ -267,7 +273,7 @@ async def dead_letters(
         int, Parameter(ge=1, le=MAX_LISTED, description="newest first (and at most 8 MB)")
     ] = 20,
 ) -> DeadLetters:
-    return await _gateway(request).operators.dead_letters(limit)
+    return await _operators(request).dead_letters(limit)
 
 
 @delete(
@@ -278,7 +284,7 @@ async def dead_letters(
     security=[{"bearer": []}],
 )
 async def purge_dead_letters(request: Request[Any, Any, Any]) -> DeadLettersPurged:
-    return await _gateway(request).operators.purge_dead_letters()
+    return await _operators(request).purge_dead_letters()
 
 
 @get("/healthz", summary="The process is alive")
@@ -310,7 +316,7 @@ async def readyz(request: Request[Any, Any, Any]) -> Response[Readiness]:
     security=[{"bearer": []}],
 )
 async def status(request: Request[Any, Any, Any]) -> StatusResponse:
-    return await _gateway(request).operators.status()
+    return await _operators(request).status()
 
 
 def _render(request: Request[Any, Any, Any], error: ApiError) -> Response[Any]:
@@ -354,7 +360,7 @@ def _on_unexpected(request: Request[Any, Any, Any], exc: Exception) -> Response[
     return _render(request, ApiError("INTERNAL", "internal error"))
 
 
-def create_app(gateway: Gateway) -> Litestar:
+def create_app(gateway: Gateway, inference: Inference) -> Litestar:
     async def on_startup(app: Litestar) -> None:
         await gateway.start()
 
@@ -363,7 +369,7 @@ def create_app(gateway: Gateway) -> Litestar:
 
     app = Litestar(
         route_handlers=[
-            inference,
+            post_inference,
             submit_job,
             fetch_job,
             cancel_job,
@@ -408,7 +414,9 @@ def create_app(gateway: Gateway) -> Litestar:
         logging_config=None,
     )
     app.state.gateway = gateway
-    app.state.jobs = Jobs(gateway)
+    app.state.inference = inference
+    app.state.operators = Operators(gateway)
+    app.state.jobs = Jobs(gateway, inference)
     return app
 
 
@@ -417,7 +425,7 @@ def count_refused_inference(gateway: Gateway, status: int) -> None:
     gateway.metrics.requests.labels(NO_TIER, str(status)).inc()
 
 
-def create_asgi(gateway: Gateway) -> Any:
+def create_asgi(gateway: Gateway, inference: Inference) -> Any:
     """The Litestar app wrapped in the request-id and body-limit middleware."""
 
     def count_refused(scope: dict[str, Any], status: int) -> None:
@@ -425,20 +433,20 @@ def create_asgi(gateway: Gateway) -> Any:
             count_refused_inference(gateway, status)
 
     return RequestIdAndLimits(
-        create_app(gateway),
+        create_app(gateway, inference),
         lambda: gateway.policy.current.document.limits.max_body_bytes,
         count_refused,
     )
 
 
-def inference_route(gateway: Gateway) -> FastRoute:
+def inference_route(gateway: Gateway, inference: Inference) -> FastRoute:
     """POST /v1/inference for the HTTP edge to serve without ASGI."""
 
     async def answer(
         request_id: str, headers: Headers, body: bytes, on_disconnect: OnDisconnect
     ) -> tuple[int, Headers, bytes]:
         status, head, payload = await answer_inference(
-            gateway, request_id, headers, body, on_disconnect
+            inference, request_id, headers, body, on_disconnect
         )
         head.append((b"x-request-id", request_id.encode()))
         return status, head, payload

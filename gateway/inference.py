@@ -10,7 +10,6 @@ disconnect, whichever comes first.
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import msgspec
 from infergate.base import clock, logs, tracing, wire
@@ -25,11 +24,9 @@ from infergate.gateway.api import (
     decode_inference_request,
 )
 from infergate.gateway.errors import ApiError, error_from_result, redis_unreachable
+from infergate.gateway.service import Gateway
 from infergate.gateway.sharing import input_digest, scope_owner
 from infergate.policies import KeyEntry, Policy, Tier
-
-if TYPE_CHECKING:
-    from infergate.gateway.service import Gateway
 
 log = logs.get(__name__)
 _tracer = tracing.tracer(__name__)
@@ -108,7 +105,7 @@ class Request:
 class Inference:
     """A gateway's request path (its state, the gateway's)."""
 
-    def __init__(self, gateway: "Gateway") -> None:
+    def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
 
     async def infer(self, call: Call) -> tuple[InferenceResponse, dict[str, str]]:

@@ -27,7 +27,7 @@ from infergate.gateway.errors import (
     error_from_result,
     redis_unreachable,
 )
-from infergate.gateway.inference import Call
+from infergate.gateway.inference import Call, Inference
 from infergate.gateway.service import Gateway
 
 log = logs.get(__name__)
@@ -49,8 +49,9 @@ RETRY_TOO_MANY_JOBS_MS = 5_000
 
 
 class Jobs:
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, inference: Inference) -> None:
         self.gateway = gateway
+        self.inference = inference
         self.queue = gateway.queue
 
     async def submit(self, call: Call) -> tuple[JobAccepted, dict[str, str]]:
@@ -60,8 +61,8 @@ class Jobs:
         gw = self.gateway
         policy = gw.policy.current
         key = gw.authenticate(call.authorization, policy)
-        body, tier = gw.inference.read_body(call.body, policy, key)
-        headers = await gw.inference.charge_quota(key, tier, len(body.input))
+        body, tier = self.inference.read_body(call.body, policy, key)
+        headers = await self.inference.charge_quota(key, tier, len(body.input))
         now_ms = clock.now_ms()
         deadline_ms = tier.job_deadline_ms
         if body.timeout_ms is not None:

@@ -2,7 +2,7 @@
 reload, the dead letters, and the fleet at a glance."""
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 from infergate.base import logs
@@ -18,10 +18,8 @@ from infergate.gateway.api import (
     WorkerStatus,
 )
 from infergate.gateway.errors import ApiError, redis_unreachable
+from infergate.gateway.service import Gateway
 from infergate.policies import KeyEntry
-
-if TYPE_CHECKING:
-    from infergate.gateway.service import Gateway
 
 log = logs.get(__name__)
 
@@ -41,7 +39,7 @@ COUNTERS = (
 class Operators:
     """A gateway's operator endpoints."""
 
-    def __init__(self, gateway: "Gateway") -> None:
+    def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
 
     def admin(self, authorization: str | None) -> KeyEntry:

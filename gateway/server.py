@@ -16,6 +16,7 @@ from infergate.base import clock, logs
 from infergate.gateway.app import create_asgi, inference_route
 from infergate.gateway.edge import EdgeProtocol
 from infergate.gateway.edge_contract import missing_internals, quiet_parser_warnings
+from infergate.gateway.inference import Inference
 from infergate.gateway.limits import EdgeLimits
 from infergate.gateway.service import Gateway
 
@@ -48,10 +49,13 @@ async def serve(
         log.error("gateway.uvicorn_unsupported", missing=missing, uvicorn=uvicorn.__version__)
         return 1
     quiet_parser_warnings()
+    # The gateway's state, its request path, and the two ways in: the edge's
+    # fast route and the Litestar app (every other route).
+    inference = Inference(gateway)
     config = uvicorn.Config(
-        create_asgi(gateway),
+        create_asgi(gateway, inference),
         loop="uvloop",
-        http=EdgeProtocol.with_limits(limits, inference_route(gateway)),
+        http=EdgeProtocol.with_limits(limits, inference_route(gateway, inference)),
         timeout_keep_alive=max(1, round(limits.keep_alive_s)),
         lifespan="on",
         access_log=False,

@@ -1,7 +1,8 @@
 """A gateway process: its parts wired together (the Redis client, the reply
 router, the fleet view, the policy in force), its life (start, stop, drain,
-readiness) and who a key is. The request path is ``inference.py``, the
-operators' endpoints ``operators.py``.
+readiness) and who a key is. The request path (``inference.py``) and the
+operators' endpoints (``operators.py``) work on it, and ``server.py`` puts
+the three together.
 """
 
 import dataclasses
@@ -26,8 +27,6 @@ from infergate.base.settings import ProcessSettings
 from infergate.base.tiers import TIERS
 from infergate.gateway.admission import Admission
 from infergate.gateway.errors import ApiError
-from infergate.gateway.inference import Inference
-from infergate.gateway.operators import Operators
 from infergate.gateway.quota import Quota
 from infergate.gateway.replies import ReplyRouter
 from infergate.gateway.sharing import Cache, Collapsing
@@ -65,8 +64,6 @@ class Gateway:
         self.collapsing = Collapsing()
         self.cache = Cache(self.queue, self.metrics.cache_bypassed.inc)
         self.admission = Admission(self.fleet)
-        self.inference = Inference(self)
-        self.operators = Operators(self)
         policy.keep_with(self._keep_policy)
         watch_policy_and_redis(self.metrics, policy, lambda: self.fleet.redis_ok)
         # Read on the event loop once a second; the scrape thread only reads the result.
