@@ -394,16 +394,24 @@ def test_rolling_restart_of_workers_and_dispatchers_under_load_loses_nothing(
                     tasks.append(asyncio.create_task(one(i)))
                 return await asyncio.gather(*tasks)
 
+        def serving_workers() -> int:
+            return sum(not w["draining"] for w in c.status()["workers"])
+
         def roll() -> None:
+            # As a rollout does it: one process at a time, the next stopped
+            # only once its replacement is up (a worker is ready when the
+            # fleet counts it; with none, a request would get 503 at once).
             for old in [*c.workers, *c.dispatchers]:
                 time.sleep(1.0)  # pacing: one restart a second, while the load runs
                 old.signal(signal.SIGTERM)
                 assert old.wait(15) == 0
                 if old in c.workers:
                     c.add_worker()
+                    wait_for(lambda: serving_workers() == 2, 20, "the new worker to serve")
                 else:
                     new = c._start(["dispatcher", "--policy", str(c.policy_path)], "dispatcher-new")
                     c.procs.append(new)
+                    wait_for(lambda: c.status()["dispatchers_alive"] == 2, 20, "the dispatcher")
 
         async def scenario() -> list[int]:
             roller = asyncio.create_task(asyncio.to_thread(roll))
