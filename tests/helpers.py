@@ -240,6 +240,12 @@ class Stack:
     def stop(self) -> None:
         self.proc.stop()
 
+    def __enter__(self) -> "Stack":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
 
 def children_of(pid: int) -> list[int]:
     out = subprocess.run(
@@ -388,6 +394,12 @@ class Cluster:
     def stop(self) -> None:
         for p in self.procs + self.workers:
             p.stop()
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 KEYS = Keys()

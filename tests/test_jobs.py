@@ -34,8 +34,7 @@ def fetch(c: Cluster, job_id: str, tier: str = "paid", i: int = 0, wait_s: float
 
 
 def test_a_job_from_submit_to_result_seen_only_by_its_key(tmp_path: Path, redis_url: str) -> None:
-    c = Cluster(tmp_path, redis_url, policy_yaml(), workers=1)
-    try:
+    with Cluster(tmp_path, redis_url, policy_yaml(), workers=1) as c:
         status, headers, body = submit(c, "a job")
         assert status == 202, body
         job_id = body["job_id"]
@@ -66,8 +65,6 @@ def test_a_job_from_submit_to_result_seen_only_by_its_key(tmp_path: Path, redis_
         client = redis.Redis.from_url(redis_url)
         wait_for(lambda: redis_clean(client), 10, "the lists to empty")
         assert client.hlen(KEYS.jobs_queued) == 0
-    finally:
-        c.stop()
 
 
 def test_cancel_and_expiry_while_no_worker_runs_jobs(tmp_path: Path, redis_url: str) -> None:
@@ -114,16 +111,13 @@ def test_cancel_and_expiry_while_no_worker_runs_jobs(tmp_path: Path, redis_url: 
 
 
 def test_a_gateway_killed_after_the_submit_changes_nothing(tmp_path: Path, redis_url: str) -> None:
-    c = Cluster(tmp_path, redis_url, policy_yaml(), gateways=2, workers=1, latency_ms=300)
-    try:
+    with Cluster(tmp_path, redis_url, policy_yaml(), gateways=2, workers=1, latency_ms=300) as c:
         ids = [submit(c, f"survives {i}", i=0)[2]["job_id"] for i in range(5)]
         c.kill(c.gateways[0])
         for i, job_id in enumerate(ids):
             status, _, view = fetch(c, job_id, i=1, wait_s=15)
             assert (status, view["status"]) == (200, "succeeded"), view
             assert view["result"]["output"] == sim_output(f"survives {i}")
-    finally:
-        c.stop()
 
 
 def test_a_worker_killed_mid_batch_with_jobs_in_it(tmp_path: Path, redis_url: str) -> None:
@@ -147,8 +141,7 @@ def test_a_key_with_too_many_queued_jobs_gets_429_and_keeps_its_quota(
     tmp_path: Path, redis_url: str
 ) -> None:
     doc = policy_yaml(jobs={"max_queued_per_key": 2}, tiers={"free": {"rate_limits": ["3/minute"]}})
-    c = Cluster(tmp_path, redis_url, doc, workers=1)
-    try:
+    with Cluster(tmp_path, redis_url, doc, workers=1) as c:
         c.stop_workers()
         assert [submit(c, f"j{i}", tier="free")[0] for i in range(2)] == [202, 202]
         status, headers, body = submit(c, "one too many", tier="free")
@@ -159,13 +152,10 @@ def test_a_key_with_too_many_queued_jobs_gets_429_and_keeps_its_quota(
         c.add_worker()
         wait_for(lambda: submit(c, "now fits", tier="free")[0] == 202, 15, "a free slot")
         assert submit(c, "over quota", tier="free")[0] == 429
-    finally:
-        c.stop()
 
 
 def test_job_requests_that_are_not_the_schema_are_400(tmp_path: Path, redis_url: str) -> None:
-    c = Cluster(tmp_path, redis_url, policy_yaml(), workers=1)
-    try:
+    with Cluster(tmp_path, redis_url, policy_yaml(), workers=1) as c:
         for raw in (b"", b"{", b'{"input": 5}', b'{"input": ""}', b'{"input": "x", "extra": 1}'):
             status, _, body = http("POST", c.urls[0] + "/v1/jobs", raw=raw, headers=auth("paid"))
             assert status == 400, (raw, body)
@@ -174,5 +164,3 @@ def test_job_requests_that_are_not_the_schema_are_400(tmp_path: Path, redis_url:
         assert status == 400, body
         assert http("POST", c.urls[0] + "/v1/jobs", {"input": "x"})[0] == 401
         assert SECRETS["paid"] not in str(body)
-    finally:
-        c.stop()

@@ -39,8 +39,7 @@ def test_200_identical_requests_from_three_keys_take_a_handful_of_slots(
     tmp_path: Path, redis_url: str
 ) -> None:
     doc = policy_yaml(tiers={t: {"rate_limits": ["1000/minute"]} for t in ("free", "paid")})
-    c = Cluster(tmp_path, redis_url, doc, workers=2, metrics=True)
-    try:
+    with Cluster(tmp_path, redis_url, doc, workers=2, metrics=True) as c:
         worker_ports = [
             p for name, p in (c.metrics_ports or {}).items() if name.startswith("worker")
         ]
@@ -54,8 +53,6 @@ def test_200_identical_requests_from_three_keys_take_a_handful_of_slots(
         assert backend_inputs <= 10, backend_inputs  # a handful, not 200 (warm-ups not counted)
         # Each key's first request leads at the gateway; the rest wait for it.
         assert served.count("collapsed") >= 150, served
-    finally:
-        c.stop()
 
 
 def test_a_cached_answer_comes_back_in_milliseconds_and_costs_quota(
@@ -65,8 +62,7 @@ def test_a_cached_answer_comes_back_in_milliseconds_and_costs_quota(
         sharing={"scope": "tier", "cache_ttl_s": 30},
         tiers={"paid": {"rate_limits": ["10/minute"]}},
     )
-    c = Cluster(tmp_path, redis_url, doc, workers=1)
-    try:
+    with Cluster(tmp_path, redis_url, doc, workers=1) as c:
         status, headers, first = c.infer("paid", "same question")
         assert (status, first["served_by"]) == (200, "model")
         remaining = int(headers["x-ratelimit-remaining-requests"])
@@ -79,8 +75,6 @@ def test_a_cached_answer_comes_back_in_milliseconds_and_costs_quota(
         # The scope is the tier: another tier's key does not see it.
         status, _, other = c.infer("free", "same question")
         assert (status, other["served_by"]) == (200, "model")
-    finally:
-        c.stop()
 
 
 async def test_the_cache_is_bypassed_when_redis_fails() -> None:
