@@ -82,7 +82,7 @@ def route(faults: list[str]) -> FastRoute:
 
 def connect(route: FastRoute) -> tuple[EdgeProtocol, FakeTransport]:
     """An edge connection as uvicorn's server makes one, on a fake socket."""
-    config = uvicorn.Config(asgi_app, http="httptools", lifespan="off", log_config=None)
+    config = uvicorn.Config(asgi_app, http="httptools", ws="none", lifespan="off", log_config=None)
     config.load()
     protocol_class = EdgeProtocol.with_limits(EdgeLimits(), route)
     protocol = protocol_class(config=config, server_state=ServerState(), app_state={})
