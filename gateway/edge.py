@@ -96,6 +96,11 @@ class FastRoute:
     on_fault: Callable[[str], None] = lambda cause: None
 
 
+# What a parser callback raises when an internal of uvicorn the edge relies
+# on has moved (an attribute or method gone, a signature changed): never
+# what a client's bytes provoke.
+INTERNAL_FAULTS = (AttributeError, NameError, TypeError, ImportError)
+
 # Where a connection is in its request: the limits that apply.
 _IDLE, _HEAD, _BODY, _APP = 0, 1, 2, 3
 
@@ -275,18 +280,20 @@ class EdgeProtocol(HttpToolsProtocol):
     def send_400_response(self, msg: str) -> None:
         """What the HTTP parser cannot read (uvicorn answers it in plain
         text): 400 in the one error shape, connection closed. uvicorn calls
-        this inside its ``except HttpParserError``: an exception one of the
-        parser callbacks above raised arrives as its cause, and is the edge's
-        fault, not the client's (logged with the cause, counted, and the
-        gateway stops being ready)."""
+        this inside its ``except HttpParserError``; an exception a parser
+        callback raised arrives chained to it. One that a moved internal
+        raises (``INTERNAL_FAULTS``) is the edge's own fault, not the
+        client's: logged with its cause, counted, and the gateway stops
+        being ready. Anything a client can provoke (an invalid URL:
+        ``HttpParserInvalidURLError``) stays a client's 400."""
         error = sys.exc_info()[1]
         if isinstance(error, httptools.HttpParserCallbackError):
-            cause = error.__cause__ or error.__context__ or error
-            described = f"{type(cause).__name__}: {cause}"
-            logs.limited(log, "edge.fault", level="error", cause=described)
-            route = self.route
-            if route is not None:
-                route.on_fault(described)
+            cause = error.__cause__ or error.__context__
+            if isinstance(cause, INTERNAL_FAULTS):
+                described = f"{type(cause).__name__}: {cause}"
+                logs.limited(log, "edge.fault", level="error", cause=described)
+                if self.route is not None:
+                    self.route.on_fault(described)
         self._refuse(400, "the request is not valid HTTP/1.1")
 
     def _refuse(self, status: int, message: str) -> None:

@@ -161,10 +161,22 @@ async def test_a_fault_of_the_edge_is_reported_with_its_cause(
     assert faults == ["AttributeError: 'EdgeProtocol' object has no attribute '_start_asgi_task'"]
 
 
-async def test_a_clients_bad_bytes_are_not_a_fault() -> None:
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"NOT HTTP AT ALL\r\n\r\n",
+        # uvicorn parses the URL inside a parser callback: an invalid one
+        # raises there, and must stay the client's 400, not a fault that
+        # would take the gateway out of readiness.
+        b"GET http://[::1 HTTP/1.1\r\nhost: t\r\n\r\n",
+        b"POST http://a:99999999/v1/inference HTTP/1.1\r\nhost: t\r\ncontent-length: 0\r\n\r\n",
+        b"GET /\xff\xfe HTTP/1.1\r\nhost: t\r\n\r\n",
+    ],
+)
+async def test_a_clients_bad_bytes_are_not_a_fault(request_bytes: bytes) -> None:
     faults: list[str] = []
     protocol, transport = connect(route(faults))
-    protocol.data_received(b"NOT HTTP AT ALL\r\n\r\n")
+    protocol.data_received(request_bytes)
     written = await wait_for_bytes(transport, b"INVALID_INPUT")
     assert written.startswith(b"HTTP/1.1 400 ")
     assert faults == []
