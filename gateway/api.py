@@ -118,8 +118,6 @@ class Readiness(msgspec.Struct):
     redis_ok: bool
     workers_alive: int
     draining: bool
-    # Set when the HTTP edge failed to read a request through its own fault.
-    edge_fault: str | None = None
 
 
 class WorkerStatus(msgspec.Struct):

@@ -305,7 +305,7 @@ async def readyz(request: Request[Any, Any, Any]) -> Response[Readiness]:
     gw = _gateway(request)
     fleet = gw.fleet
     ready = gw.ready()
-    body = Readiness(ready, fleet.redis_ok, fleet.workers_alive, gw.draining, gw.edge_fault)
+    body = Readiness(ready, fleet.redis_ok, fleet.workers_alive, gw.draining)
     return Response(body, status_code=HTTP_200_OK if ready else HTTP_503_SERVICE_UNAVAILABLE)
 
 

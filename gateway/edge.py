@@ -92,13 +92,14 @@ class FastRoute:
     max_body_bytes: Callable[[], int]  # read per request: the live policy's
     on_refused: Callable[[int], None]  # a status the edge answered itself (413)
     # The edge failed to read a request through its own fault (the cause's
-    # description): the gateway counts it and stops being ready.
+    # description): the gateway counts it.
     on_fault: Callable[[str], None] = lambda cause: None
 
 
 # What a parser callback raises when an internal of uvicorn the edge relies
-# on has moved (an attribute or method gone, a signature changed): never
-# what a client's bytes provoke.
+# on has moved (an attribute or method gone, a signature changed). A client
+# has provoked one too (uvicorn fails on a target with no path, refused
+# before it now): so it is counted and logged, never a readiness verdict.
 INTERNAL_FAULTS = (AttributeError, NameError, TypeError, ImportError)
 
 # Where a connection is in its request: the limits that apply.
@@ -132,6 +133,7 @@ class EdgeProtocol(HttpToolsProtocol):
         return type("EdgeProtocol", (cls,), {"limits": limits, "route": route, "sweeper": None})
 
     sweeper: "_Sweeper | None" = None
+    sweeping = True  # (off for the start-up self-test's connection)
     route: FastRoute | None = None
 
     # -- connection --------------------------------------------------------
@@ -144,7 +146,7 @@ class EdgeProtocol(HttpToolsProtocol):
             return
         self._since = self.loop.time()
         cls = type(self)
-        if cls.sweeper is None:
+        if cls.sweeper is None and cls.sweeping:
             cls.sweeper = _Sweeper(self.loop, self.connections, self.limits)
 
     def data_received(self, data: bytes) -> None:
@@ -203,6 +205,10 @@ class EdgeProtocol(HttpToolsProtocol):
             and not self.parser.should_upgrade()
         ):
             self._start_fast(route)
+            return
+        if not self.url.startswith(b"/") and not _names_a_path(self.url):
+            # (uvicorn would fail on it inside this callback: raw_path None)
+            self._refuse(400, "the request target has no path")
             return
         self.scope[ON_DISCONNECT] = self._watch_disconnect  # type: ignore[literal-required]
         super().on_headers_complete()
@@ -283,9 +289,11 @@ class EdgeProtocol(HttpToolsProtocol):
         this inside its ``except HttpParserError``; an exception a parser
         callback raised arrives chained to it. One that a moved internal
         raises (``INTERNAL_FAULTS``) is the edge's own fault, not the
-        client's: logged with its cause, counted, and the gateway stops
-        being ready. Anything a client can provoke (an invalid URL:
-        ``HttpParserInvalidURLError``) stays a client's 400."""
+        client's: logged with its cause and counted (an alert). Readiness
+        does not follow it, so no request can take a gateway out of
+        rotation; a broken edge never becomes ready (the start-up
+        self-test, ``edge_contract.self_test``). Anything a client can
+        provoke (an invalid URL) stays a client's 400."""
         error = sys.exc_info()[1]
         if isinstance(error, httptools.HttpParserCallbackError):
             cause = error.__cause__ or error.__context__
@@ -444,6 +452,16 @@ class _Sweeper:
                         log.exception("edge.sweep_failed")
         finally:
             self.loop.call_later(self.interval_s, self.sweep)
+
+
+def _names_a_path(url: bytes) -> bool:
+    """An absolute-form target (``http://host/...``) has a path; one with
+    none (``http://host``) is the client's 400 here. One httptools cannot
+    parse at all is uvicorn's to refuse, as any invalid URL."""
+    try:
+        return httptools.parse_url(url).path is not None
+    except httptools.HttpParserInvalidURLError:
+        return True
 
 
 class _Closed:

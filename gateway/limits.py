@@ -46,13 +46,15 @@ def declared_length(headers: Iterable[tuple[bytes, bytes]]) -> int:
 class Body:
     """One request's body, kept up to its limit: past it (or declared past
     it) nothing more is kept, so a body costs O(limit) memory whatever the
-    client sends. The limit is read once, when the request's head is in."""
+    client sends, however small its chunks (after the first, they go into
+    one buffer, not a list). The limit is read once, when the head is in."""
 
-    __slots__ = ("chunks", "limit", "size", "too_large")
+    __slots__ = ("first", "limit", "rest", "size", "too_large")
 
     def __init__(self, limit: int, headers: Iterable[tuple[bytes, bytes]]) -> None:
         self.limit = limit
-        self.chunks: list[bytes] = []
+        self.first = b""
+        self.rest: bytearray | None = None
         self.size = 0
         self.too_large = declared_length(headers) > limit
 
@@ -60,13 +62,21 @@ class Body:
         self.size += len(chunk)
         if self.size > self.limit:
             self.too_large = True
-            self.chunks.clear()
-        elif not self.too_large:
-            self.chunks.append(chunk)
+            self.first, self.rest = b"", None
+        elif self.too_large:
+            pass
+        elif self.rest is not None:
+            self.rest += chunk
+        elif self.first:
+            self.rest = bytearray(self.first)
+            self.rest += chunk
+        else:
+            self.first = chunk
 
     def whole(self) -> bytes:
-        chunks, self.chunks = self.chunks, []
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        body = self.first if self.rest is None else bytes(self.rest)
+        self.first, self.rest = b"", None
+        return body
 
     def error(self) -> ApiError:
         return ApiError("PAYLOAD_TOO_LARGE", f"the request body is over {self.limit} bytes")

@@ -15,7 +15,7 @@ import uvicorn
 from infergate.base import clock, logs
 from infergate.gateway.app import create_asgi, inference_route
 from infergate.gateway.edge import EdgeProtocol
-from infergate.gateway.edge_contract import missing_internals, quiet_parser_warnings
+from infergate.gateway.edge_contract import quiet_parser_warnings, self_test
 from infergate.gateway.inference import Inference
 from infergate.gateway.limits import EdgeLimits
 from infergate.gateway.service import Gateway
@@ -43,10 +43,10 @@ async def serve(
     """Serve on ``sock`` (from ``reuseport_socket``, bound before the event
     loop starts, so a busy port is a message, not a traceback)."""
     limits = limits or EdgeLimits()
-    missing = missing_internals()
-    if missing:
+    broken = await self_test()
+    if broken is not None:
         # This uvicorn is not one the edge was tested on (pyproject.toml's range).
-        log.error("gateway.uvicorn_unsupported", missing=missing, uvicorn=uvicorn.__version__)
+        log.error("gateway.edge_broken", cause=broken, uvicorn=uvicorn.__version__)
         return 1
     quiet_parser_warnings()
     # The gateway's state, its request path, and the two ways in: the edge's
@@ -55,6 +55,9 @@ async def serve(
     config = uvicorn.Config(
         create_asgi(gateway, inference),
         loop="uvloop",
+        # No route is a websocket: an upgrade is an ordinary request (uvicorn's
+        # websocket protocol would take the connection out of the edge's limits).
+        ws="none",
         http=EdgeProtocol.with_limits(limits, inference_route(gateway, inference)),
         timeout_keep_alive=max(1, round(limits.keep_alive_s)),
         lifespan="on",

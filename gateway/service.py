@@ -77,9 +77,6 @@ class Gateway:
         self.admitted = 0
         self.refused_for_capacity = 0
         self.draining = False
-        # Why the HTTP edge failed to read a request through its own fault
-        # (``edge_failed``); such a gateway is not ready.
-        self.edge_fault: str | None = None
         # Secrets already matched to a key of the active policy (``_key_of``).
         self._keys_policy: Policy | None = None
         self._keys_known: dict[str, KeyEntry] = {}
@@ -124,19 +121,12 @@ class Gateway:
 
     def ready(self) -> bool:
         """Takes requests now: ready for replies, a worker alive, not draining."""
-        return (
-            self.ready_for_replies()
-            and self.fleet.workers_alive > 0
-            and not self.draining
-            and self.edge_fault is None
-        )
+        return self.ready_for_replies() and self.fleet.workers_alive > 0 and not self.draining
 
     def edge_failed(self, cause: str) -> None:
-        """The edge could not read a request through its own fault: counted,
-        and the gateway stays not ready (a fast path that fails one request
-        fails them all) until it is restarted."""
+        """The edge could not read a request through what looks like its own
+        fault (logged there, with the cause): counted, for an alert."""
         self.metrics.edge_faults.inc()
-        self.edge_fault = cause
 
     def probes(self) -> Probes:
         return Probes(alive=self.heartbeat.alive, ready=self.ready)

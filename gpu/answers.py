@@ -19,6 +19,11 @@ from infergate.gpu.backend import Backend, BackendError
 
 log = logs.get(__name__)
 
+# The longest a policy lets the cache keep an answer (sharing.cache_ttl_s,
+# a day). An envelope asking for more was planted: its answer is sent, not
+# kept (Redis refuses a TTL past its range, and the whole answer with it).
+MAX_CACHE_TTL_MS = 86_400_000
+
 
 @dataclass
 class Answer:
@@ -125,7 +130,11 @@ class Answers:
                 infer_ms,
             )
             results.append((wire.destination(env), result))
-            if env.cache_key and env.cache_ttl_ms > 0 and result.output is not None:
+            if (
+                env.cache_key
+                and 0 < env.cache_ttl_ms <= MAX_CACHE_TTL_MS
+                and result.output is not None
+            ):
                 answer.keep.append(
                     KeptAnswer(
                         env.cache_key, self.backend.fingerprint, result.output, env.cache_ttl_ms

@@ -8,65 +8,22 @@ pyproject.toml bounds both libraries to the versions tested here.
 """
 
 import asyncio
+import sys
 from pathlib import Path
 from typing import Any
 
 import httptools
 import pytest
-import uvicorn
 from infergate.base.queue.resp import RawConnection, RedisInternalsMoved
 from infergate.gateway import edge, edge_contract
 from infergate.gateway.edge import EdgeProtocol, FastRoute, Headers
-from infergate.gateway.edge_contract import missing_internals
-from infergate.gateway.limits import EdgeLimits
+from infergate.gateway.edge_contract import MemoryTransport, connect, missing_internals, self_test
+from infergate.gateway.limits import Body
 from redis.asyncio.connection import Connection
 from redis.exceptions import NoScriptError
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-from uvicorn.server import ServerState
 
 INFERENCE = b'POST /v1/inference HTTP/1.1\r\nhost: t\r\ncontent-length: 16\r\n\r\n{"input":"ping"}'
-
-
-class FakeTransport(asyncio.Transport):
-    """What uvicorn's protocol asks of a socket transport, kept in memory."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.written = bytearray()
-        self.wrote = asyncio.Event()
-        self.closed = False
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 50000)}.get(
-            name, default
-        )
-
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        self.written += data
-        self.wrote.set()
-
-    def is_closing(self) -> bool:
-        return self.closed
-
-    def close(self) -> None:
-        self.closed = True
-
-    def abort(self) -> None:
-        self.closed = True
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
-
-
-async def asgi_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-    """Every request that is not the fast route: 200 "asgi"."""
-    if scope["type"] != "http":
-        return
-    await send({"type": "http.response.start", "status": 200, "headers": []})
-    await send({"type": "http.response.body", "body": b"asgi"})
 
 
 def route(faults: list[str]) -> FastRoute:
@@ -80,23 +37,8 @@ def route(faults: list[str]) -> FastRoute:
     )
 
 
-def connect(route: FastRoute) -> tuple[EdgeProtocol, FakeTransport]:
-    """An edge connection as uvicorn's server makes one, on a fake socket."""
-    config = uvicorn.Config(asgi_app, http="httptools", ws="none", lifespan="off", log_config=None)
-    config.load()
-    protocol_class = EdgeProtocol.with_limits(EdgeLimits(), route)
-    protocol = protocol_class(config=config, server_state=ServerState(), app_state={})
-    transport = FakeTransport()
-    protocol.connection_made(transport)
-    return protocol, transport
-
-
-async def wait_for_bytes(transport: FakeTransport, marker: bytes) -> bytes:
-    async with asyncio.timeout(2):
-        while marker not in transport.written:
-            transport.wrote.clear()
-            await transport.wrote.wait()
-    return bytes(transport.written)
+async def wait_for_bytes(transport: MemoryTransport, marker: bytes) -> bytes:
+    return await transport.wait_for(marker)
 
 
 def test_the_installed_uvicorn_has_every_internal_the_edge_uses() -> None:
@@ -113,6 +55,25 @@ async def test_a_protocol_has_every_attribute_the_edge_uses() -> None:
 def test_an_internal_that_moved_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delattr(HttpToolsProtocol, "_start_asgi_task")
     assert missing_internals() == ["HttpToolsProtocol._start_asgi_task"]
+
+
+async def test_the_start_up_self_test_passes_on_the_installed_uvicorn() -> None:
+    assert await self_test() is None
+
+
+async def test_the_start_up_self_test_names_what_moved(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gateway runs it before it listens, and refuses to start on an
+    answer (tests/test_probes.py): a broken edge is never ready."""
+
+    def moved(self: EdgeProtocol, route: FastRoute) -> None:
+        raise AttributeError("'EdgeProtocol' object has no attribute '_start_asgi_task'")
+
+    monkeypatch.setattr(EdgeProtocol, "_start_fast", moved)
+    assert await self_test() == (
+        "AttributeError: 'EdgeProtocol' object has no attribute '_start_asgi_task'"
+    )
+    monkeypatch.delattr(HttpToolsProtocol, "_start_asgi_task")
+    assert await self_test() == "missing: HttpToolsProtocol._start_asgi_task"
 
 
 async def test_the_fast_route_is_served_by_the_edge_itself() -> None:
@@ -147,7 +108,7 @@ async def test_a_fault_of_the_edge_is_reported_with_its_cause(
     """An internal that moved fails inside a parser callback: httptools turns
     that into a parser error, and the client sees 400 as for bad bytes. The
     edge tells the two apart and reports its own fault (the gateway counts
-    it and stops being ready: tests/test_probes.py)."""
+    it; it never reaches readiness: the self-test above)."""
 
     def moved(self: EdgeProtocol, route: FastRoute) -> None:
         raise AttributeError("'EdgeProtocol' object has no attribute '_start_asgi_task'")
@@ -171,6 +132,10 @@ async def test_a_fault_of_the_edge_is_reported_with_its_cause(
         b"GET http://[::1 HTTP/1.1\r\nhost: t\r\n\r\n",
         b"POST http://a:99999999/v1/inference HTTP/1.1\r\nhost: t\r\ncontent-length: 0\r\n\r\n",
         b"GET /\xff\xfe HTTP/1.1\r\nhost: t\r\n\r\n",
+        # An absolute target with no path: uvicorn fails on it (raw_path
+        # None, an AttributeError) unless the edge refuses it first.
+        b"GET http://example.com HTTP/1.1\r\nhost: t\r\n\r\n",
+        b"POST http://a:b@h?x=1 HTTP/1.1\r\nhost: t\r\ncontent-length: 0\r\n\r\n",
     ],
 )
 async def test_a_clients_bad_bytes_are_not_a_fault(request_bytes: bytes) -> None:
@@ -207,7 +172,7 @@ def opened(replies: bytes) -> tuple[Connection, list[bytes]]:
     sent: list[bytes] = []
 
     class Writer:
-        transport = FakeTransport()
+        transport = MemoryTransport()
 
         def write(self, data: bytes) -> None:
             sent.append(data)
@@ -249,3 +214,23 @@ def test_the_edges_internals_list_matches_what_it_uses() -> None:
     for name in ("cycle", "flow", "pipeline", "parser", "server_state", "_start_asgi_task"):
         assert f"self.{name}" in source
         assert name in edge_contract.PROTOCOL_ATTRIBUTES + edge_contract.PROTOCOL_METHODS
+
+
+def test_a_body_of_tiny_chunks_costs_about_its_length() -> None:
+    """A chunked body sent two bytes at a time was kept as one bytes object
+    a chunk: over 20 times its length in memory."""
+    body = Body(65_536, [])
+    for _ in range(32_768):
+        body.add(b"ab")
+    assert not body.too_large
+    assert sys.getsizeof(body.rest) < 2 * 65_536
+    assert body.whole() == b"ab" * 32_768
+    body.add(b"x")  # one byte more than the limit: nothing is kept
+    assert body.too_large
+
+
+def test_a_body_in_one_chunk_is_not_copied() -> None:
+    chunk = b'{"input":"hello"}'
+    body = Body(1024, [(b"content-length", b"17")])
+    body.add(chunk)
+    assert body.whole() is chunk

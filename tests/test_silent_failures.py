@@ -555,3 +555,54 @@ async def test_a_worker_stopping_has_one_publish_grace_for_everything_it_still_s
         assert await give_up_after("batch.publish") < 0.25
     finally:
         await worker.store.close()
+
+
+async def test_a_planted_cache_ttl_is_answered_not_kept(redis_url: str) -> None:
+    """Redis refuses a TTL past its range, and the whole answer with it: a
+    worker retried that answer forever, taking no more work. An envelope
+    asking the cache to keep its answer longer than a policy can (a day)
+    was planted: its answer goes out, and is not kept."""
+    worker = Worker(WorkerSettings("w-1", redis_url), SimulatedBackend(latency_ms=0))
+    now = clock.now_ms()
+    envs = [
+        wire.Envelope(
+            "r0", "gw", "paid", "k", "in", now, now + 9_000, cache_key="a", cache_ttl_ms=ttl
+        )
+        for ttl in (2**63 - 1,)
+    ] + [
+        wire.Envelope(
+            "r1", "gw", "paid", "k", "in1", now, now + 9_000, cache_key="b", cache_ttl_ms=60_000
+        )
+    ]
+    try:
+        data = wire.encode_batch("b1", "d1", now, [wire.encode(e) for e in envs])
+        await worker.store.redis.lpush(worker.store.keys.processing("w-1"), data)
+        answer = (await worker.handle(data)).answer()
+        assert sorted(r.id for r in answer.replies["gw"].results) == ["r0", "r1"]
+        assert [k.digest for k in answer.keep] == ["b"]
+        # The answer's transaction goes through.
+        await worker.queue.answer_batch(answer.replies, now, data, answer.keep)
+        assert await worker.store.redis.llen(worker.store.keys.processing("w-1")) == 0
+    finally:
+        await worker.store.close()
+
+
+async def test_a_key_planted_under_a_jobs_name_does_not_stop_every_take(redis_url: str) -> None:
+    """A job's record is a hash: a take that found a string under its name
+    failed (WRONGTYPE) for every batch after it. It is left alone now."""
+    store = Store.connect(redis_url, "t", block_s=1, name="test")
+    now = clock.now_ms()
+    try:
+        await store.redis.set(store.keys.heartbeat("worker", "w-1"), b"{}")
+        await store.redis.set(store.keys.job("evil"), b"not a hash")
+        planted = wire.Envelope("evil", "gw", "paid", "k", "x", now, now + 9_000, job=True)
+        real = wire.Envelope("r0", "gw", "paid", "k", "in", now, now + 9_000)
+        await store.redis.lpush(store.keys.queue("paid"), wire.encode(real))
+        await store.redis.lpush(store.keys.job_queue("paid"), wire.encode(planted))
+        await store.redis.rpush(store.keys.credits("d1"), "w-1")
+        rule = Rule(100, 0, 0, min_slots=(0, 0, 0))
+        taken = await DispatcherQueue(store, "d1").take("w-1", "b", now, rule)
+        assert taken.size == 2
+        assert await store.redis.get(store.keys.job("evil")) == b"not a hash"
+    finally:
+        await store.close()

@@ -23,7 +23,7 @@ for i = #envs, 1, -1 do
     if queue_of[name] then queue = queue_of[name] end
     if env.job and type(env.id) == 'string' and type(env.key_id) == 'string' then
       redis.call('HINCRBY', KEYS[6], env.key_id, 1)
-      if redis.call('EXISTS', ARGV[1] .. env.id) == 1 then
+      if redis.call('TYPE', ARGV[1] .. env.id)['ok'] == 'hash' then
         redis.call('HSET', ARGV[1] .. env.id, 'status', 'queued')
       end
     end

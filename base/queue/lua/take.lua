@@ -186,7 +186,8 @@ local function left_queue(env, status)
       redis.call('HDEL', jobs_queued, env.key_id)
     end
   end
-  if redis.call('EXISTS', job_prefix .. env.id) == 1 then
+  -- (a record is a hash; a key planted under its name is left alone)
+  if redis.call('TYPE', job_prefix .. env.id)['ok'] == 'hash' then
     redis.call('HSET', job_prefix .. env.id, 'status', status, 'started_ms', now)
   end
 end
