@@ -48,12 +48,14 @@ class Batch(msgspec.Struct, frozen=True):
 
 
 class _BatchHead(msgspec.Struct, frozen=True):
-    """A batch less its envelopes: the line before them in its frame."""
+    """A batch less its envelopes: the line before them in its frame, with
+    each envelope's length in bytes, in order."""
 
     id: str
     dispatcher: str
     formed_ms: int
     attempt: int = 0
+    lengths: list[int] = []
 
 
 class _RawBatch(msgspec.Struct, frozen=True):
@@ -69,16 +71,15 @@ class _RawBatch(msgspec.Struct, frozen=True):
 
 
 # A batch as it sits in Redis (version 2, written by take.lua and
-# ``encode_batch``): this line, the head as JSON on a line of its own, then
-# each envelope's bytes as they came off its queue, after their length:
-#   infergate-batch/2\n{"id":..,"dispatcher":..,"formed_ms":..,"attempt":0}\n
-#   <length>\n<envelope><length>\n<envelope>...
+# ``encode_batch``): this line, the head as JSON on a line of its own (with
+# each envelope's length), then the envelopes' bytes as they came off their
+# queues, one after the other:
+#   infergate-batch/2\n{"id":..,"dispatcher":..,"formed_ms":..,"attempt":0,"lengths":[..]}\n
+#   <envelope><envelope>...
 # No byte of an envelope is read to find where it ends, so a planted one (what
 # Redis's cjson reads but JSON does not, a bracket that would end a list) is
 # only ever itself: unreadable, and dropped alone.
 BATCH_FRAME = b"infergate-batch/2\n"
-# A length is at most this many digits (a batch is at most 512 MB, Redis's limit).
-_LENGTH_DIGITS_MAX = 10
 
 
 class ErrorInfo(msgspec.Struct, frozen=True):
@@ -184,14 +185,8 @@ def encode_batch(
     """Frame a batch from envelopes as they came out of Redis, without
     re-encoding them: the bytes ``take.lua`` writes when it forms a batch
     (tests/test_queue.py holds the two to the same bytes)."""
-    parts = [
-        BATCH_FRAME,
-        _json_encoder.encode(_BatchHead(batch_id, dispatcher, formed_ms, attempt)),
-    ]
-    parts.append(b"\n")
-    for envelope in envelopes:
-        parts += (b"%d\n" % len(envelope), envelope)
-    return b"".join(parts)
+    head = _BatchHead(batch_id, dispatcher, formed_ms, attempt, [len(e) for e in envelopes])
+    return b"".join([BATCH_FRAME, _json_encoder.encode(head), b"\n", *envelopes])
 
 
 def retried_batch(data: bytes) -> bytes:
@@ -245,18 +240,14 @@ def _split_batch(data: bytes) -> tuple[_BatchHead, list[memoryview] | list[msgsp
         raw = _decode(_raw_batch_decoder, data)
         return _BatchHead(raw.id, raw.dispatcher, raw.formed_ms, raw.attempt), raw.envelopes
     head, at = _head_of(data)
+    lengths = head.lengths
+    if sum(lengths) != len(data) - at or (lengths and min(lengths) < 0):
+        raise msgspec.DecodeError("a batch whose frame is broken")
     view = memoryview(data)
     envelopes = []
-    while at < len(data):
-        line = data.find(b"\n", at, at + _LENGTH_DIGITS_MAX + 1)
-        length = data[at:line]
-        if line < 0 or not length.isdigit():
-            raise msgspec.DecodeError("a batch whose frame is broken")
-        at, end = line + 1, line + 1 + int(length)
-        if end > len(data):
-            raise msgspec.DecodeError("a batch cut short")
-        envelopes.append(view[at:end])
-        at = end
+    for length in lengths:
+        envelopes.append(view[at : at + length])
+        at += length
     return head, envelopes
 
 
