@@ -67,8 +67,8 @@ on_exit() {
   local rc=$?
   stop_stack || true
   if ((rc != 0)); then
-    echo "smoke: FAILED (exit $rc); up log:" >&2
-    tail -n 60 "$LOG" >&2 2>/dev/null || true
+    echo "smoke: FAILED (exit $rc); up log (demo keys left out):" >&2
+    grep -v ' ig-' "$LOG" 2>/dev/null | tail -n 60 >&2 || true
   fi
   rm -rf "$WORK"
   exit "$rc"
