@@ -15,7 +15,10 @@ forever. This protocol adds, per connection:
   head: 408, connection closed (a connection that sent nothing is just
   closed);
 - at most ``max_connections`` open connections per process: one more is
-  closed as soon as it is accepted.
+  closed as soon as it is accepted;
+- no switch of protocol (``Connection: Upgrade``, ``CONNECT``): 400,
+  connection closed. The parser would treat the body as the new protocol's
+  bytes, where none of these limits reach.
 
 The idle keep-alive time is uvicorn's ``timeout_keep_alive``; the body's
 size limit, which follows the live policy, is in ``middleware.py`` (and in
@@ -101,6 +104,11 @@ class FastRoute:
 # has provoked one too (uvicorn fails on a target with no path, refused
 # before it now): so it is counted and logged, never a readiness verdict.
 INTERNAL_FAULTS = (AttributeError, NameError, TypeError, ImportError)
+
+UPGRADE_REFUSED = (
+    "this gateway does not switch protocols (Connection: Upgrade, or CONNECT): "
+    "send the request as plain HTTP/1.1"
+)
 
 # Where a connection is in its request: the limits that apply.
 _IDLE, _HEAD, _BODY, _APP = 0, 1, 2, 3
@@ -195,6 +203,11 @@ class EdgeProtocol(HttpToolsProtocol):
         if largest > self.limits.max_header_bytes:
             self._refuse(431, f"a header is over {self.limits.max_header_bytes} bytes")
             return
+        if self.parser.should_upgrade():
+            # HTTP/1.1 is all this gateway speaks: the parser would hand the
+            # body to a protocol switch that never comes, outside every limit.
+            self._refuse(400, UPGRADE_REFUSED)
+            return
         self._phase = _BODY
         self._since = self.loop.time()
         route = self.route
@@ -202,7 +215,6 @@ class EdgeProtocol(HttpToolsProtocol):
             route is not None
             and self.url == route.path
             and self.parser.get_method() == route.method
-            and not self.parser.should_upgrade()
         ):
             self._start_fast(route)
             return
