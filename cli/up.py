@@ -29,6 +29,7 @@ from infergate.base.queue.scale_signal import SignalReader
 from infergate.policies import PolicyError, load_policy
 from infergate.policies.demo import ADMIN_TIER, demo_policy
 from infergate.policies.loader import public_error
+from infergate.private_file import write_private
 from infergate.redis_server import RedisServer
 from infergate.scaling import WorkerScaler
 
@@ -149,7 +150,8 @@ def _ready(url: str) -> bool:
 
 def _policy_path(args: argparse.Namespace, tmp: Path) -> str | None:
     """The policy file the stack runs: the one given (checked), or the demo
-    policy with fresh keys written under ``tmp``. None if the given one is invalid."""
+    policy with fresh keys written under ``tmp``. None (said on stderr) if the
+    given one is invalid or the demo keys cannot be written where asked."""
     if args.policy:
         try:
             load_policy(args.policy)
@@ -170,16 +172,12 @@ def _policy_path(args: argparse.Namespace, tmp: Path) -> str | None:
         admin = "  (the admin key: /v1/status, /v1/admin/*)" if tier == ADMIN_TIER else ""
         print(f"  {tier:<10} {secret}{admin}", file=sys.stderr)
     if args.keys_out:
-        _write_private(Path(args.keys_out), json.dumps(keys, indent=2) + "\n")
+        try:
+            write_private(Path(args.keys_out), json.dumps(keys, indent=2) + "\n")
+        except OSError as exc:
+            print(f"infergate up: --keys-out: {exc}", file=sys.stderr)
+            return None
     return str(path)
-
-
-def _write_private(path: Path, text: str) -> None:
-    """Write a file only its owner can read (it holds secrets)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.chmod(path, 0o600)  # an existing file keeps its mode through O_CREAT
 
 
 def _children(args: argparse.Namespace, policy_path: str, gpus: list[str]) -> list[Child]:
