@@ -36,6 +36,8 @@ _MSGSPEC_PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
 _RATE_HINT = "write e.g. '100/second' or '5000/minute' (several: a list)"
 # A request body carries one input: no policy may let a client send more.
 MAX_BODY_BYTES = 1_048_576
+# Room in a body for what is not the input: the JSON around it, its other fields.
+BODY_OVERHEAD_BYTES = 1_024
 
 
 # A policy bigger than this is refused before it is read (20,000 keys are
@@ -349,11 +351,40 @@ def _check_settings(doc: Document, at: "_Locator") -> list[Problem]:
         out.append(
             at.problem(["limits", "max_body_bytes"], f"must be 256-{MAX_BODY_BYTES}, e.g. 65536")
         )
+    else:
+        out.extend(_check_inputs_fit(doc, at))
+    if not 0.01 <= doc.limits.key_connection_share <= 1.0:
+        out.append(
+            at.problem(["limits", "key_connection_share"], "must be between 0.01 and 1, e.g. 0.25")
+        )
     if doc.workers.hang_timeout_ms < 100:
         out.append(at.problem(["workers", "hang_timeout_ms"], "must be at least 100, e.g. 2000"))
     if doc.workers.max_attempts < 1:
         out.append(at.problem(["workers", "max_attempts"], "must be at least 1, e.g. 2"))
     return out
+
+
+def _check_inputs_fit(doc: Document, at: "_Locator") -> list[Problem]:
+    """Every input a tier allows fits in a body the gateway takes: its
+    longest input of four-byte characters, plus the JSON around it."""
+    out = []
+    for name, tier in doc.tiers.items():
+        needed = body_bytes_for(tier.max_input_chars)
+        if needed > doc.limits.max_body_bytes:
+            out.append(
+                at.problem(
+                    ["limits", "max_body_bytes"],
+                    f"tier {name!r} allows {tier.max_input_chars} characters, a body of up to "
+                    f"{needed} bytes (4 bytes a character, {BODY_OVERHEAD_BYTES} for the rest): "
+                    f"raise max_body_bytes to at least {needed} or lower its max_input_chars",
+                )
+            )
+    return out
+
+
+def body_bytes_for(max_input_chars: int) -> int:
+    """The body a request of ``max_input_chars`` four-byte characters needs."""
+    return 4 * max_input_chars + BODY_OVERHEAD_BYTES
 
 
 def _check_rates(

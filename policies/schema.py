@@ -81,6 +81,9 @@ class Sharing(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Request bodies larger than this are refused with 413.
     max_body_bytes: int = 65_536
+    # The share of a gateway's connections one key may hold with requests
+    # that wait (synchronous inferences, job long polls); one more is 429.
+    key_connection_share: float = 0.25
 
 
 class Workers(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

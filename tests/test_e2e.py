@@ -146,7 +146,7 @@ def test_deadline_gives_504(stack: Stack) -> None:
             403,
             "KEY_DISABLED",
         ),
-        (auth("free"), json.dumps({"input": "z" * 9000}).encode(), 413, "PAYLOAD_TOO_LARGE"),
+        (auth("free"), json.dumps({"input": "z" * 20_000}).encode(), 413, "PAYLOAD_TOO_LARGE"),
     ],
 )
 def test_error_rows(

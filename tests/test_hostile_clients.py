@@ -13,7 +13,16 @@ from pathlib import Path
 import pytest
 from infergate.redis_server import RedisServer
 
-from tests.helpers import Cluster, as_yaml, auth, http, policy, wait_for, write_policy
+from tests.helpers import (
+    MAX_BODY_BYTES,
+    Cluster,
+    as_yaml,
+    auth,
+    http,
+    policy,
+    wait_for,
+    write_policy,
+)
 
 HEAD_TIMEOUT_S = 1.0
 EDGE = {
@@ -219,8 +228,8 @@ def test_malformed_bodies_are_400_without_a_traceback(cluster: Cluster) -> None:
     ]
     for raw in cases:
         status, headers, body = _post_raw(cluster, raw)
-        want = "PAYLOAD_TOO_LARGE" if len(raw) > 8192 else "INVALID_INPUT"
-        assert status == (413 if len(raw) > 8192 else 400), (raw[:40], status, body)
+        want = "PAYLOAD_TOO_LARGE" if len(raw) > MAX_BODY_BYTES else "INVALID_INPUT"
+        assert status == (413 if len(raw) > MAX_BODY_BYTES else 400), (raw[:40], status, body)
         assert body["error"]["code"] == want
         assert headers["x-request-id"] == body["error"]["request_id"]
     # Without a key the body is never parsed: 401 whatever it holds.
@@ -252,24 +261,28 @@ def _chunked(cluster: Cluster, size: int) -> tuple[int, dict[str, str], dict]:
 
 
 def test_a_chunked_body_obeys_a_live_edited_limit(cluster: Cluster) -> None:
-    assert _chunked(cluster, 1900)[0] == 200  # the limit is 8192
-    edited = policy(limits={"max_body_bytes": 1024})
+    assert _chunked(cluster, 1900)[0] == 200  # the limit is MAX_BODY_BYTES
+    # A body limit of 3 KiB holds inputs of 512 four-byte characters (and
+    # 1 KiB of JSON): the tiers' limits go down with it, or the policy check
+    # refuses the edit.
+    short = {tier: {"max_input_chars": 512} for tier in ("enterprise", "paid", "free")}
+    edited = policy(limits={"max_body_bytes": 3072}, tiers=short)
     write_policy(cluster.policy_path, edited)
     admin = cluster.urls[0] + "/v1/admin/policy"
     wait_for(
         lambda: (
             http("GET", admin, headers=auth("admin"))[2]["policy"]["limits"]["max_body_bytes"]
-            == 1024
+            == 3072
         ),
         5,
         "the edit to apply",
     )
     try:
-        status, headers, body = _chunked(cluster, 1900)
+        status, headers, body = _chunked(cluster, 4000)
         assert status == 413
         assert_error_shape(status, headers, body, "PAYLOAD_TOO_LARGE")
         assert "date" in headers  # the server's own headers, as on every answer
-        assert _chunked(cluster, 600)[0] == 200
+        assert _chunked(cluster, 500)[0] == 200
     finally:
         write_policy(cluster.policy_path, policy())
     assert served(cluster)

@@ -104,3 +104,15 @@ def test_policy_check_cli(tmp_path: Path) -> None:
     assert res.returncode == 1
     assert f"{bad}:" in res.stderr
     assert "keys[1].tier: unknown tier 'gold'" in res.stderr
+
+
+def test_a_tier_whose_longest_input_cannot_fit_a_body_is_refused() -> None:
+    # 16,384 four-byte characters are 65,536 bytes before the JSON around
+    # them: a 65,536-byte body limit would 413 inputs the tier allows.
+    doc = policy(tiers={"enterprise": {"max_input_chars": 16_384}})
+    doc["limits"]["max_body_bytes"] = 65_536
+    [problem] = _problems(as_yaml(doc))
+    assert "limits.max_body_bytes: tier 'enterprise' allows 16384 characters" in problem
+    assert "at least 66560" in problem
+    doc["limits"]["max_body_bytes"] = 66_560
+    parse_policy(as_yaml(doc), "p.yaml")
