@@ -347,9 +347,9 @@ def _gateway(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    gateway = Gateway(settings, _live_policy(args, required=True))
     # Each edge limit has a flag of the same name.
     limits = EdgeLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EdgeLimits)})
+    gateway = Gateway(settings, _live_policy(args, required=True), limits.max_connections)
     with _side_port(args, gateway.registry, gateway.probes()):
         return uvloop.run(serve(gateway, sock, args.drain_timeout_s, limits))
 

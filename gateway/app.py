@@ -27,7 +27,7 @@ from infergate.gateway.inference import Call, Inference, OnDisconnect
 from infergate.gateway.jobs import Jobs
 from infergate.gateway.middleware import ON_DISCONNECT, REQUEST_ID, RequestIdAndLimits
 from infergate.gateway.operators import Operators
-from infergate.gateway.service import Gateway
+from infergate.gateway.service import SEVERAL_AUTHORIZATIONS, Gateway, one_authorization
 from litestar import Litestar, Request, Response, Router, delete, get, post
 from litestar.connection import ASGIConnection
 from litestar.exceptions import HTTPException, ValidationException
@@ -81,6 +81,10 @@ INFERENCE_ERRORS = {
 
 def _request_id(request: Request[Any, Any, Any]) -> str:
     return str(request.scope.get(REQUEST_ID, ""))
+
+
+def _authorization(connection: ASGIConnection[Any, Any, Any, Any]) -> str | None:
+    return one_authorization(connection.headers.getall("authorization", []))
 
 
 def _gateway(request: Request[Any, Any, Any]) -> Gateway:
@@ -159,7 +163,10 @@ async def answer_inference(
     authorization = traceparent = tracestate = None
     for name, value in headers:
         if name == b"authorization":
-            authorization = value.decode("latin-1")
+            if authorization is None:
+                authorization = value.decode("latin-1")
+            else:
+                authorization = SEVERAL_AUTHORIZATIONS
         elif name == b"traceparent":
             traceparent = value.decode("latin-1")
         elif name == b"tracestate":
@@ -195,7 +202,7 @@ JOB_ERRORS = {
     operation_class=_InferenceOperation,
 )
 async def submit_job(request: Request[Any, Any, Any]) -> Response[JobAccepted]:
-    call = Call(_request_id(request), request.headers.get("authorization"), await request.body())
+    call = Call(_request_id(request), _authorization(request), await request.body())
     accepted, headers = await _jobs(request).submit(call)
     return Response(accepted, status_code=HTTP_202_ACCEPTED, headers=headers)
 
@@ -213,7 +220,7 @@ async def fetch_job(
     job_id: str,
     wait_s: Annotated[float, Parameter(ge=0, le=20, description="long poll, seconds")] = 0.0,
 ) -> JobView:
-    return await _jobs(request).fetch(request.headers.get("authorization"), job_id, wait_s)
+    return await _jobs(request).fetch(_authorization(request), job_id, wait_s)
 
 
 @delete(
@@ -224,13 +231,13 @@ async def fetch_job(
     security=[{"bearer": []}],
 )
 async def cancel_job(request: Request[Any, Any, Any], job_id: str) -> JobView:
-    return await _jobs(request).cancel(request.headers.get("authorization"), job_id)
+    return await _jobs(request).cancel(_authorization(request), job_id)
 
 
 def admin_only(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
     """The guard of every operator endpoint: an admin key (401, 403)."""
     operators: Operators = connection.app.state.operators
-    operators.admin(connection.headers.get("authorization"))
+    operators.admin(_authorization(connection))
 
 
 ADMIN_ERRORS = {
@@ -330,15 +337,22 @@ def _on_api_error(request: Request[Any, Any, Any], exc: ApiError) -> Response[An
     return _render(request, exc)
 
 
+# Where a value Litestar refused came from, as a client would name it.
+_SOURCES = {"query": "query parameter", "path": "path parameter", "header": "header"}
+
+
 def _on_validation(request: Request[Any, Any, Any], exc: ValidationException) -> Response[Any]:
-    detail = exc.detail
+    detail, what = exc.detail, "request body"
     extra = exc.extra
     if isinstance(extra, list) and extra:
         first = extra[0]
         if isinstance(first, dict):
-            where = first.get("key") or first.get("source") or ""
+            source = first.get("source")  # a str (ParamType is a str enum)
+            if isinstance(source, str):
+                what = _SOURCES.get(source, what)
+            where = first.get("key") or ""
             detail = f"{first.get('message', detail)}" + (f" (at {where})" if where else "")
-    return _render(request, ApiError("INVALID_INPUT", f"invalid request body: {detail}"))
+    return _render(request, ApiError("INVALID_INPUT", f"invalid {what}: {detail}"))
 
 
 def _on_http(request: Request[Any, Any, Any], exc: HTTPException) -> Response[Any]:

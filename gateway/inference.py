@@ -155,11 +155,19 @@ class Inference:
             )
         policy = self.gw.policy.current
         key = self.gw.authenticate(call.authorization, policy)  # before the body is parsed
+        holds = self.gw.holds
+        try:
+            holds.take(key.id, policy.document.limits.key_connection_share)
+        except ApiError as exc:
+            exc.tier = key.tier
+            raise
         try:
             return await self._serve(call, started, policy, key)
         except ApiError as exc:
             exc.tier = key.tier
             raise
+        finally:
+            holds.release(key.id)
 
     def read_body(self, raw: bytes, policy: Policy, key: KeyEntry) -> tuple[InferenceRequest, Tier]:
         """The request body, checked against the key's tier (400 if not fit)."""

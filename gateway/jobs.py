@@ -98,10 +98,21 @@ class Jobs:
     async def fetch(self, authorization: str | None, job_id: str, wait_s: float) -> JobView:
         """The job as its owner sees it; with ``wait_s``, once it has finished
         or that long has passed (at most ``MAX_WAIT_S``)."""
-        key = self.gateway.authenticate(authorization, self.gateway.policy.current)
-        deadline = clock.monotonic_s() + min(max(0.0, wait_s), MAX_WAIT_S)
+        policy = self.gateway.policy.current
+        key = self.gateway.authenticate(authorization, policy)
+        if wait_s <= 0:
+            return await self._read(job_id, key.id)
+        holds = self.gateway.holds
+        holds.take(key.id, policy.document.limits.key_connection_share)  # a long poll waits
+        try:
+            return await self._poll(job_id, key.id, wait_s)
+        finally:
+            holds.release(key.id)
+
+    async def _poll(self, job_id: str, key_id: str, wait_s: float) -> JobView:
+        deadline = clock.monotonic_s() + min(wait_s, MAX_WAIT_S)
         while True:
-            view = await self._read(job_id, key.id)
+            view = await self._read(job_id, key_id)
             left = deadline - clock.monotonic_s()
             if view.status in FINAL or left <= 0 or self.gateway.draining:
                 return view

@@ -27,6 +27,8 @@ from infergate.base.settings import ProcessSettings
 from infergate.base.tiers import TIERS
 from infergate.gateway.admission import Admission
 from infergate.gateway.errors import ApiError
+from infergate.gateway.holds import Holds
+from infergate.gateway.limits import EdgeLimits
 from infergate.gateway.quota import Quota
 from infergate.gateway.replies import ReplyRouter
 from infergate.gateway.sharing import Cache, Collapsing
@@ -40,6 +42,19 @@ log = logs.get(__name__)
 KNOWN_KEYS_MAX = 10_000
 
 
+# What a request's credentials are when it sent several Authorization
+# headers: refused, whichever endpoint reads them (a value of one header
+# can never be this string: the HTTP parser refuses a line feed in it).
+SEVERAL_AUTHORIZATIONS = "\n"
+
+
+def one_authorization(values: list[str]) -> str | None:
+    """The request's one Authorization header (None if it sent none)."""
+    if len(values) > 1:
+        return SEVERAL_AUTHORIZATIONS
+    return values[0] if values else None
+
+
 @dataclass(frozen=True)
 class GatewaySettings(ProcessSettings):
     # The fleet view behind admission: queue depths at most this old, plus what
@@ -48,8 +63,14 @@ class GatewaySettings(ProcessSettings):
 
 
 class Gateway:
-    def __init__(self, settings: GatewaySettings, policy: LivePolicy) -> None:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        policy: LivePolicy,
+        max_connections: int = EdgeLimits.max_connections,
+    ) -> None:
         self.settings = settings
+        self.holds = Holds(max_connections)
         self.id = settings.process_id
         self.policy = policy
         self.store = Store.connect(
@@ -163,6 +184,10 @@ class Gateway:
     # -- one request ---------------------------------------------------------
 
     def authenticate(self, authorization: str | None, policy: Policy) -> KeyEntry:
+        if authorization is SEVERAL_AUTHORIZATIONS:
+            raise ApiError(
+                "UNAUTHENTICATED", "more than one Authorization header; send exactly one"
+            )
         if not authorization:
             raise ApiError("UNAUTHENTICATED", "missing API key; send 'Authorization: Bearer <key>'")
         scheme, _, secret = authorization.strip().partition(" ")
