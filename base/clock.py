@@ -1,15 +1,60 @@
-"""The one clock helper.
+"""The one clock: Redis's.
 
-Deadlines travel on the wire as epoch milliseconds (every process agrees on
-them); durations inside a process are measured with ``time.monotonic()``.
+Deadlines, heartbeats and job times travel between processes as epoch
+milliseconds, so every process must read them on the same clock. Hosts'
+clocks disagree (a worker 3 s ahead took every request with less than 3 s
+left as expired), so the fleet's clock is Redis's: each process measures
+Redis's ``TIME`` against its own monotonic clock (``align``, from its
+heartbeat loop, every few seconds) and ``now_ms`` carries its monotonic
+clock onto Redis's epoch. A host's wall clock may be off, or step, without
+effect; what is left is the measurement's error, under half a round trip
+to Redis. Durations inside a process use ``time.monotonic()``.
 """
 
 import time
+from collections.abc import Awaitable, Callable
+
+# Redis's epoch (ns) minus this host's monotonic clock (ns): until the
+# first ``align``, this host's wall clock stands in.
+_base_ns = time.time_ns() - time.monotonic_ns()
+_round_trip_ns: int | None = None  # of the last alignment; None: never aligned
+
+# An offset past this is a host clock worth fixing: logged, and in
+# ``infergate_clock_offset_seconds``.
+OFF_WARN_MS = 500
 
 
 def now_ms() -> int:
-    """Wall-clock time as integer epoch milliseconds, for the wire."""
-    return time.time_ns() // 1_000_000
+    """The fleet's time (Redis's) as integer epoch milliseconds, for the wire."""
+    return (time.monotonic_ns() + _base_ns) // 1_000_000
+
+
+def offset_ms() -> float:
+    """Redis's clock minus this host's wall clock, in ms (0 before ``align``)."""
+    return (time.monotonic_ns() + _base_ns - time.time_ns()) / 1e6
+
+
+def aligned() -> bool:
+    return _round_trip_ns is not None
+
+
+async def align(read_time: Callable[[], Awaitable[tuple[int, int]]], samples: int = 3) -> float:
+    """Measure Redis's clock (``read_time``: its ``TIME``, seconds and
+    microseconds) against this host's, keeping the sample with the shortest
+    round trip; returns that round trip in ms."""
+    best: tuple[int, int] | None = None
+    for _ in range(samples):
+        before = time.monotonic_ns()
+        seconds, micros = await read_time()
+        after = time.monotonic_ns()
+        trip = after - before
+        if best is None or trip < best[0]:
+            redis_ns = int(seconds) * 1_000_000_000 + int(micros) * 1_000
+            best = (trip, redis_ns - (before + after) // 2)
+    assert best is not None
+    global _base_ns, _round_trip_ns
+    _round_trip_ns, _base_ns = best
+    return best[0] / 1e6
 
 
 def monotonic_s() -> float:

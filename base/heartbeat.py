@@ -1,12 +1,18 @@
 """Heartbeats: every process keeps a key with a TTL; the reaper treats an
-owner whose key has expired (or is unreadable) as dead."""
+owner whose key has expired (or is unreadable) as dead. The same loop keeps
+the process on the fleet's clock (``clock.align``): first, before the first
+beat, then every ``ALIGN_EVERY_S``."""
 
 import time
 from collections.abc import Callable
 
-from infergate.base import wire
+from infergate.base import clock, logs, wire
 from infergate.base.loops import Backoff, Supervised
 from infergate.base.queue.store import Store
+
+log = logs.get(__name__)
+
+ALIGN_EVERY_S = 10.0
 
 
 class Heartbeater:
@@ -30,6 +36,7 @@ class Heartbeater:
         interval_s = interval_ms / 1000.0
         # Generous: a beat that waits on a dead Redis takes up to its socket timeout.
         self.max_silence_s = max(10.0, 20 * interval_s)
+        self._align_at = 0.0  # monotonic s: at once, before the first beat
         self.loop = Supervised(
             "heartbeat", self.beat_once, interval_s, Backoff(base_s=0.05, cap_s=interval_s)
         )
@@ -48,7 +55,23 @@ class Heartbeater:
         return last == 0.0 or time.monotonic() - last < self.max_silence_s
 
     async def beat_once(self) -> None:
+        if time.monotonic() >= self._align_at:
+            await self._align()
         await self.store.beat(self.status(), self.ttl_ms)
+
+    async def _align(self) -> None:
+        round_trip_ms = await clock.align(self.store.redis.time)
+        self._align_at = time.monotonic() + ALIGN_EVERY_S
+        offset_ms = clock.offset_ms()
+        if abs(offset_ms) > clock.OFF_WARN_MS:
+            # Deadlines still hold (they follow Redis's clock), but this
+            # host's logs and anything else reading its clock are off.
+            log.warning(
+                "clock.off",
+                offset_ms=round(offset_ms),
+                round_trip_ms=round(round_trip_ms, 2),
+                note="this host's clock is off Redis's; deadlines follow Redis's",
+            )
 
     def start(self) -> None:
         self.loop.start()

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+from infergate.base import clock
 from infergate.base.tiers import TIERS
 from prometheus_client import (
     CollectorRegistry,
@@ -77,6 +78,12 @@ class Common:
         self.redis_up = Gauge(
             "infergate_redis_up", "1 while this process reaches Redis", registry=registry
         )
+        self.clock_offset = Gauge(
+            "infergate_clock_offset_seconds",
+            "Redis's clock (the fleet's) minus this host's, as last measured",
+            registry=registry,
+        )
+        self.clock_offset.set_function(lambda: clock.offset_ms() / 1000.0)
 
 
 class PolicyWatching(Common):

@@ -9,6 +9,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -149,11 +150,14 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
 class Proc:
     """A real infergate process (``python -m infergate ...``) with its log in a file."""
 
-    def __init__(self, args: list[str], env: dict[str, str], log_path: Path) -> None:
+    def __init__(
+        self, args: list[str], env: dict[str, str], log_path: Path, wrapper: Sequence[str] = ()
+    ) -> None:
         self.log_path = log_path
         self.log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        # ``wrapper``: a command that runs it, e.g. faketime with a skewed clock.
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "infergate", *args],
+            [*wrapper, sys.executable, "-m", "infergate", *args],
             env=_env(env),
             stdout=self.log,
             stderr=subprocess.STDOUT,
@@ -328,13 +332,13 @@ class Cluster:
             self.stop()
             raise
 
-    def _start(self, args: list[str], name: str) -> Proc:
+    def _start(self, args: list[str], name: str, wrapper: Sequence[str] = ()) -> Proc:
         self._n += 1
         if self.metrics_ports is not None:
             port = free_port()
             self.metrics_ports[f"{name}-{self._n}"] = port
             args = [*args, "--metrics-port", str(port), "--metrics-host", "127.0.0.1"]
-        return Proc(args, self.env, self.tmp / f"{name}-{self._n}.log")
+        return Proc(args, self.env, self.tmp / f"{name}-{self._n}.log", wrapper)
 
     def _ready(self, url: str) -> bool:
         for p in self.procs + self.workers:
@@ -347,20 +351,22 @@ class Cluster:
 
     killed: list["Proc"] = []
 
-    def add_worker(self) -> Proc:
+    def add_worker(self, wrapper: Sequence[str] = ()) -> Proc:
         worker = self._start(
             ["worker", "--sim-latency-ms", str(self.latency_ms), "--policy", str(self.policy_path)],
             "worker",
+            wrapper,
         )
         self.workers.append(worker)
         return worker
 
-    def add_gateway(self) -> str:
+    def add_gateway(self, wrapper: Sequence[str] = ()) -> str:
         """Start one more gateway on its own port; returns its URL (not waited on)."""
         port = free_port()
         gateway = self._start(
             ["gateway", "--port", str(port), "--policy", str(self.policy_path)],
             f"gateway{len(self.gateways)}",
+            wrapper,
         )
         self.procs.append(gateway)
         self.gateways.append(gateway)

@@ -871,3 +871,22 @@ async def own_redis() -> AsyncIterator[tuple[RedisServer, Store, GatewayQueue]]:
     finally:
         await store.close()
         server.stop()
+
+
+async def test_a_take_that_read_its_clock_before_a_job_came_does_not_start_it_late(
+    q: Faces,
+) -> None:
+    """A take's ``now`` is read before its call reaches Redis: a job
+    enqueued in between, with a deadline already past when the script
+    runs, is expired there (judged on Redis's clock), never started."""
+    stale = clock.now_ms()  # the take reads its clock...
+    await asyncio.sleep(0.02)
+    created = clock.now_ms()  # ...a job with timeout_ms 1 arrives...
+    job = wire.Envelope("j1", "gw", "paid", "k", "in", created, created + 1, job=True)
+    assert await q.gateway.enqueue_job(job, max_queued=10, result_ttl_ms=60_000)
+    await asyncio.sleep(0.01)  # ...and the script runs after its deadline
+    taken = await take(q, 10, now=stale, jobs_headroom=0)
+    record = await q.gateway.job("j1")
+    assert taken.envelopes == []
+    assert record["status"] == "expired"
+    assert int(record["started_ms"]) >= int(record["deadline_ms"])

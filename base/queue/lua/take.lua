@@ -79,6 +79,12 @@ local for_worker = mode == 'worker'
 local own, stats, doorbell, cancelled_set = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local ready, jobs_queued, batches = KEYS[6], KEYS[7], KEYS[9]
 local now = tonumber(ARGV[2])
+-- Past its deadline or not is judged when this script runs, on Redis's
+-- clock (the fleet's: base/clock.py): `now` was read before the call, and a
+-- call that waited would start a job enqueued after that reading, past its
+-- deadline. (Redis 5+ replicates a script's effects: TIME may precede writes.)
+local time = redis.call('TIME')
+local live_at = math.max(now, tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000))
 local credit = ARGV[3]
 local job_prefix, input_prefix = ARGV[6] .. 'job:', ARGV[6] .. 'input:'
 local first_queue = 11
@@ -188,7 +194,7 @@ local function left_queue(env, status)
   end
   -- (a record is a hash; a key planted under its name is left alone)
   if redis.call('TYPE', job_prefix .. env.id)['ok'] == 'hash' then
-    redis.call('HSET', job_prefix .. env.id, 'status', status, 'started_ms', now)
+    redis.call('HSET', job_prefix .. env.id, 'status', status, 'started_ms', live_at)
   end
 end
 
@@ -212,7 +218,7 @@ local function consider(raw)
       or not (type(env.input) == 'string'
         or (env.input == cjson.null and type(env.input_key) == 'string')) then
     malformed = malformed + 1
-  elseif env.deadline_ms <= now then
+  elseif env.deadline_ms <= live_at then
     expired = expired + 1
     left_queue(env, 'expired')
     drop_input(env)
