@@ -3,7 +3,8 @@
 ``UNAVAILABLE``: Redis cannot be reached right now (refused, timed out, a
 replica that cannot take writes during a failover); retry with backoff.
 ``STORE_ERRORS``: any failure of a Redis call, unavailable included; the
-request path answers these with 503 rather than a 500.
+request path answers these with 503 rather than a 500. ``out_of_memory``:
+Redis is there but full; its own state (``Store.full``), not an outage.
 """
 
 import redis.exceptions
@@ -16,3 +17,12 @@ UNAVAILABLE: tuple[type[BaseException], ...] = (
 )
 
 STORE_ERRORS: tuple[type[BaseException], ...] = (redis.exceptions.RedisError, OSError)
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Redis refused a write for want of memory (``maxmemory`` reached):
+    its OOM error, as redis-py raises it for a command or a transaction, or
+    inside a script's error (redis-py raises a plain ResponseError then)."""
+    return isinstance(exc, redis.exceptions.OutOfMemoryError) or (
+        isinstance(exc, redis.exceptions.ResponseError) and "OOM command not allowed" in str(exc)
+    )

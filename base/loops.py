@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from infergate.base import logs
-from infergate.base.errors import UNAVAILABLE
+from infergate.base.errors import UNAVAILABLE, out_of_memory
 
 log = logs.get(__name__)
 
@@ -104,11 +104,15 @@ class Supervised:
                 self.healthy = False
                 await self.backoff.sleep()
                 continue
-            except Exception:
+            except Exception as exc:
                 self.last_step_s = time.monotonic()
-                self.errors += 1
                 self.healthy = False
-                log.exception("loop.failed", loop=self.name, errors=self.errors)
+                if out_of_memory(exc):  # Redis is there but full: said once, no stack
+                    if self.backoff.failures == 0:
+                        log.warning("loop.redis_full", loop=self.name)
+                else:
+                    self.errors += 1
+                    log.exception("loop.failed", loop=self.name, errors=self.errors)
                 await self.backoff.sleep()
                 continue
             self.last_step_s = self.last_ok_s = time.monotonic()
@@ -140,8 +144,11 @@ async def retry_until_done(
             return True
         except UNAVAILABLE as exc:
             log.warning("retry.redis_unavailable", what=what, error=type(exc).__name__)
-        except Exception:
-            log.exception("retry.failed", what=what)
+        except Exception as exc:
+            if out_of_memory(exc):  # Redis is there but full: no stack, a line a second
+                logs.limited(log, "retry.redis_full", level="warning", what=what)
+            else:
+                log.exception("retry.failed", what=what)
         if stop is not None and stop.is_set():
             now = asyncio.get_running_loop().time()
             if stopped_at is None:

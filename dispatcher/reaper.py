@@ -48,6 +48,11 @@ class Reaper:
         self.loop = Supervised("reaper", self.run_once, interval_ms / 1000.0)
 
     async def run_once(self) -> None:
+        if self.recovery.store.full:
+            # Redis refuses writes: a heartbeat that could not be written is
+            # no death (each process extends its key's TTL instead, but one
+            # that could not is judged once Redis has room again).
+            return
         if await self.recovery.hold_lock(self.lock_ttl_ms):
             recovered = await self.sweep()
             if recovered:

@@ -118,6 +118,8 @@ class Readiness(msgspec.Struct):
     redis_ok: bool
     workers_alive: int
     draining: bool
+    # Redis refuses writes for want of memory: new work is refused (503).
+    redis_full: bool = False
 
 
 class WorkerStatus(msgspec.Struct):

@@ -301,7 +301,7 @@ async def healthz() -> dict[str, str]:
 
 @get(
     "/readyz",
-    summary="Redis answers and at least one worker is alive",
+    summary="Redis answers and has room, and at least one worker is alive",
     responses={
         503: ResponseSpec(
             data_container=Readiness, description="not ready", generate_examples=False
@@ -312,7 +312,7 @@ async def readyz(request: Request[Any, Any, Any]) -> Response[Readiness]:
     gw = _gateway(request)
     fleet = gw.fleet
     ready = gw.ready()
-    body = Readiness(ready, fleet.redis_ok, fleet.workers_alive, gw.draining)
+    body = Readiness(ready, fleet.redis_ok, fleet.workers_alive, gw.draining, gw.store.full)
     return Response(body, status_code=HTTP_200_OK if ready else HTTP_503_SERVICE_UNAVAILABLE)
 
 

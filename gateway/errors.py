@@ -112,3 +112,14 @@ RETRY_REDIS_MS = 1_000
 
 def redis_unreachable() -> ApiError:
     return ApiError("SERVICE_OVERLOADED", "the queue store is unreachable", RETRY_REDIS_MS)
+
+
+RETRY_REDIS_FULL_MS = 5_000
+
+
+def redis_full() -> ApiError:
+    return ApiError(
+        "SERVICE_OVERLOADED",
+        "the queue store is out of memory (Redis maxmemory): new work is refused until it frees",
+        RETRY_REDIS_FULL_MS,
+    )

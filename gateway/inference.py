@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import msgspec
 from infergate.base import clock, logs, tracing, wire
-from infergate.base.errors import STORE_ERRORS, UNAVAILABLE
+from infergate.base.errors import STORE_ERRORS
 from infergate.base.metrics import NO_TIER
 from infergate.base.queue.gateway import GatewayQueue
 from infergate.base.queue.inputs import Beside
@@ -23,7 +23,12 @@ from infergate.gateway.api import (
     InferenceResponse,
     decode_inference_request,
 )
-from infergate.gateway.errors import ApiError, error_from_result, redis_unreachable
+from infergate.gateway.errors import (
+    ApiError,
+    error_from_result,
+    redis_full,
+    redis_unreachable,
+)
 from infergate.gateway.service import Gateway
 from infergate.gateway.sharing import input_digest, scope_owner
 from infergate.policies import KeyEntry, Policy, Tier
@@ -268,6 +273,9 @@ class Inference:
         A local estimate with no Redis round trip, made before the quota is
         charged, so under overload a refusal costs next to nothing."""
         refused = self.gw.metrics.refusals
+        if self.gw.store.full:
+            refused.labels(tier_name, "redis_full").inc()
+            raise redis_full()
         if not self.gw.ready_for_replies():
             refused.labels(tier_name, "redis").inc()
             raise redis_unreachable()
@@ -323,10 +331,10 @@ class Inference:
         try:
             quota = await self.gw.quota.charge(key, tier, input_chars, queue_on, envelope, beside)
         except STORE_ERRORS as exc:
-            self.gw.metrics.refusals.labels(key.tier, "redis").inc()
-            if isinstance(exc, UNAVAILABLE):  # not a script's own error: Redis itself
-                self.gw.fleet.mark_unreachable()
-            raise redis_unreachable() from exc
+            error = self.gw.store_failed(exc)
+            reason = "redis_full" if self.gw.store.full else "redis"
+            self.gw.metrics.refusals.labels(key.tier, reason).inc()
+            raise error from exc
         headers = quota.headers()
         if not quota.allowed:
             self.gw.metrics.refusals.labels(key.tier, "quota").inc()
@@ -380,9 +388,8 @@ class Inference:
         try:
             await self.gw.queue.enqueue(envelope.tier, *self.gw.queue.stored(envelope))
         except STORE_ERRORS as exc:
-            log.warning("request.enqueue_failed", request_id=envelope.id, error=type(exc).__name__)
-            self.gw.fleet.mark_unreachable()
-            raise redis_unreachable() from exc
+            logs.limited(log, "request.enqueue_failed", level="warning", error=type(exc).__name__)
+            raise self.gw.store_failed(exc) from exc
 
 
 async def wait_for_reply(

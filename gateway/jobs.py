@@ -25,6 +25,7 @@ from infergate.gateway.errors import (
     ApiError,
     ErrorDetail,
     error_from_result,
+    redis_full,
     redis_unreachable,
 )
 from infergate.gateway.inference import Call, Inference
@@ -61,6 +62,8 @@ class Jobs:
         gw = self.gateway
         policy = gw.policy.current
         key = gw.authenticate(call.authorization, policy)
+        if gw.store.full:
+            raise redis_full()
         body, tier = self.inference.read_body(call.body, policy, key)
         headers = await self.inference.charge_quota(key, tier, len(body.input))
         now_ms = clock.now_ms()
@@ -80,8 +83,7 @@ class Jobs:
                 await gw.quota.refund(key, tier, len(body.input))
                 headers = _refunded(headers)
         except STORE_ERRORS as exc:
-            gw.fleet.mark_unreachable()
-            raise redis_unreachable() from exc
+            raise gw.store_failed(exc) from exc
         if not accepted:
             raise ApiError(
                 "RATE_LIMITED",
@@ -125,7 +127,7 @@ class Jobs:
         try:
             status = await self.queue.cancel_job(job_id, key.id)
         except STORE_ERRORS as exc:
-            raise redis_unreachable() from exc
+            raise self.gateway.store_failed(exc) from exc
         if status is None:
             raise _not_found()
         if status != "cancelled":

@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from infergate.base import clock, logs, wire
-from infergate.base.errors import STORE_ERRORS
+from infergate.base.errors import STORE_ERRORS, UNAVAILABLE, out_of_memory
 from infergate.base.fleet import FleetView, fleet_reading
 from infergate.base.heartbeat import Heartbeater
 from infergate.base.loops import Supervised
@@ -26,7 +26,7 @@ from infergate.base.queue.store import Store
 from infergate.base.settings import ProcessSettings
 from infergate.base.tiers import TIERS
 from infergate.gateway.admission import Admission
-from infergate.gateway.errors import ApiError
+from infergate.gateway.errors import ApiError, redis_full, redis_unreachable
 from infergate.gateway.holds import Holds
 from infergate.gateway.limits import EdgeLimits
 from infergate.gateway.quota import Quota
@@ -141,8 +141,26 @@ class Gateway:
         return self.fleet.redis_ok and self.replies.listening()
 
     def ready(self) -> bool:
-        """Takes requests now: ready for replies, a worker alive, not draining."""
-        return self.ready_for_replies() and self.fleet.workers_alive > 0 and not self.draining
+        """Takes requests now: ready for replies, a worker alive, not
+        draining, and Redis not out of memory."""
+        return (
+            self.ready_for_replies()
+            and self.fleet.workers_alive > 0
+            and not self.draining
+            and not self.store.full
+        )
+
+    def store_failed(self, exc: BaseException) -> ApiError:
+        """The client's error for a Redis call that failed: Redis out of
+        memory is its own state, said as such; otherwise it is unreachable
+        (and, if it did not answer at all, this gateway is not ready until
+        the fleet view reads it again)."""
+        if out_of_memory(exc):
+            self.store.saw_full()
+            return redis_full()
+        if isinstance(exc, UNAVAILABLE):
+            self.fleet.mark_unreachable()
+        return redis_unreachable()
 
     def edge_failed(self, cause: str) -> None:
         """The edge could not read a request through what looks like its own

@@ -11,11 +11,11 @@ returned or here, with the answer published in the same step or after).
 """
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
-from infergate.base import clock, logs
-from infergate.base.errors import UNAVAILABLE
-from infergate.base.loops import Backoff, retry_until_done
+from infergate.base import clock, logs, wire
+from infergate.base.errors import UNAVAILABLE, out_of_memory
+from infergate.base.loops import Backoff, Step, retry_until_done
 from infergate.base.queue.forming import TakeResult, log_drops, new_batch_id
 from infergate.base.queue.worker import WorkerQueue
 from infergate.gpu.answers import Answer, Finished
@@ -63,8 +63,11 @@ class BatchLoop:
                     log.warning("worker.redis_unavailable", error=type(exc).__name__)
                     await backoff.sleep()
                     continue
-                except Exception:
-                    log.exception("worker.pull_failed")
+                except Exception as exc:
+                    if out_of_memory(exc):  # (BLMOVE is refused too, even from an empty list)
+                        logs.limited(log, "worker.redis_full", level="warning")
+                    else:
+                        log.exception("worker.pull_failed")
                     await backoff.sleep()
                     continue
                 if batch is None:
@@ -205,7 +208,10 @@ class BatchLoop:
 
         try:
             done = await retry_until_done(
-                "batch.take", take, stop, grace_after_stop_s=self._grace_left
+                "batch.take",
+                self._replies_first_when_full(take, replies),
+                stop,
+                grace_after_stop_s=self._grace_left,
             )
         except BaseException:  # (cancelled: the worker exits) its log line all the same
             if answer is not None:
@@ -247,10 +253,39 @@ class BatchLoop:
 
         try:
             if await retry_until_done(
-                "batch.publish", publish, stop, grace_after_stop_s=self._grace_left
+                "batch.publish",
+                self._replies_first_when_full(publish, answer.replies),
+                stop,
+                grace_after_stop_s=self._grace_left,
             ):
                 self.lane.answered.set()
             else:
                 log.error("batch.left_for_the_reaper", worker_id=self.worker_id)
         finally:
             answer.report()
+
+    def _replies_first_when_full(
+        self, step: Step, replies: Mapping[str, wire.Reply] | None
+    ) -> Step:
+        """``step``, an answer's transaction, retried by the caller. When
+        Redis refuses it for want of memory, the replies to gateways go out
+        on their own first (PUBLISH needs no memory), once: their clients
+        are answered now, not after their deadline. The transaction is
+        retried as before (its duplicate replies are ignored) and stores
+        the jobs' results and acks the batch once Redis has room."""
+        published = False
+
+        async def step_or_reply() -> None:
+            nonlocal published
+            try:
+                await step()
+            except Exception as exc:
+                if published or not replies or not out_of_memory(exc):
+                    raise
+                self.queue.store.saw_full()
+                await self.queue.publish_replies(replies)
+                published = True
+                log.warning("batch.replied_while_redis_full", worker_id=self.worker_id)
+                raise
+
+        return step_or_reply

@@ -595,6 +595,21 @@ async def test_a_job_record_of_another_type_does_not_block_the_answer(q: Faces) 
     assert 0 < await q.redis.pttl(q.keys.job("j-fine")) <= 5000
 
 
+async def test_a_final_job_status_never_changes(q: Faces) -> None:
+    """A job the reaper failed (its worker looked dead), then answered by
+    that worker after all: the first final status stays, since a client may
+    have read it."""
+    await q.redis.hset(q.keys.job("j-failed"), mapping={"status": "failed", "result": "first"})
+    await q.redis.hset(q.keys.job("j-running"), mapping={"status": "running"})
+    await q.redis.lpush(q.keys.processing("w1"), b"the batch")
+    results = [
+        wire.Result(i, "b1", 2, "w1", 0, 100, output="out") for i in ("j-failed", "j-running")
+    ]
+    await q.worker.answer_batch({wire.JOBS: wire.Reply(results)}, clock.now_ms(), b"the batch")
+    assert await q.redis.hmget(q.keys.job("j-failed"), "status", "result") == [b"failed", b"first"]
+    assert await q.redis.hget(q.keys.job("j-running"), "status") == b"succeeded"
+
+
 async def test_a_worker_takes_and_acks_after_redis_forgot_the_scripts(q: Faces) -> None:
     await q.redis.lpush(q.keys.processing("w1"), b"the batch")
     await q.redis.script_flush()  # as a restarted or failed-over Redis would have

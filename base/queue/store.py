@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 from infergate.base import logs, wire
+from infergate.base.errors import out_of_memory
 from infergate.base.keys import Keys
 from infergate.base.queue import redis_url
 from infergate.base.queue.pipelined import Pipelined
@@ -23,6 +24,7 @@ from infergate.base.tiers import ROLES, TIERS
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
 
 log = logs.get(__name__)
 
@@ -74,6 +76,17 @@ class Store:
         # The hot path's script calls, sent together (see pipelined.py).
         self.pipelined = Pipelined(redis)
         self._unreadable_seen: set[str] = set()
+        # Redis refuses writes for want of memory (``maxmemory``): set by
+        # whatever saw it, cleared by the next heartbeat Redis takes whole.
+        self.full = False
+
+    def saw_full(self) -> None:
+        if not self.full:
+            log.error(
+                "redis.out_of_memory",
+                note="Redis refuses writes (maxmemory reached): new work is refused until it frees",
+            )
+        self.full = True
 
     @classmethod
     def connect(cls, url: str, namespace: str, *, block_s: float = 0.0, name: str) -> "Store":
@@ -98,10 +111,25 @@ class Store:
     # -- heartbeats and members ---------------------------------------------
 
     async def beat(self, hb: wire.Heartbeat, ttl_ms: int) -> None:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.set(self.keys.heartbeat(hb.role, hb.id), wire.encode(hb), px=ttl_ms)
-            pipe.sadd(self.keys.members(hb.role), hb.id)
-            await pipe.execute()
+        """Write the heartbeat. A Redis out of memory refuses it: the key's
+        TTL is extended instead (PEXPIRE takes no memory), so the process
+        stays alive in the fleet's view, with its last beat's contents."""
+        key = self.keys.heartbeat(hb.role, hb.id)
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.set(key, wire.encode(hb), px=ttl_ms)
+                pipe.sadd(self.keys.members(hb.role), hb.id)
+                await pipe.execute()
+        except RedisError as exc:
+            if not out_of_memory(exc):
+                raise
+            self.saw_full()
+            if not await self.redis.pexpire(key, ttl_ms):
+                raise  # (its key had expired already: the reaper's now)
+            return
+        if self.full:
+            self.full = False
+            log.info("redis.memory_recovered")
 
     async def retire(self, role: str, process_id: str, keep_membership: bool = False) -> None:
         """A clean exit: drop the heartbeat and the membership at once. With

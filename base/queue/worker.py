@@ -164,6 +164,18 @@ class WorkerQueue:
         commands = [*self._answer_commands(replies, now_ms, keep, inputs_done), ack]
         await self.store.pipelined.transaction(commands, self._scripts)
 
+    async def publish_replies(self, replies: Mapping[str, wire.Reply]) -> None:
+        """Only the replies to gateways, outside any transaction: what a
+        Redis out of memory still takes (PUBLISH needs no memory; the
+        answer's transaction, which stores and acks, waits until it frees)."""
+        commands = [c for c in reply_commands(self.store, replies, 0) if c[0] == "PUBLISH"]
+        if not commands:
+            return
+        async with self.store.redis.pipeline(transaction=False) as pipe:
+            for command in commands:
+                pipe.execute_command(*command)
+            await pipe.execute()
+
     @property
     def _scripts(self) -> tuple[AsyncScript, ...]:
         """The scripts a worker's transactions run."""

@@ -1,7 +1,10 @@
 -- finish_jobs: store the results of finished jobs on their records (kept
 -- for the record's result ttl from now) and say so on the jobs-done channel,
 -- in one step. A record already gone (its owner's time passed) is left
--- gone. Idempotent: a batch run twice stores the same kind of result again.
+-- gone. A record already final (succeeded, failed, cancelled, expired) is
+-- left as it is: a client may have read it, and a final status never changes
+-- (a batch run twice, or answered by the reaper and then by its worker,
+-- keeps its first result).
 -- Run by the worker in the same transaction that acknowledges the batch,
 -- and by the reaper before it dead-letters one.
 -- KEYS[i] job:{id}
@@ -11,9 +14,11 @@
 -- in the transaction that answers a batch, and an error here would fail
 -- that answer for ever (Redis contents are not trusted).
 -- Returns how many records were written.
+local final = {succeeded = true, failed = true, cancelled = true, expired = true}
 local written, ids = 0, {}
 for i, key in ipairs(KEYS) do
-  if redis.call('TYPE', key)['ok'] == 'hash' then
+  local status = redis.call('TYPE', key)['ok'] == 'hash' and redis.call('HGET', key, 'status')
+  if status and not final[status] then
     local ttl = tonumber(redis.call('HGET', key, 'result_ttl_ms'))
     if not ttl or ttl <= 0 or ttl > 31536000000 or ttl ~= math.floor(ttl) then ttl = 600000 end
     redis.call('HSET', key, 'status', ARGV[2 + #KEYS + i], 'result', ARGV[2 + i],
