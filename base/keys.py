@@ -69,6 +69,10 @@ class Keys:
         """Credits a dispatcher holds while it forms a batch (returned if it dies)."""
         return self.prefix + "credits:" + dispatcher_id
 
+    def handoff(self, worker_id: str) -> str:
+        """Batches handed off with this worker's credit, for it alone to pull."""
+        return self.prefix + "batches:" + worker_id
+
     def processing(self, worker_id: str) -> str:
         return self.prefix + "processing:" + worker_id
 

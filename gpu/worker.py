@@ -197,16 +197,15 @@ class Worker:
         await self.store.close()
 
     async def _retire(self) -> None:
-        await self.queue.withdraw_credit()
         if await self.queue.batch_in_hand() is not None:
             # Not answered (Redis was away past the grace): the heartbeat goes,
             # the membership stays, so the reaper finds this worker dead and
             # runs the batch again.
             log.warning("worker.left_a_batch", worker_id=self.id)
-            await self.store.retire("worker", self.id, keep_membership=True)
+            await self.queue.leave(keep_membership=True)
             return
+        await self.queue.leave()
         await self.queue.forget_last_step()
-        await self.store.retire("worker", self.id)
 
     async def exit_hung(self, event: str, **fields: object) -> NoReturn:
         """The backend's thread, which cannot be interrupted, is stuck: the

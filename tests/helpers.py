@@ -425,6 +425,7 @@ def assert_redis_clean(client: redis.Redis, keys: Keys = KEYS) -> None:
     lists = [*keys.queues, keys.batches]
     lists += [k.decode() for k in client.scan_iter(keys.prefix + "inflight:*")]
     lists += [k.decode() for k in client.scan_iter(keys.prefix + "processing:*")]
+    lists += [k.decode() for k in client.scan_iter(keys.prefix + "batches:*")]
     assert {name: client.llen(name) for name in lists if client.llen(name)} == {}
     # Fleet structure, bounded by the number of processes, not of requests.
     structural = (

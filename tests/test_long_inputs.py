@@ -71,7 +71,7 @@ async def test_a_long_input_handed_straight_to_an_idle_worker_waits_beside_too(
         counter = Counter(queue.counter_key("c"), 1, 100, 60)
         admitted = await queue.admit([counter], "paid", data, straight=True, beside=beside)
         assert (admitted.admitted, admitted.handed) == (True, True)
-        batch, unreadable = wire.decode_batch(await store.redis.lindex(keys.batches, 0))
+        batch, unreadable = wire.decode_batch(await store.redis.lindex(keys.handoff("w-1"), 0))
         assert unreadable == 0
         assert [(e.id, e.input, e.input_key) for e in batch.envelopes] == [
             ("r1", None, keys.input("gw", "r1"))
@@ -92,7 +92,7 @@ async def _batch_of(store: Store, envelopes: list[bytes]) -> bytes:
         "w-1", "b1", clock.now_ms(), Rule(100, 0, -1, min_slots=(0, 0, 0))
     )
     assert taken.size == len(envelopes)
-    data = await store.redis.lmove(keys.batches, keys.processing("w-1"), "RIGHT", "LEFT")
+    data = await store.redis.lmove(keys.handoff("w-1"), keys.processing("w-1"), "RIGHT", "LEFT")
     assert data is not None
     return data
 

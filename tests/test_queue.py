@@ -106,7 +106,7 @@ async def test_a_batch_of_long_inputs_is_the_same_bytes_as_its_python_twin(q: Fa
             await q.gateway.enqueue("paid", wire.encode(envelope))
         taken = await take(q, 100)
         assert taken.size == count
-        data = await q.redis.rpop(q.keys.batches)
+        data = await q.redis.rpop(q.keys.handoff("w1"))
         assert data == wire.encode_batch("b1", "d1", now_of(data), taken.envelopes), count
 
 
@@ -119,8 +119,9 @@ async def test_take_is_priority_ordered_and_fifo_within_a_tier(q: Faces) -> None
         await q.gateway.enqueue(tier, env(i, tier))
     taken = await take(q, 5)
     assert ids(taken.envelopes) == ["r3", "r5", "r1", "r4", "r0"]
-    # Handed off in the same step, as one batch, with the credit spent.
-    (data,) = await q.redis.lrange(q.keys.batches, 0, -1)
+    # Handed off in the same step, as one batch, with the credit spent, to
+    # the worker whose credit it was.
+    (data,) = await q.redis.lrange(q.keys.handoff("w1"), 0, -1)
     batch, unreadable = wire.decode_batch(data)
     assert (batch.id, batch.dispatcher, unreadable) == ("b1", "d1", 0)
     assert [e.id for e in batch.envelopes] == ["r3", "r5", "r1", "r4", "r0"]
@@ -233,7 +234,7 @@ async def test_concurrent_takes_never_share_an_envelope(q: Faces) -> None:
     results = await asyncio.gather(*(take(q, 40, dispatcher=f"d{j}") for j in range(10)))
     all_ids = [i for r in results for i in ids(r.envelopes)]
     assert len(all_ids) == len(set(all_ids)) == 300
-    assert await q.redis.llen(q.keys.batches) == 8  # 300 in batches of 40
+    assert await q.redis.llen(q.keys.handoff("w1")) == 8  # 300 in batches of 40
 
 
 def test_envelope_wire_format_round_trips() -> None:
@@ -492,7 +493,8 @@ async def test_a_lone_request_is_handed_straight_to_an_idle_worker(q: Faces) -> 
     before = await q.stats()
     assert await admit(1)
     assert await q.redis.llen(q.keys.ready) == 0  # the credit paid for it
-    batch, unreadable = wire.decode_batch(await q.redis.rpop(q.keys.batches))
+    # (to w1's own hand-off list: the worker whose credit paid runs it)
+    batch, unreadable = wire.decode_batch(await q.redis.rpop(q.keys.handoff("w1")))
     assert ([e.id for e in batch.envelopes], batch.dispatcher, unreadable) == (["r1"], "gw", 0)
     after = await q.stats()
     assert after["batches_formed"] == before.get("batches_formed", 0) + 1
@@ -518,29 +520,29 @@ async def test_a_lone_request_is_handed_straight_to_an_idle_worker(q: Faces) -> 
     assert await q.redis.lrange(q.keys.ready, -1, -1) == [b"gone"]
     assert await admit(5)
     assert await q.redis.llen(q.keys.ready) == 0
-    assert await q.redis.llen(q.keys.batches) == 1
+    assert await q.redis.llen(q.keys.handoff("w1")) == 1
     # No rule published (or an unreadable one): queued.
     await q.worker.offer_credit()
     await q.redis.set(q.keys.batch_rule, b"not json")
     assert not await admit(6)
     # A key of another type on its way (Redis contents are not trusted): queued.
     await q.dispatcher.publish_rule(rule(10))
-    await q.redis.delete(*q.keys.queues, q.keys.batches)
-    await q.redis.set(q.keys.batches, b"a string")
+    await q.redis.delete(*q.keys.queues, q.keys.handoff("w1"))
+    await q.redis.set(q.keys.handoff("w1"), b"a string")
     assert not await admit(8)
     assert await q.redis.llen(q.keys.queue("paid")) == 1
     assert await q.redis.llen(q.keys.ready) == 1  # not spent
-    await q.redis.delete(q.keys.batches, *q.keys.queues)
+    await q.redis.delete(q.keys.handoff("w1"), *q.keys.queues)
     stats = await q.redis.hgetall(q.keys.stats)
     await q.redis.delete(q.keys.stats)
     await q.redis.set(q.keys.stats, b"a string")
     assert not await admit(9)  # queued once, never also handed
     assert await q.redis.llen(q.keys.queue("paid")) == 1
-    assert await q.redis.llen(q.keys.batches) == 0
+    assert await q.redis.llen(q.keys.handoff("w1")) == 0
     assert await q.redis.llen(q.keys.ready) == 1
     await q.redis.delete(q.keys.stats)
     await q.redis.hset(q.keys.stats, mapping=stats)
-    await q.redis.lpush(q.keys.batches, b"r5's batch")
+    await q.redis.lpush(q.keys.handoff("w1"), b"r5's batch")
     # Refused by its quota: nothing formed, the credit kept.
     await q.redis.delete(*q.keys.queues)
     await q.dispatcher.publish_rule(rule(10))
@@ -548,7 +550,7 @@ async def test_a_lone_request_is_handed_straight_to_an_idle_worker(q: Faces) -> 
     refused = await q.gateway.admit([counter], "paid", env(7, "paid"), straight=True)
     assert (refused.admitted, refused.handed) == (False, False)
     assert await q.redis.llen(q.keys.ready) == 1
-    assert await q.redis.llen(q.keys.batches) == 1
+    assert await q.redis.llen(q.keys.handoff("w1")) == 1
 
 
 async def test_a_transaction_on_the_held_connection_beside_script_calls(q: Faces) -> None:
@@ -905,3 +907,57 @@ async def test_a_take_that_read_its_clock_before_a_job_came_does_not_start_it_la
     assert taken.envelopes == []
     assert record["status"] == "expired"
     assert int(record["started_ms"]) >= int(record["deadline_ms"])
+
+
+async def test_the_worker_whose_credit_paid_runs_the_batch(q: Faces) -> None:
+    """Two idle workers, a dispatcher holding w1's credit, w2's on ready; a
+    lone request is handed straight with w2's credit. w1 has waited
+    longest, yet w2 runs it: a worker that ran a batch paid with another's
+    credit would offer its own a second time (two credits out, batches
+    formed ahead of any free worker) and leave the payer with none
+    (``worker.credit_restored``, which said Redis had lost it)."""
+    r, keys = q.redis, q.keys
+    await r.set(keys.heartbeat("worker", "w2"), b"{}")
+    await r.sadd(keys.members("dispatcher"), "d1")
+    await q.dispatcher.publish_rule(rule(10))
+    w2 = WorkerQueue(q.store, "w2")
+    await q.worker.offer_credit()
+    await w2.offer_credit()  # ready: [w2, w1]
+    assert await q.dispatcher.wait_credit(1) == "w1"  # held while d1 waits for work
+    pull1 = asyncio.create_task(q.worker.pull_batch(1.0))
+    await asyncio.sleep(0.05)  # w1 blocks first
+    pull2 = asyncio.create_task(w2.pull_batch(2.0))
+    await asyncio.sleep(0.05)
+    now = clock.now_ms()
+    envelope = wire.encode(wire.Envelope("r1", "gw", "paid", "k", "hi", now, now + 10_000))
+    assert (await q.gateway.admit([], "paid", envelope, straight=True)).handed
+    ran = await pull2
+    assert ran is not None
+    assert await pull1 is None
+    assert (await w2.take_next(ran, "s1", clock.now_ms())).batch is None  # nothing queued: offered
+    ready = await r.lrange(keys.ready, 0, -1)
+    held = await r.lrange(keys.credits("d1"), 0, -1)
+    assert sorted(ready + held) == [b"w1", b"w2"]  # one credit each, no more
+    assert not await q.worker.ensure_credit()
+    assert not await w2.ensure_credit()
+
+
+async def test_a_batch_handed_to_a_worker_that_leaves_or_dies_goes_to_another(
+    q: Faces,
+) -> None:
+    """What waits on a worker's hand-off list when it leaves (or the reaper
+    finds it dead) goes to the shared list, where any worker pulls it."""
+    r, keys = q.redis, q.keys
+    await r.lpush(keys.handoff("w1"), b"batch A")
+    await q.worker.leave()
+    assert not await r.exists(keys.heartbeat("worker", "w1"))
+    assert await r.lrange(keys.batches, 0, -1) == [b"batch A"]
+    await r.lpush(keys.handoff("w9"), b"batch B")
+    assert await q.recovery.recover_worker("w9", max_attempts=2) == []
+    # (at the pulling end: a batch handed back has waited already)
+    assert await r.lrange(keys.batches, 0, -1) == [b"batch A", b"batch B"]
+    await r.set(keys.heartbeat("worker", "w3"), b"{}")
+    w3 = WorkerQueue(q.store, "w3")
+    await w3.offer_credit()
+    assert await w3.pull_batch(1.0) == b"batch B"
+    assert await r.lrange(keys.ready, 0, -1) == []  # no credit paid for it: its own went back

@@ -266,7 +266,7 @@ async def test_an_envelope_with_a_nul_byte_never_reaches_a_batch(redis_url: str)
             rule = Rule(100, 0, -1, min_slots=(0, 0, 0))
             taken = await DispatcherQueue(store, "d1").take("w-1", "b", now, rule)
             assert (taken.size, taken.malformed) == (1, 1), tail
-            batch, unreadable = wire.decode_batch(await store.redis.rpop(store.keys.batches))
+            batch, unreadable = wire.decode_batch(await store.redis.rpop(store.keys.handoff("w-1")))
             assert ([e.id for e in batch.envelopes], unreadable) == (["r0"], 0)
     finally:
         await store.close()

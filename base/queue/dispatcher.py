@@ -89,7 +89,7 @@ class DispatcherQueue:
         # Straight on the held connection (``pipelined.py``): at low load this
         # call is on the way of every request that finds no idle worker's
         # credit on ready (one that does goes straight: admit.lua).
-        take = take_keys(keys, own, keys.heartbeat("worker", credit))
+        take = take_keys(keys, own, keys.heartbeat("worker", credit), batches=keys.handoff(credit))
         return take_result(await self.store.pipelined.call(self.store.scripts.take, take, args))
 
     async def publish_rule(self, rule: Rule) -> None:

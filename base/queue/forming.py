@@ -56,7 +56,9 @@ def new_batch_id() -> str:
     return os.urandom(6).hex()
 
 
-def take_keys(keys: Keys, own: str, eighth: str, last_step: str | None = None) -> list[str]:
+def take_keys(
+    keys: Keys, own: str, eighth: str, last_step: str | None = None, batches: str | None = None
+) -> list[str]:
     """``take.lua``'s keys: ``own`` is the dispatcher's credits list or the
     worker's processing list; ``eighth`` the credit's heartbeat or the rule;
     ``last_step`` the worker's last step token (a dispatcher has none)."""
@@ -69,7 +71,7 @@ def take_keys(keys: Keys, own: str, eighth: str, last_step: str | None = None) -
         keys.ready,
         keys.jobs_queued,
         eighth,
-        keys.batches,
+        batches or keys.batches,
         last_step or own,
         *keys.queues,
         *keys.job_queues,

@@ -82,6 +82,7 @@ class GatewayQueue:
             *keys.job_queues,
         )
         self._worker_heartbeats = keys.heartbeat("worker", "")  # + a worker id
+        self._handoffs = keys.handoff("")  # + a worker id
 
     def counter_key(self, name: str) -> str:
         """A limit's counter, named as the ``limits`` library names it."""
@@ -116,7 +117,13 @@ class GatewayQueue:
                 args += (0, "")
             if straight:
                 names += self._straight_keys
-                args += (new_batch_id(), self.gateway_id, clock.now_ms(), self._worker_heartbeats)
+                args += (
+                    new_batch_id(),
+                    self.gateway_id,
+                    clock.now_ms(),
+                    self._worker_heartbeats,
+                    self._handoffs,
+                )
         reply = await self.store.pipelined.call(self.store.scripts.admit, names, args)
         if reply[2]:
             self._on_handed()

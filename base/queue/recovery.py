@@ -11,6 +11,7 @@ from infergate.base.queue.dispatcher import requeue
 from infergate.base.queue.replies import deliver_replies, failure_replies
 from infergate.base.queue.scripts import execute
 from infergate.base.queue.store import Store
+from infergate.base.queue.worker import hand_back
 
 log = logs.get(__name__)
 
@@ -84,6 +85,7 @@ class RecoveryQueue:
             async with self.store.redis.pipeline(transaction=False) as pipe:
                 pipe.lrem(self.keys.ready, 0, worker_id)
                 pipe.delete(self.keys.last_step(worker_id))
+                hand_back(pipe, self.keys, worker_id)  # handed to it, never pulled
                 await pipe.execute()
             return "idle"
         try:

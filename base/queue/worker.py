@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from infergate.base import wire
+from infergate.base.keys import Keys
 from infergate.base.queue import inputs, redis_url
 from infergate.base.queue.forming import TakeResult, new_batch_id, take_args, take_keys, take_result
 from infergate.base.queue.replies import reply_commands
@@ -39,9 +40,21 @@ class WorkerQueue:
             keys=[keys.ready, keys.doorbell, *keys.job_queues], args=[self.worker_id]
         )
 
-    async def withdraw_credit(self) -> None:
-        """A worker leaving takes its credit back."""
-        await self.store.redis.lrem(self.keys.ready, 0, self.worker_id)
+    async def leave(self, keep_membership: bool = False) -> None:
+        """A worker leaving, in one transaction: its heartbeat goes (no
+        batch is handed to it after that: admit and take check it), its
+        credit is taken back, and a batch handed to it and not pulled goes
+        to the shared list, for the next worker free. With
+        ``keep_membership`` (it leaves a batch in processing) the reaper
+        then finds it dead and runs that batch again."""
+        keys = self.keys
+        async with self.store.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(keys.heartbeat("worker", self.worker_id))
+            if not keep_membership:
+                pipe.srem(keys.members("worker"), self.worker_id)
+            pipe.lrem(keys.ready, 0, self.worker_id)
+            hand_back(pipe, keys, self.worker_id)
+            await pipe.execute()
 
     async def forget_last_step(self) -> None:
         """A worker leaving with nothing in hand: its last step's token goes."""
@@ -54,15 +67,30 @@ class WorkerQueue:
         )
         dispatchers, _ = process_ids(members)  # (a planted member: the fleet view drops it)
         offered = await self.store.scripts.ensure_credit(
-            keys=[self.keys.ready, self.keys.batches, *map(self.keys.credits, dispatchers)],
+            keys=[
+                self.keys.ready,
+                self.keys.handoff(self.worker_id),
+                *map(self.keys.credits, dispatchers),
+            ],
             args=[self.worker_id],
         )
         return bool(offered)
 
     async def pull_batch(self, timeout_s: float) -> bytes | None:
-        """Block until a batch is handed to this worker; it lands in processing:{worker}."""
+        """A batch the reaper retried (shared ``batches``), or block until one
+        is handed off with this worker's credit (``batches:{worker}``); it
+        lands in processing:{worker}."""
+        processing = self.keys.processing(self.worker_id)
+        retried: bytes | None = await self.store.redis.lmove(  # type: ignore[assignment]
+            self.keys.batches, processing, "RIGHT", "LEFT"
+        )
+        if retried is not None:
+            # No credit paid for it: this worker's own, if still on offer,
+            # goes back (one a dispatcher holds hands it a batch it runs next).
+            await self.store.redis.lrem(self.keys.ready, 0, self.worker_id)
+            return retried
         return await self.store.move_oldest(
-            self.keys.batches, self.keys.processing(self.worker_id), timeout_s
+            self.keys.handoff(self.worker_id), processing, timeout_s
         )
 
     async def with_inputs(
@@ -231,3 +259,16 @@ class BlockingTake:
 
     def close(self) -> None:
         self._client.close()
+
+
+# A worker's credit is out at most once, so at most one batch waits on its
+# hand-off list; two moves cover a credit restored while one was held.
+HANDOFF_MAX = 2
+
+
+def hand_back(pipe: Any, keys: Keys, worker_id: str) -> None:
+    """Queue on ``pipe`` the moves of what waits on ``worker_id``'s hand-off
+    list to the shared ``batches`` list, at its pulling end, oldest
+    pulled first: a worker leaving or found dead."""
+    for _ in range(HANDOFF_MAX):
+        pipe.lmove(keys.handoff(worker_id), keys.batches, "LEFT", "RIGHT")

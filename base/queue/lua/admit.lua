@@ -22,14 +22,17 @@
 --   (without those two: charge only)
 -- KEYS[n+3] the input's key, when one is stored beside (ARGV[3n+3] > 0)
 -- KEYS[s..] (to hand it straight; s is n+3, or n+4 after an input's key)
---   ready, batches, batch-rule, last-dispatch, stats, then every
+--   ready, batches (unused: each worker has its own), batch-rule,
+--   last-dispatch, stats, then every
 --   queue:{tier} and jobs:{tier}
 -- ARGV[1] n  ARGV[2] the envelope (when queued)
 -- ARGV[3i], ARGV[3i+1], ARGV[3i+2] limit i's cost, amount and window (s)
 -- ARGV[3n+3] the input's time to live in ms (0: none stored beside)
 -- ARGV[3n+4] the input
--- ARGV[3n+5..3n+8] (to hand it straight) the batch id, who forms it (the
---   gateway), now (epoch ms), the worker heartbeat key prefix
+-- ARGV[3n+5..3n+9] (to hand it straight) the batch id, who forms it (the
+--   gateway), now (epoch ms), the worker heartbeat key prefix, the worker
+--   hand-off list prefix (the batch goes to batches:{worker} of the worker
+--   whose credit paid for it: that worker, and no other, runs it)
 -- Returns {admitted (1 or 0), queue depth (0 if nothing was queued),
 --          handed straight (1 or 0),
 --          count_1, ttl_ms_1, ..., count_n, ttl_ms_n}: a counter after the
@@ -75,7 +78,7 @@ local function hand_straight()
   -- the envelope as a batch of its own, to an idle worker; false if it
   -- must be queued instead
   local d = straight_from
-  local ready, batches, rule_key, last_key, stats = KEYS[d], KEYS[d + 1], KEYS[d + 2],
+  local ready, rule_key, last_key, stats = KEYS[d], KEYS[d + 2],
     KEYS[d + 3], KEYS[d + 4]
   -- (no idle worker first: under load, the one check made)
   if redis.call('LLEN', ready) == 0 then return false end
@@ -89,11 +92,8 @@ local function hand_straight()
   if interval > 0 and last + interval > now then return false end
   -- Nothing after the credit is spent may fail (the envelope would be
   -- queued as well): the keys it writes are checked first.
-  local batches_kind, stats_kind = redis.call('TYPE', batches)['ok'], redis.call('TYPE', stats)['ok']
-  if (batches_kind ~= 'list' and batches_kind ~= 'none')
-      or (stats_kind ~= 'hash' and stats_kind ~= 'none') then
-    return false
-  end
+  local stats_kind = redis.call('TYPE', stats)['ok']
+  if stats_kind ~= 'hash' and stats_kind ~= 'none' then return false end
   -- The oldest idle worker's credit, as a dispatcher would take it; one
   -- whose worker's heartbeat is gone is dropped, as a dispatcher drops it.
   local credit = redis.call('RPOP', ready)
@@ -101,8 +101,16 @@ local function hand_straight()
     credit = redis.call('RPOP', ready)
   end
   if not credit then return false end
+  -- Handed to the worker whose credit paid for it (batches:{worker}); a
+  -- key of another type there: the credit goes back, the envelope is queued.
+  local handoff = ARGV[sa + 4] .. credit
+  local kind = redis.call('TYPE', handoff)['ok']
+  if kind ~= 'list' and kind ~= 'none' then
+    redis.call('RPUSH', ready, credit)
+    return false
+  end
   -- The batch as take.lua writes it (and wire.encode_batch).
-  redis.call('LPUSH', batches, '{"id":' .. cjson.encode(ARGV[sa]) .. ',"dispatcher":'
+  redis.call('LPUSH', handoff, '{"id":' .. cjson.encode(ARGV[sa]) .. ',"dispatcher":'
     .. cjson.encode(ARGV[sa + 1]) .. ',"formed_ms":' .. ARGV[sa + 2]
     .. ',"envelopes":[' .. ARGV[2] .. '],"attempt":0}')
   -- (a count that is not an integer stays wrong, as in take.lua; the batch goes)

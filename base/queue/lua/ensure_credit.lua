@@ -1,8 +1,8 @@
 -- ensure_credit: an idle worker makes sure its credit is on offer (a Redis
 -- that restarted lost it). Does nothing if the credit is on `ready`, held by
--- a dispatcher, or already spent on a batch waiting in `batches`; so a
--- worker never has two credits out.
--- KEYS[1] ready  KEYS[2] batches  KEYS[3..] credits:{dispatcher}, every dispatcher
+-- a dispatcher, or already spent on a batch waiting for it in
+-- `batches:{worker}`; so a worker never has two credits out.
+-- KEYS[1] ready  KEYS[2] batches:{worker}  KEYS[3..] credits:{dispatcher}, every dispatcher
 -- ARGV[1] worker id
 -- Returns 1 if a credit was offered, 0 if one was already out.
 if redis.call('LLEN', KEYS[2]) > 0 then return 0 end

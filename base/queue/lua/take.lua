@@ -43,7 +43,9 @@
 -- KEYS[8] 'dispatch': the heartbeat of the worker whose credit this
 --   dispatcher holds; 'worker': the batching rule the dispatchers publish
 --   (JSON: n, interval_ms, headroom, quiet_ms, min_slots)
--- KEYS[9] batches
+-- KEYS[9] 'dispatch': batches:{worker}, the hand-off list of the worker whose
+--   credit this dispatcher holds (that worker, and no other, runs the batch);
+--   'worker': batches, the shared list the reaper's retried batches wait on
 -- KEYS[10] 'worker': the worker's last step (its token); 'dispatch': unused
 -- KEYS[11..10+T] queue:{tier}, highest priority first; KEYS[11+T..10+2T] jobs:{tier}
 -- A dispatcher takes nothing if the credit is no longer its own (it stalled
@@ -147,10 +149,13 @@ if for_worker then
   -- and a clean exit delete it).
   redis.call('SET', KEYS[10], ARGV[8])
   if ARGV[9] == 'ack' then redis.call('LREM', own, 0, ARGV[7]) end
-  -- A batch already waiting (one the reaper retried, mostly) is run first.
-  -- No credit is offered for it: one offered "in its place" would most
-  -- often be one too many, and keep a batch formed ahead of every worker.
-  local waiting = redis.call('LMOVE', batches, own, 'RIGHT', 'LEFT')
+  -- A batch already waiting is run first: one handed off with this
+  -- worker's credit while it ran a retried batch (its credit was still out),
+  -- else one the reaper retried. No credit is offered for it: one offered
+  -- "in its place" would most often be one too many, and keep a batch
+  -- formed ahead of every worker.
+  local waiting = redis.call('LMOVE', ARGV[6] .. 'batches:' .. credit, own, 'RIGHT', 'LEFT')
+    or redis.call('LMOVE', batches, own, 'RIGHT', 'LEFT')
   if waiting then return result(0, 0, 0, 0, waiting) end
   n, min_interval, headroom, quiet_ms, min_slots = published_rule(KEYS[8], ntiers)  -- rule.lua
   if n == nil then
