@@ -12,7 +12,12 @@ from infergate.base.queue.store import Store
 
 log = logs.get(__name__)
 
-ALIGN_EVERY_S = 10.0
+# Often enough that a step of Redis's clock reaches every process within a
+# couple of seconds (three TIME calls each time: nothing).
+ALIGN_EVERY_S = 2.0
+# A clock off Redis's is said again this often, or when the offset moves.
+OFF_LOG_EVERY_S = 60.0
+OFF_LOG_MOVE_MS = 100.0
 
 
 class Heartbeater:
@@ -37,6 +42,7 @@ class Heartbeater:
         # Generous: a beat that waits on a dead Redis takes up to its socket timeout.
         self.max_silence_s = max(10.0, 20 * interval_s)
         self._align_at = 0.0  # monotonic s: at once, before the first beat
+        self._off_said = (0.0, -OFF_LOG_EVERY_S)  # the offset last logged, and when
         self.loop = Supervised(
             "heartbeat", self.beat_once, interval_s, Backoff(base_s=0.05, cap_s=interval_s)
         )
@@ -61,9 +67,14 @@ class Heartbeater:
 
     async def _align(self) -> None:
         round_trip_ms = await clock.align(self.store.redis.time)
-        self._align_at = time.monotonic() + ALIGN_EVERY_S
+        now = time.monotonic()
+        self._align_at = now + ALIGN_EVERY_S
         offset_ms = clock.offset_ms()
-        if abs(offset_ms) > clock.OFF_WARN_MS:
+        said_ms, said_at = self._off_said
+        if abs(offset_ms) > clock.OFF_WARN_MS and (
+            now - said_at > OFF_LOG_EVERY_S or abs(offset_ms - said_ms) > OFF_LOG_MOVE_MS
+        ):
+            self._off_said = (offset_ms, now)
             # Deadlines still hold (they follow Redis's clock), but this
             # host's logs and anything else reading its clock are off.
             log.warning(

@@ -220,7 +220,8 @@ async def fetch_job(
     job_id: str,
     wait_s: Annotated[float, Parameter(ge=0, le=20, description="long poll, seconds")] = 0.0,
 ) -> JobView:
-    return await _jobs(request).fetch(_authorization(request), job_id, wait_s)
+    on_disconnect: OnDisconnect | None = request.scope.get(ON_DISCONNECT)  # type: ignore[assignment]
+    return await _jobs(request).fetch(_authorization(request), job_id, wait_s, on_disconnect)
 
 
 @delete(

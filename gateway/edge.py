@@ -14,8 +14,9 @@ forever. This protocol adds, per connection:
   of the request's first byte, and the body within ``body_timeout_s`` of the
   head: 408, connection closed (a connection that sent nothing is just
   closed);
-- at most ``max_connections`` open connections per process: one more is
-  closed as soon as it is accepted;
+- at most ``max_connections`` open connections per process: one more
+  takes the place of the connection idle (or in its head) the longest, or
+  is closed as soon as it is accepted if every one has a request in the app;
 - no switch of protocol (``Connection: Upgrade``, ``CONNECT``): 400,
   connection closed. The parser would treat the body as the new protocol's
   bytes, where none of these limits reach.
@@ -148,14 +149,39 @@ class EdgeProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        if len(self.connections) > self.limits.max_connections:
+        self._since = self.loop.time()
+        if len(self.connections) > self.limits.max_connections and not self._evict_one():
             logs.limited(log, "edge.too_many_connections", limit=self.limits.max_connections)
             transport.abort()
             return
-        self._since = self.loop.time()
         cls = type(self)
         if cls.sweeper is None and cls.sweeping:
             cls.sweeper = _Sweeper(self.loop, self.connections, self.limits)
+
+    def _evict_one(self) -> bool:
+        """At the cap, a new connection takes the place of the one that has
+        waited longest without a request in progress: kept alive idle, or
+        still sending its head. A connection that costs its client nothing
+        but a request every few seconds cannot hold the cap; one whose
+        request the app holds is never closed. (A scan of the connections:
+        only at the cap.)"""
+        oldest: EdgeProtocol | None = None
+        for conn in self.connections:
+            if (
+                conn is not self
+                and isinstance(conn, EdgeProtocol)
+                and conn._phase in (_IDLE, _HEAD)
+                and not conn._refused
+                and (oldest is None or conn._since < oldest._since)
+            ):
+                oldest = conn
+        if oldest is None or oldest.transport is None:
+            return False
+        logs.limited(log, "edge.connection_evicted", limit=self.limits.max_connections)
+        oldest._refused = True
+        oldest.transport.close()
+        self.connections.discard(oldest)
+        return True
 
     def data_received(self, data: bytes) -> None:
         if self._phase == _IDLE:  # the first bytes of the next request on this connection
@@ -273,6 +299,7 @@ class EdgeProtocol(HttpToolsProtocol):
         self._on_lost = None
         if self._phase == _APP:  # (a pipelined next request may already be in its head)
             self._phase = _IDLE  # uvicorn's keep-alive timeout applies until the next request
+            self._since = self.loop.time()
         super().on_response_complete()
 
     # -- limits ----------------------------------------------------------------
@@ -294,6 +321,10 @@ class EdgeProtocol(HttpToolsProtocol):
             self._refuse(
                 408, f"the request body did not arrive within {self.limits.body_timeout_s:g} s"
             )
+
+    def _unsupported_upgrade_warning(self) -> None:
+        """uvicorn's two lines per upgrade request it cannot serve: the edge
+        has refused that request already, and said so (rate-limited)."""
 
     def send_400_response(self, msg: str) -> None:
         """What the HTTP parser cannot read (uvicorn answers it in plain

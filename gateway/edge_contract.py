@@ -66,10 +66,12 @@ def missing_internals(protocol: object | None = None) -> list[str]:
     return missing
 
 
-# What uvicorn logs for each such request, at a client's will.
+# What uvicorn logs for each such request, at a client's will (the last,
+# for an upgrade, when no websocket protocol is configured: none is).
 _PER_REQUEST_WARNINGS = frozenset(
     {"Invalid HTTP request received.", "Unsupported upgrade request."}
 )
+_PER_REQUEST_PREFIXES = ("No supported WebSocket library detected",)
 
 
 class MemoryTransport(asyncio.Transport):
@@ -179,7 +181,10 @@ class _WithoutParserWarnings(logging.Filter):
     hostile client cannot flood the log."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.getMessage() not in _PER_REQUEST_WARNINGS
+        message = record.getMessage()
+        return message not in _PER_REQUEST_WARNINGS and not message.startswith(
+            _PER_REQUEST_PREFIXES
+        )
 
 
 def quiet_parser_warnings() -> None:

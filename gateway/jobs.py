@@ -13,6 +13,7 @@ other key gets 404, exactly as for an id that never existed.
     DELETE /v1/jobs/{id}        cancel it while it is queued (409 once started)
 """
 
+import asyncio
 import re
 from collections import defaultdict
 
@@ -26,9 +27,8 @@ from infergate.gateway.errors import (
     ErrorDetail,
     error_from_result,
     redis_full,
-    redis_unreachable,
 )
-from infergate.gateway.inference import Call, Inference
+from infergate.gateway.inference import Call, Inference, OnDisconnect
 from infergate.gateway.service import Gateway
 
 log = logs.get(__name__)
@@ -97,28 +97,50 @@ class Jobs:
         log.info("job.queued", job_id=job_id, tier=key.tier)
         return JobAccepted(job_id, "queued", location), {**headers, "location": location}
 
-    async def fetch(self, authorization: str | None, job_id: str, wait_s: float) -> JobView:
+    async def fetch(
+        self,
+        authorization: str | None,
+        job_id: str,
+        wait_s: float,
+        on_disconnect: OnDisconnect | None = None,
+    ) -> JobView:
         """The job as its owner sees it; with ``wait_s``, once it has finished
-        or that long has passed (at most ``MAX_WAIT_S``)."""
+        or that long has passed (at most ``MAX_WAIT_S``), or its client left
+        (its hold on the key's share of connections goes with it)."""
         policy = self.gateway.policy.current
         key = self.gateway.authenticate(authorization, policy)
         if wait_s <= 0:
             return await self._read(job_id, key.id)
         holds = self.gateway.holds
         holds.take(key.id, policy.document.limits.key_connection_share)  # a long poll waits
+        gone = asyncio.Event()
+        if on_disconnect is not None:
+            on_disconnect(gone.set)
         try:
-            return await self._poll(job_id, key.id, wait_s)
+            return await self._poll(job_id, key.id, wait_s, gone)
         finally:
+            if on_disconnect is not None:
+                on_disconnect(None)
             holds.release(key.id)
 
-    async def _poll(self, job_id: str, key_id: str, wait_s: float) -> JobView:
+    async def _poll(self, job_id: str, key_id: str, wait_s: float, gone: asyncio.Event) -> JobView:
         deadline = clock.monotonic_s() + min(wait_s, MAX_WAIT_S)
         while True:
             view = await self._read(job_id, key_id)
             left = deadline - clock.monotonic_s()
-            if view.status in FINAL or left <= 0 or self.gateway.draining:
+            if view.status in FINAL or left <= 0 or self.gateway.draining or gone.is_set():
                 return view
-            await self.gateway.replies.wait_job(job_id, min(left, RECHECK_S))
+            await self._wait(job_id, min(left, RECHECK_S), gone)
+
+    async def _wait(self, job_id: str, timeout_s: float, gone: asyncio.Event) -> None:
+        """Until the job is said done, ``timeout_s`` passes, or the client left."""
+        done = asyncio.ensure_future(self.gateway.replies.wait_job(job_id, timeout_s))
+        left = asyncio.ensure_future(gone.wait())
+        try:
+            await asyncio.wait((done, left), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            done.cancel()
+            left.cancel()
 
     async def cancel(self, authorization: str | None, job_id: str) -> JobView:
         key = self.gateway.authenticate(authorization, self.gateway.policy.current)
@@ -143,7 +165,7 @@ class Jobs:
         try:
             record = await self.queue.job(job_id)
         except STORE_ERRORS as exc:
-            raise redis_unreachable() from exc
+            raise self.gateway.store_failed(exc) from exc
         if record.get("key_id") != key_id:
             raise _not_found()  # another key's job reads exactly as no job
         return _view(job_id, record)

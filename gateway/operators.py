@@ -17,7 +17,7 @@ from infergate.gateway.api import (
     StatusResponse,
     WorkerStatus,
 )
-from infergate.gateway.errors import ApiError, redis_unreachable
+from infergate.gateway.errors import ApiError
 from infergate.gateway.service import Gateway
 from infergate.policies import KeyEntry
 
@@ -65,14 +65,14 @@ class Operators:
         try:
             total, batches = await self.gw.queue.dead_letters(limit)
         except STORE_ERRORS as exc:
-            raise redis_unreachable() from exc
+            raise self.gw.store_failed(exc) from exc
         return DeadLetters(total, batches)
 
     async def purge_dead_letters(self) -> DeadLettersPurged:
         try:
             purged = await self.gw.queue.purge_dead_letters()
         except STORE_ERRORS as exc:
-            raise redis_unreachable() from exc
+            raise self.gw.store_failed(exc) from exc
         log.info("admin.dead_letters_purged", purged=purged)
         return DeadLettersPurged(purged)
 
@@ -80,7 +80,7 @@ class Operators:
         try:
             fleet = await self.gw.store.fleet_status()
         except STORE_ERRORS as exc:
-            raise redis_unreachable() from exc
+            raise self.gw.store_failed(exc) from exc
         policy = self.gw.policy.current
         max_batch = policy.document.batching.max_batch_size
         stats = fleet.counters

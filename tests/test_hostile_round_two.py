@@ -35,8 +35,9 @@ def cluster(
         yield c
         log = c.gateways[0].output()
     assert "Traceback" not in log
-    # uvicorn's own line for an upgrade it cannot make is never printed.
+    # uvicorn's own lines for an upgrade it cannot make are never printed.
     assert "Unsupported upgrade request" not in log
+    assert "WebSocket library" not in log
 
 
 def _port(c: Cluster) -> int:
@@ -128,6 +129,25 @@ def test_many_upgrade_requests_cannot_hold_the_connection_cap(cluster: Cluster) 
     assert http("GET", cluster.urls[0] + "/healthz")[0] == 200
 
 
+def test_kept_alive_connections_cannot_hold_the_connection_cap(cluster: Cluster) -> None:
+    """More connections than the cap, each kept alive by a cheap request
+    (no key needed): a new client still gets in, in the place of the one
+    idle the longest."""
+    socks = []
+    try:
+        for _ in range(MAX_CONNECTIONS + 20):
+            sock = socket.create_connection(("127.0.0.1", _port(cluster)), timeout=5)
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            socks.append(sock)
+        for sock in socks[-50:]:
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+        assert _served(cluster)
+        assert http("GET", cluster.urls[0] + "/healthz")[0] == 200
+    finally:
+        for sock in socks:
+            sock.close()
+
+
 def test_two_authorization_headers_are_refused_everywhere(cluster: Cluster) -> None:
     two = f"Authorization: Bearer {SECRETS['free']}\r\nAuthorization: Bearer {SECRETS['admin']}\r\n"
     body = b'{"input": "x"}'
@@ -183,9 +203,36 @@ def test_long_polls_of_one_key_hold_at_most_its_share(cluster: Cluster) -> None:
         assert len(refused) == 10
         assert max(refused) < 3  # refused at once, not after a wait
         assert sorted(status for status, _ in results if status != 429) == [200] * PER_KEY
+        # Polls whose clients leave let go of their holds at once, not at wait_s.
+        gone = [_raw_poll(cluster, url.replace("wait_s=6", "wait_s=15")) for _ in range(PER_KEY)]
+        brief = url.replace("wait_s=6", "wait_s=0.1")
+        wait_for(
+            lambda: http("GET", brief, headers=auth("free"))[0] == 429, 10, "the polls to be held"
+        )
+        for sock in gone:
+            sock.close()
+        wait_for(
+            lambda: (
+                http("GET", url.replace("wait_s=6", "wait_s=0.1"), headers=auth("free"))[0] == 200
+            ),
+            5,
+            "the holds of clients gone to be let go",
+        )
     finally:
         cluster.add_worker()
         wait_for(lambda: _served(cluster), 30, "a worker to serve again")
+
+
+def _raw_poll(c: Cluster, url: str) -> socket.socket:
+    """A long poll sent on a socket of its own (closed by the caller)."""
+    target = url.split(str(_port(c)), 1)[1]
+    sock = socket.create_connection(("127.0.0.1", _port(c)), timeout=5)
+    sock.sendall(f"GET {target} HTTP/1.1\r\nHost: x\r\n{_auth_line('free')}\r\n".encode())
+    return sock
+
+
+def _auth_line(tier: str) -> str:
+    return f"Authorization: {auth(tier)['Authorization']}\r\n"
 
 
 def _established(c: Cluster) -> int:
