@@ -11,7 +11,8 @@ import logging
 from typing import Any
 
 import uvicorn
-from infergate.gateway.edge import EdgeProtocol, FastRoute, Headers
+from infergate.gateway.edge import EdgeProtocol
+from infergate.gateway.fast_route import FastRoute, Headers
 from infergate.gateway.limits import EdgeLimits
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
