@@ -961,3 +961,28 @@ async def test_a_batch_handed_to_a_worker_that_leaves_or_dies_goes_to_another(
     await w3.offer_credit()
     assert await w3.pull_batch(1.0) == b"batch B"
     assert await r.lrange(keys.ready, 0, -1) == []  # no credit paid for it: its own went back
+
+
+async def test_a_retried_batch_goes_to_an_idle_worker_with_its_credit(q: Faces) -> None:
+    """The reaper hands a dead worker's batch to a live idle worker, as a
+    dispatcher would (that worker's credit pays), so it runs at once; with
+    no worker idle it waits on the shared list for the next take."""
+    r, keys = q.redis, q.keys
+    now = clock.now_ms()
+    batch = wire.encode_batch(
+        "b9",
+        "d1",
+        now,
+        [wire.encode(wire.Envelope("r1", "gw", "paid", "k", "x", now, now + 9_000))],
+    )
+    await r.lpush(keys.processing("w9"), batch)
+    await r.lpush(keys.ready, "gone")  # a credit whose worker has no heartbeat: dropped
+    await q.worker.offer_credit()  # w1: alive, idle
+    assert await q.recovery.recover_worker("w9", max_attempts=3) == ["retried"]
+    assert await r.lrange(keys.ready, 0, -1) == []
+    (handed,) = await r.lrange(keys.handoff("w1"), 0, -1)
+    assert wire.decode_batch(handed)[0].attempt == 1
+    assert await q.worker.pull_batch(1.0) == handed
+    await r.lpush(keys.processing("w9"), batch)
+    assert await q.recovery.recover_worker("w9", max_attempts=3) == ["retried"]
+    assert await r.llen(keys.batches) == 1  # nobody idle: shared

@@ -138,7 +138,14 @@ class RecoveryQueue:
                 self.keys.ready,
                 self.keys.stats,
             ],
-            args=[raw, retried, worker_id, DEAD_LETTER_CAP],
+            args=[
+                raw,
+                retried,
+                worker_id,
+                DEAD_LETTER_CAP,
+                self.keys.heartbeat("worker", ""),
+                self.keys.handoff(""),
+            ],
         )
         return bool(moved)
 

@@ -77,21 +77,26 @@ class WorkerQueue:
         return bool(offered)
 
     async def pull_batch(self, timeout_s: float) -> bytes | None:
-        """A batch the reaper retried (shared ``batches``), or block until one
-        is handed off with this worker's credit (``batches:{worker}``); it
-        lands in processing:{worker}."""
+        """Block until a batch is handed off with this worker's credit
+        (``batches:{worker}``), or, after ``timeout_s`` with none, take one
+        waiting on the shared ``batches`` (retried while no worker was
+        idle, or handed back by one that left); it lands in
+        processing:{worker}. One command a batch: the shared list is looked
+        at only once idle."""
         processing = self.keys.processing(self.worker_id)
-        retried: bytes | None = await self.store.redis.lmove(  # type: ignore[assignment]
+        handed = await self.store.move_oldest(
+            self.keys.handoff(self.worker_id), processing, timeout_s
+        )
+        if handed is not None:
+            return handed
+        waiting: bytes | None = await self.store.redis.lmove(  # type: ignore[assignment]
             self.keys.batches, processing, "RIGHT", "LEFT"
         )
-        if retried is not None:
+        if waiting is not None:
             # No credit paid for it: this worker's own, if still on offer,
             # goes back (one a dispatcher holds hands it a batch it runs next).
             await self.store.redis.lrem(self.keys.ready, 0, self.worker_id)
-            return retried
-        return await self.store.move_oldest(
-            self.keys.handoff(self.worker_id), processing, timeout_s
-        )
+        return waiting
 
     async def with_inputs(
         self, envelopes: Sequence[wire.Envelope]
