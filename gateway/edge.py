@@ -298,6 +298,11 @@ class EdgeProtocol(HttpToolsProtocol):
         self._refuse(400, "the request is not valid HTTP/1.1")
 
     def _refuse(self, status: int, message: str) -> None:
+        """Answer ``status`` in the one error shape and close the connection,
+        after the requests before it on this connection (pipelined) have
+        their answers; nothing more is parsed from it."""
+        if self._refused:
+            return
         code = {400: "INVALID_INPUT", 408: "REQUEST_TIMEOUT"}.get(status, "HEADERS_TOO_LARGE")
         logs.limited(log, "edge.refused", status=status, code=code)
         self._refused = True
@@ -305,10 +310,29 @@ class EdgeProtocol(HttpToolsProtocol):
         if transport is None or transport.is_closing():
             return
         default = self.server_state.default_headers
-        transport.write(error_response(ApiError(code, message), new_request_id(), default))
-        transport.close()
-        # Nothing more is parsed from this connection.
+        refusal = error_response(ApiError(code, message), new_request_id(), default)
         self.parser = _Closed()  # type: ignore[assignment]
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.flow.pause_reading()
+            self.pipeline.appendleft((_Refusal(self, refusal), None))  # type: ignore[arg-type]
+            return
+        transport.write(refusal)
+        transport.close()
+
+
+class _Refusal:
+    """A refusal queued behind the requests in flight on its connection:
+    run, as uvicorn runs a pipelined request, once they are answered."""
+
+    def __init__(self, protocol: EdgeProtocol, response: bytes) -> None:
+        self.protocol = protocol
+        self.response = response
+
+    async def run_asgi(self, app: object) -> None:  # the name uvicorn calls
+        transport = self.protocol.transport
+        if not transport.is_closing():
+            transport.write(self.response)
+            transport.close()
 
 
 class _Sweeper:

@@ -141,10 +141,11 @@ class Gateway:
         return self.fleet.redis_ok and self.replies.listening()
 
     def ready(self) -> bool:
-        """Takes requests now: ready for replies, a worker alive, not
-        draining, and Redis not out of memory."""
+        """Takes requests now: ready for replies, on the fleet's clock, a
+        worker alive, not draining, and Redis not out of memory."""
         return (
             self.ready_for_replies()
+            and clock.aligned()
             and self.fleet.workers_alive > 0
             and not self.draining
             and not self.store.full

@@ -129,6 +129,33 @@ def test_many_upgrade_requests_cannot_hold_the_connection_cap(cluster: Cluster) 
     assert http("GET", cluster.urls[0] + "/healthz")[0] == 200
 
 
+@pytest.mark.parametrize(
+    "second",
+    [
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n\r\n",
+        b"NOT HTTP AT ALL\r\n\r\n",
+    ],
+    ids=["an-upgrade", "unreadable-bytes"],
+)
+def test_a_request_pipelined_before_a_refused_one_keeps_its_answer(
+    cluster: Cluster, second: bytes
+) -> None:
+    body = json.dumps({"input": "first in line"}).encode()
+    first = (
+        f"POST /v1/inference HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {SECRETS['paid']}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    data = _exchange(cluster, first + second)
+    head, _, rest = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 "), data[:300]
+    length = int(
+        next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length"))[15:]
+    )
+    assert json.loads(rest[:length])["output"].endswith("first in line")
+    status, answer = _status_and_body(rest[length:])
+    assert (status, answer["error"]["code"]) == (400, "INVALID_INPUT")
+
+
 def test_kept_alive_connections_cannot_hold_the_connection_cap(cluster: Cluster) -> None:
     """More connections than the cap, each kept alive by a cheap request
     (no key needed): a new client still gets in, in the place of the one

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from infergate.redis_server import RedisServer, free_port
 
-from tests.helpers import SECRETS, Cluster, http, policy_yaml, wait_for
+from tests.helpers import MAX_BODY_BYTES, SECRETS, Cluster, http, policy_yaml, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
@@ -130,7 +130,9 @@ def _send_known_load(c: Cluster) -> Counter[tuple[str, str]]:
         sent[("paid", "400")] += 1
     for i in range(2):  # over the body limit: refused before the key is read
         status = http(
-            "POST", c.urls[i % 2] + "/v1/inference", raw=b'{"input": "' + b"x" * 9000 + b'"}'
+            "POST",
+            c.urls[i % 2] + "/v1/inference",
+            raw=b'{"input": "' + b"x" * (MAX_BODY_BYTES + 1) + b'"}',
         )[0]
         assert status == 413
         sent[("none", "413")] += 1
