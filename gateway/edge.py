@@ -299,8 +299,8 @@ class EdgeProtocol(HttpToolsProtocol):
 
     def _refuse(self, status: int, message: str) -> None:
         """Answer ``status`` in the one error shape and close the connection,
-        after the requests before it on this connection (pipelined) have
-        their answers; nothing more is parsed from it."""
+        after the requests pipelined before the refused one have their
+        answers; nothing more is parsed from it."""
         if self._refused:
             return
         code = {400: "INVALID_INPUT", 408: "REQUEST_TIMEOUT"}.get(status, "HEADERS_TOO_LARGE")
@@ -312,7 +312,10 @@ class EdgeProtocol(HttpToolsProtocol):
         default = self.server_state.default_headers
         refusal = error_response(ApiError(code, message), new_request_id(), default)
         self.parser = _Closed()  # type: ignore[assignment]
-        if self.cycle is not None and not self.cycle.response_complete:
+        # A refusal of a body refuses the request in the app's hands (the
+        # connection's current cycle); any other, a request after it.
+        behind = self._phase != _BODY
+        if behind and self.cycle is not None and not self.cycle.response_complete:
             self.flow.pause_reading()
             self.pipeline.appendleft((_Refusal(self, refusal), None))  # type: ignore[arg-type]
             return
