@@ -9,10 +9,12 @@ unreadable):
   envelopes: a batch is formed and handed off in one step; an inflight list
   left by an earlier version goes back to the FRONT of its tier queues);
 - a worker: its credits are withdrawn, and each batch in its processing
-  list (two at most: one run but not yet answered, and the next) goes back
-  to ``batches`` with ``attempt + 1`` or, once the attempts reach the
-  policy's ``workers.max_attempts``, to the capped dead-letter list, with
-  every request in it answered ``INFERENCE_FAILED``;
+  list (two at most: one run but not yet answered, and the next) runs
+  again with ``attempt + 1``, handed to an idle worker (its credit pays)
+  or, with none idle, put on the shared ``batches``; or, once the attempts
+  reach the policy's ``workers.max_attempts``, it goes to the capped
+  dead-letter list, with every request in it answered ``INFERENCE_FAILED``.
+  What was handed to it and never pulled goes to ``batches`` as it was;
 - a gateway: nothing to recover (its waiting connections died with it).
 
 Then the process is dropped from its role's member set.

@@ -122,6 +122,7 @@ class EdgeProtocol(HttpToolsProtocol):
                 and isinstance(conn, EdgeProtocol)
                 and conn._phase in (_IDLE, _HEAD)
                 and not conn._refused
+                and (conn.cycle is None or conn.cycle.response_complete)  # (none pipelined)
                 and (oldest is None or conn._since < oldest._since)
             ):
                 oldest = conn
@@ -129,7 +130,7 @@ class EdgeProtocol(HttpToolsProtocol):
             return False
         logs.limited(log, "edge.connection_evicted", limit=self.limits.max_connections)
         oldest._refused = True
-        oldest.transport.close()
+        oldest.transport.abort()  # (closed at once: nothing is owed to it)
         self.connections.discard(oldest)
         return True
 
@@ -250,6 +251,8 @@ class EdgeProtocol(HttpToolsProtocol):
         if self._phase == _APP:  # (a pipelined next request may already be in its head)
             self._phase = _IDLE  # uvicorn's keep-alive timeout applies until the next request
             self._since = self.loop.time()
+        elif self._phase == _BODY:  # a pipelined request's body: its time starts as reading does
+            self._since = self.loop.time()
         super().on_response_complete()
 
     # -- limits ----------------------------------------------------------------
@@ -267,7 +270,11 @@ class EdgeProtocol(HttpToolsProtocol):
             self._refuse(
                 408, f"the request head did not arrive within {self.limits.head_timeout_s:g} s"
             )
-        elif self._phase == _BODY and now - self._since > self.limits.body_timeout_s:
+        elif (
+            self._phase == _BODY
+            and not self.pipeline  # (a pipelined request waiting its turn cannot send)
+            and now - self._since > self.limits.body_timeout_s
+        ):
             self._refuse(
                 408, f"the request body did not arrive within {self.limits.body_timeout_s:g} s"
             )

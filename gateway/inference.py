@@ -429,7 +429,7 @@ async def cancel(queue: GatewayQueue, envelope: wire.Envelope) -> None:
         await queue.cancel(request_id, envelope.deadline_ms)
         log.info("request.cancelled", request_id=request_id)
     except STORE_ERRORS as exc:
-        log.warning("request.cancel_failed", request_id=request_id, error=type(exc).__name__)
+        logs.limited(log, "request.cancel_failed", level="warning", error=type(exc).__name__)
 
 
 def _failed(exc: ApiError) -> wire.Result:

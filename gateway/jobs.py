@@ -109,7 +109,7 @@ class Jobs:
         (its hold on the key's share of connections goes with it)."""
         policy = self.gateway.policy.current
         key = self.gateway.authenticate(authorization, policy)
-        if wait_s <= 0:
+        if not wait_s > 0:  # (NaN too)
             return await self._read(job_id, key.id)
         holds = self.gateway.holds
         holds.take(key.id, policy.document.limits.key_connection_share)  # a long poll waits

@@ -30,7 +30,11 @@ def cluster(
         as_yaml(doc),
         workers=1,
         latency_ms=20,
-        env={"INFERGATE_MAX_CONNECTIONS": str(MAX_CONNECTIONS), "INFERGATE_HEAD_TIMEOUT_S": "2"},
+        env={
+            "INFERGATE_MAX_CONNECTIONS": str(MAX_CONNECTIONS),
+            "INFERGATE_HEAD_TIMEOUT_S": "2",
+            "INFERGATE_BODY_TIMEOUT_S": "1",
+        },
     ) as c:
         yield c
         log = c.gateways[0].output()
@@ -272,3 +276,27 @@ def _established(c: Cluster) -> int:
         if fields[1].endswith(":" + port) and fields[3] == "01":
             count += 1
     return count
+
+
+def test_a_pipelined_body_is_not_timed_while_it_waits_its_turn(cluster: Cluster) -> None:
+    """A request pipelined behind one the app holds cannot send its body
+    (reading is paused): its body's time starts when its turn comes, and
+    the answer before it goes out first."""
+    cluster.stop_workers()  # nothing runs: a job stays queued, its poll waits
+    try:
+        status, _, job = http("POST", cluster.urls[0] + "/v1/jobs", {"input": "q"}, auth("free"))
+        assert status == 202
+        poll = (
+            f"GET /v1/jobs/{job['job_id']}?wait_s=3 HTTP/1.1\r\nHost: x\r\n{_auth_line('free')}\r\n"
+        ).encode()
+        partial = (
+            f"POST /v1/jobs HTTP/1.1\r\nHost: x\r\n{_auth_line('free')}"
+            'Content-Type: application/json\r\nContent-Length: 50\r\n\r\n{"input": '
+        ).encode()
+        data = _exchange(cluster, poll + partial, timeout_s=15)
+        head, _, rest = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 "), data[:300]  # the poll's answer, first
+        assert b"HTTP/1.1 408 " in rest  # then the body that never came
+    finally:
+        cluster.add_worker()
+        wait_for(lambda: _served(cluster), 30, "a worker to serve again")

@@ -986,3 +986,22 @@ async def test_a_retried_batch_goes_to_an_idle_worker_with_its_credit(q: Faces) 
     await r.lpush(keys.processing("w9"), batch)
     assert await q.recovery.recover_worker("w9", max_attempts=3) == ["retried"]
     assert await r.llen(keys.batches) == 1  # nobody idle: shared
+
+
+async def test_everything_handed_to_a_leaving_worker_is_handed_back(q: Faces) -> None:
+    r, keys = q.redis, q.keys
+    await r.lpush(keys.handoff("w1"), b"one", b"two", b"three")
+    await q.worker.leave()
+    assert await r.llen(keys.handoff("w1")) == 0
+    assert sorted(await r.lrange(keys.batches, 0, -1)) == [b"one", b"three", b"two"]
+
+
+async def test_a_planted_hand_off_key_takes_nothing_out_of_the_queues(q: Faces) -> None:
+    """The hand-off list is written after envelopes leave their queues and a
+    script's writes are not undone: a key of another type there is found
+    first, and the credit dropped as a gone worker's."""
+    await q.gateway.enqueue("paid", env(1, "paid"))
+    await q.redis.set(q.keys.handoff("w1"), b"planted")
+    taken = await take(q, 10)
+    assert (taken.size, taken.worker_gone) == (0, True)
+    assert await q.redis.llen(q.keys.queue("paid")) == 1

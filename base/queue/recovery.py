@@ -12,6 +12,7 @@ from infergate.base.queue.replies import deliver_replies, failure_replies
 from infergate.base.queue.scripts import execute
 from infergate.base.queue.store import Store
 from infergate.base.queue.worker import hand_back
+from redis.asyncio.client import Pipeline
 
 log = logs.get(__name__)
 
@@ -72,8 +73,9 @@ class RecoveryQueue:
         return outcomes
 
     async def recover_batch(self, worker_id: str, max_attempts: int) -> str:
-        """The newest batch a worker left in processing goes back to
-        ``batches`` with attempt + 1, or past ``max_attempts`` to the
+        """The newest batch a worker left in processing runs again with
+        attempt + 1 (``retry.lua``: handed to an idle worker, or put on the
+        shared ``batches``), or past ``max_attempts`` goes to the
         dead-letter list with every request in it answered INFERENCE_FAILED.
         Returns what happened: 'idle' (none left; its credit is withdrawn
         and its last step forgotten), 'retried', 'dead_lettered' or
@@ -82,11 +84,14 @@ class RecoveryQueue:
             self.keys.processing(worker_id), 0
         )
         if raw is None:
-            async with self.store.redis.pipeline(transaction=False) as pipe:
-                pipe.lrem(self.keys.ready, 0, worker_id)
-                pipe.delete(self.keys.last_step(worker_id))
-                hand_back(pipe, self.keys, worker_id)  # handed to it, never pulled
-                await pipe.execute()
+            keys, store = self.keys, self.store
+
+            def build(pipe: Pipeline) -> None:
+                pipe.lrem(keys.ready, 0, worker_id)
+                pipe.delete(keys.last_step(worker_id))
+                hand_back(pipe, store, worker_id)  # handed to it, never pulled
+
+            await execute(store.redis, store.scripts, build, transaction=False)
             return "idle"
         try:
             batch, _ = wire.decode_batch(raw)

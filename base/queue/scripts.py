@@ -44,6 +44,8 @@ class Scripts:
         self.enqueue_job = load("enqueue_job")
         self.finish_jobs = load("finish_jobs")
         self.cancel_job = load("cancel_job")
+        self.hand_back = load("hand_back")
+        self.pull_waiting = load("pull_waiting")
 
     async def load_all(self) -> None:
         """Load every script into Redis again (it forgot them: a restart, a failover)."""

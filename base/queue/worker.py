@@ -7,12 +7,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from infergate.base import wire
-from infergate.base.keys import Keys
 from infergate.base.queue import inputs, redis_url
 from infergate.base.queue.forming import TakeResult, new_batch_id, take_args, take_keys, take_result
 from infergate.base.queue.replies import reply_commands
-from infergate.base.queue.scripts import evalsha, source
+from infergate.base.queue.scripts import evalsha, execute, queue_on, source
 from infergate.base.queue.store import Store, process_ids
+from redis.asyncio.client import Pipeline
 from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
 from redis.retry import Retry
@@ -47,14 +47,16 @@ class WorkerQueue:
         to the shared list, for the next worker free. With
         ``keep_membership`` (it leaves a batch in processing) the reaper
         then finds it dead and runs that batch again."""
-        keys = self.keys
-        async with self.store.redis.pipeline(transaction=True) as pipe:
-            pipe.delete(keys.heartbeat("worker", self.worker_id))
+        keys, worker_id = self.keys, self.worker_id
+
+        def build(pipe: Pipeline) -> None:
+            pipe.delete(keys.heartbeat("worker", worker_id))
             if not keep_membership:
-                pipe.srem(keys.members("worker"), self.worker_id)
-            pipe.lrem(keys.ready, 0, self.worker_id)
-            hand_back(pipe, keys, self.worker_id)
-            await pipe.execute()
+                pipe.srem(keys.members("worker"), worker_id)
+            pipe.lrem(keys.ready, 0, worker_id)
+            hand_back(pipe, self.store, worker_id)
+
+        await execute(self.store.redis, self.store.scripts, build)
 
     async def forget_last_step(self) -> None:
         """A worker leaving with nothing in hand: its last step's token goes."""
@@ -89,14 +91,10 @@ class WorkerQueue:
         )
         if handed is not None:
             return handed
-        waiting: bytes | None = await self.store.redis.lmove(  # type: ignore[assignment]
-            self.keys.batches, processing, "RIGHT", "LEFT"
+        waiting: bytes | None = await self.store.scripts.pull_waiting(
+            keys=[self.keys.batches, processing, self.keys.ready], args=[self.worker_id]
         )
-        if waiting is not None:
-            # No credit paid for it: this worker's own, if still on offer,
-            # goes back (one a dispatcher holds hands it a batch it runs next).
-            await self.store.redis.lrem(self.keys.ready, 0, self.worker_id)
-        return waiting
+        return waiting or None
 
     async def with_inputs(
         self, envelopes: Sequence[wire.Envelope]
@@ -266,14 +264,9 @@ class BlockingTake:
         self._client.close()
 
 
-# A worker's credit is out at most once, so at most one batch waits on its
-# hand-off list; two moves cover a credit restored while one was held.
-HANDOFF_MAX = 2
-
-
-def hand_back(pipe: Any, keys: Keys, worker_id: str) -> None:
-    """Queue on ``pipe`` the moves of what waits on ``worker_id``'s hand-off
-    list to the shared ``batches`` list, at its pulling end, oldest
-    pulled first: a worker leaving or found dead."""
-    for _ in range(HANDOFF_MAX):
-        pipe.lmove(keys.handoff(worker_id), keys.batches, "LEFT", "RIGHT")
+def hand_back(pipe: Pipeline, store: Store, worker_id: str) -> None:
+    """Queue on ``pipe`` the move of everything waiting on ``worker_id``'s
+    hand-off list to the shared ``batches`` list (``hand_back.lua``): a
+    worker leaving or found dead. (Run it with ``scripts.execute``.)"""
+    keys = store.keys
+    queue_on(pipe, store.scripts.hand_back, [keys.handoff(worker_id), keys.batches], [])

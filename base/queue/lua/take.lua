@@ -165,6 +165,11 @@ if for_worker then
 else
   if redis.call('LPOS', own, credit) == false then return result(0, 0, 0, 1, false) end
   if redis.call('EXISTS', KEYS[8]) == 0 then return result(0, 0, 1, 0, false) end
+  -- (its hand-off list is written after envelopes leave their queues, and
+  -- a script's writes are not undone: a key of another type there, the
+  -- credit is dropped as a gone worker's, before anything is taken)
+  local kind = redis.call('TYPE', batches)['ok']
+  if kind ~= 'list' and kind ~= 'none' then return result(0, 0, 1, 0, false) end
   n, min_interval = math.floor(tonumber(ARGV[10])), tonumber(ARGV[11])
   headroom, quiet_ms = tonumber(ARGV[12]), tonumber(ARGV[13])
   min_slots = {}
