@@ -21,8 +21,8 @@ from infergate.gateway.api import (
     StatusResponse,
     inference_request_body,
 )
-from infergate.gateway.errors import ERRORS, JSON, ApiError, ErrorBody, render
-from infergate.gateway.fast_route import FastRoute, Headers
+from infergate.gateway.errors import ERRORS, JSON, ApiError, ErrorBody, Headers, render
+from infergate.gateway.fast_route import FastRoute
 from infergate.gateway.inference import Call, Inference, OnDisconnect
 from infergate.gateway.jobs import Jobs
 from infergate.gateway.middleware import ON_DISCONNECT, REQUEST_ID, RequestIdAndLimits

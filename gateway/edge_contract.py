@@ -12,7 +12,8 @@ from typing import Any
 
 import uvicorn
 from infergate.gateway.edge import EdgeProtocol
-from infergate.gateway.fast_route import FastRoute, Headers
+from infergate.gateway.errors import Headers
+from infergate.gateway.fast_route import FastRoute
 from infergate.gateway.limits import EdgeLimits
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState

@@ -10,15 +10,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from infergate.base import logs
-from infergate.gateway.errors import ApiError, render
+from infergate.gateway.errors import ApiError, Headers, render
 from infergate.gateway.limits import Body
 from infergate.gateway.middleware import new_request_id
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
 log = logs.get(__name__)
-
-
-Headers = list[tuple[bytes, bytes]]
 
 
 def error_response(

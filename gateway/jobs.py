@@ -113,10 +113,10 @@ class Jobs:
             return await self._read(job_id, key.id)
         holds = self.gateway.holds
         holds.take(key.id, policy.document.limits.key_connection_share)  # a long poll waits
-        gone = asyncio.Event()
-        if on_disconnect is not None:
-            on_disconnect(gone.set)
         try:
+            gone = asyncio.Event()
+            if on_disconnect is not None:
+                on_disconnect(gone.set)
             return await self._poll(job_id, key.id, wait_s, gone)
         finally:
             if on_disconnect is not None:

@@ -18,7 +18,8 @@ from infergate.base.queue.resp import RawConnection, RedisInternalsMoved
 from infergate.gateway import edge, edge_contract
 from infergate.gateway.edge import EdgeProtocol
 from infergate.gateway.edge_contract import MemoryTransport, connect, missing_internals, self_test
-from infergate.gateway.fast_route import FastRoute, Headers
+from infergate.gateway.errors import Headers
+from infergate.gateway.fast_route import FastRoute
 from infergate.gateway.limits import Body
 from redis.asyncio.connection import Connection
 from redis.exceptions import NoScriptError

@@ -896,13 +896,12 @@ async def test_a_take_that_read_its_clock_before_a_job_came_does_not_start_it_la
     """A take's ``now`` is read before its call reaches Redis: a job
     enqueued in between, with a deadline already past when the script
     runs, is expired there (judged on Redis's clock), never started."""
-    stale = clock.now_ms()  # the take reads its clock...
-    await asyncio.sleep(0.02)
-    created = clock.now_ms()  # ...a job with timeout_ms 1 arrives...
+    now = clock.now_ms()
+    stale = now - 20  # the take read its clock...
+    created = now - 10  # ...then a job with timeout_ms 1 arrived...
     job = wire.Envelope("j1", "gw", "paid", "k", "in", created, created + 1, job=True)
     assert await q.gateway.enqueue_job(job, max_queued=10, result_ttl_ms=60_000)
-    await asyncio.sleep(0.01)  # ...and the script runs after its deadline
-    taken = await take(q, 10, now=stale, jobs_headroom=0)
+    taken = await take(q, 10, now=stale, jobs_headroom=0)  # ...and the script runs now
     record = await q.gateway.job("j1")
     assert taken.envelopes == []
     assert record["status"] == "expired"
@@ -925,9 +924,9 @@ async def test_the_worker_whose_credit_paid_runs_the_batch(q: Faces) -> None:
     await w2.offer_credit()  # ready: [w2, w1]
     assert await q.dispatcher.wait_credit(1) == "w1"  # held while d1 waits for work
     pull1 = asyncio.create_task(q.worker.pull_batch(1.0))
-    await asyncio.sleep(0.05)  # w1 blocks first
+    await _blocked(q, 1)  # w1 blocks first
     pull2 = asyncio.create_task(w2.pull_batch(2.0))
-    await asyncio.sleep(0.05)
+    await _blocked(q, 2)
     now = clock.now_ms()
     envelope = wire.encode(wire.Envelope("r1", "gw", "paid", "k", "hi", now, now + 10_000))
     assert (await q.gateway.admit([], "paid", envelope, straight=True)).handed
@@ -1005,3 +1004,12 @@ async def test_a_planted_hand_off_key_takes_nothing_out_of_the_queues(q: Faces) 
     taken = await take(q, 10)
     assert (taken.size, taken.worker_gone) == (0, True)
     assert await q.redis.llen(q.keys.queue("paid")) == 1
+
+
+async def _blocked(q: Faces, clients: int) -> None:
+    """Until Redis has this many clients blocked (a pull waiting): 5 s at most."""
+    for _ in range(1_000):
+        if int((await q.redis.info("clients"))["blocked_clients"]) >= clients:
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"{clients} pulls never blocked")

@@ -7,6 +7,7 @@ of it ends when memory frees. A real stack on a real Redis, filled by the
 test until it refuses writes."""
 
 import concurrent.futures
+import json
 import time
 from collections.abc import Iterator
 
@@ -115,10 +116,13 @@ def test_redis_out_of_memory_refuses_new_work_and_loses_nothing(cluster: Cluster
         status, _, body = http("POST", cluster.urls[0] + "/v1/jobs", {"input": "x"}, auth("paid"))
         assert status == 503
         assert "out of memory" in body["error"]["message"]
-        # Heartbeats cannot be written for 3 TTLs: every worker stays alive.
-        time.sleep(3)
-        for worker in workers:
-            assert client.exists(keys.heartbeat("worker", worker)), worker
+        # Heartbeats cannot be written: every worker's key lives on, past 3
+        # TTLs after the last beat Redis took (its beat_ms, on Redis's clock).
+        wait_for(
+            lambda: all(_alive_on_old_beat(client, keys, w) for w in workers),
+            10,
+            "every worker alive 3 TTLs after its last written beat",
+        )
         # The same job reads the same, final.
         assert http("GET", job_url, headers=auth("paid"))[2] == finished
         grown = {
@@ -145,3 +149,12 @@ def test_redis_out_of_memory_refuses_new_work_and_loses_nothing(cluster: Cluster
 
 def _busy(client: redis.Redis, keys: Keys) -> bool:
     return any(client.llen(k) for k in client.scan_iter(keys.processing("*")))
+
+
+def _alive_on_old_beat(client: redis.Redis, keys: Keys, worker: str) -> bool:
+    """The worker's heartbeat key is there, and the beat it holds was
+    written more than 3 TTLs (3 s) ago: it was kept alive without a write."""
+    raw = client.get(keys.heartbeat("worker", worker))
+    assert raw is not None, f"{worker} was declared dead"
+    seconds, micros = client.time()
+    return seconds * 1000 + micros // 1000 - json.loads(raw)["beat_ms"] > 3_000

@@ -74,7 +74,6 @@ class GatewayQueue:
         # What admit.lua reads and writes to hand a request straight to a worker.
         self._straight_keys = (
             keys.ready,
-            keys.batches,
             keys.batch_rule,
             keys.last_dispatch,
             keys.stats,

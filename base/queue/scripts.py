@@ -12,8 +12,9 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
 # Lua put before a script's own (Redis scripts cannot call one another):
-# the scripts that read the published batching rule read it one way.
-_LIBRARIES = {"take": ("rule",), "admit": ("rule",)}
+# the scripts that read the published batching rule read it one way, and
+# those that hand a batch to an idle worker choose it one way.
+_LIBRARIES = {"take": ("rule",), "admit": ("rule", "idle_worker"), "retry": ("idle_worker",)}
 
 
 @cache

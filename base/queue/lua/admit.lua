@@ -22,9 +22,8 @@
 --   (without those two: charge only)
 -- KEYS[n+3] the input's key, when one is stored beside (ARGV[3n+3] > 0)
 -- KEYS[s..] (to hand it straight; s is n+3, or n+4 after an input's key)
---   ready, batches (unused: each worker has its own), batch-rule,
---   last-dispatch, stats, then every
---   queue:{tier} and jobs:{tier}
+--   ready, batch-rule, last-dispatch, stats, then every queue:{tier} and
+--   jobs:{tier}
 -- ARGV[1] n  ARGV[2] the envelope (when queued)
 -- ARGV[3i], ARGV[3i+1], ARGV[3i+2] limit i's cost, amount and window (s)
 -- ARGV[3n+3] the input's time to live in ms (0: none stored beside)
@@ -78,14 +77,13 @@ local function hand_straight()
   -- the envelope as a batch of its own, to an idle worker; false if it
   -- must be queued instead
   local d = straight_from
-  local ready, rule_key, last_key, stats = KEYS[d], KEYS[d + 2],
-    KEYS[d + 3], KEYS[d + 4]
+  local ready, rule_key, last_key, stats = KEYS[d], KEYS[d + 1], KEYS[d + 2], KEYS[d + 3]
   -- (no idle worker first: under load, the one check made)
   if redis.call('LLEN', ready) == 0 then return false end
-  for i = d + 5, #KEYS do
+  for i = d + 4, #KEYS do
     if redis.call('LLEN', KEYS[i]) > 0 then return false end
   end
-  local interval = pacing_interval(rule_key, (#KEYS - d - 4) / 2)
+  local interval = pacing_interval(rule_key, (#KEYS - d - 3) / 2)
   if interval == nil then return false end
   local now = tonumber(ARGV[sa + 2])
   local last = math.min(tonumber(redis.pcall('GET', last_key)) or 0, now)
@@ -94,21 +92,10 @@ local function hand_straight()
   -- queued as well): the keys it writes are checked first.
   local stats_kind = redis.call('TYPE', stats)['ok']
   if stats_kind ~= 'hash' and stats_kind ~= 'none' then return false end
-  -- The oldest idle worker's credit, as a dispatcher would take it; one
-  -- whose worker's heartbeat is gone is dropped, as a dispatcher drops it.
-  local credit = redis.call('RPOP', ready)
-  while credit and redis.call('EXISTS', ARGV[sa + 3] .. credit) == 0 do
-    credit = redis.call('RPOP', ready)
-  end
-  if not credit then return false end
-  -- Handed to the worker whose credit paid for it (batches:{worker}); a
-  -- key of another type there: the credit goes back, the envelope is queued.
-  local handoff = ARGV[sa + 4] .. credit
-  local kind = redis.call('TYPE', handoff)['ok']
-  if kind ~= 'list' and kind ~= 'none' then
-    redis.call('RPUSH', ready, credit)
-    return false
-  end
+  -- The oldest idle live worker's credit, as a dispatcher would take it
+  -- (idle_worker.lua); the batch goes to that worker's hand-off list.
+  local _, handoff = idle_worker(ready, ARGV[sa + 3], ARGV[sa + 4])
+  if not handoff then return false end
   -- The batch as take.lua writes it (and wire.encode_batch).
   redis.call('LPUSH', handoff, '{"id":' .. cjson.encode(ARGV[sa]) .. ',"dispatcher":'
     .. cjson.encode(ARGV[sa + 1]) .. ',"formed_ms":' .. ARGV[sa + 2]

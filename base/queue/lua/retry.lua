@@ -17,16 +17,7 @@ redis.call('LREM', KEYS[4], 0, ARGV[3])
 if redis.call('LINDEX', KEYS[1], 0) ~= ARGV[1] then return 0 end
 redis.call('LPOP', KEYS[1])
 if ARGV[2] ~= '' then
-  local credit = redis.call('RPOP', KEYS[4])
-  while credit and redis.call('EXISTS', ARGV[5] .. credit) == 0 do
-    credit = redis.call('RPOP', KEYS[4])
-  end
-  local handoff = credit and ARGV[6] .. credit
-  if handoff and redis.call('TYPE', handoff)['ok'] ~= 'list'
-      and redis.call('TYPE', handoff)['ok'] ~= 'none' then
-    redis.call('RPUSH', KEYS[4], credit)  -- (a key of another type there: keep the credit)
-    handoff = nil
-  end
+  local _, handoff = idle_worker(KEYS[4], ARGV[5], ARGV[6])  -- idle_worker.lua
   redis.call('RPUSH', handoff or KEYS[2], ARGV[2])
   redis.call('HINCRBY', KEYS[5], 'batches_retried', 1)
 else
