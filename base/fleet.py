@@ -10,11 +10,13 @@ batch size of the live policy.
 """
 
 import asyncio
+from collections import deque
 
 from infergate.base import clock, logs, wire
 from infergate.base.loops import Backoff, Supervised
 from infergate.base.metrics import FleetReading
 from infergate.base.queue.store import FleetSnapshot, Store
+from infergate.base.tiers import TIERS
 
 log = logs.get(__name__)
 
@@ -22,6 +24,38 @@ log = logs.get(__name__)
 def worker_capacity_rps(worker: wire.Heartbeat, max_batch_size: int) -> float:
     """The most one worker can deliver at the batch time it measured (0 if unknown)."""
     return max_batch_size * 1000.0 / worker.batch_ms if worker.batch_ms > 0 else 0.0
+
+
+class ArrivalRates:
+    """The rate at which each tier's requests were admitted, fleet-wide, over
+    the last few seconds: each gateway's heartbeat carries its running count
+    per tier; the rate is its growth between the oldest and newest beat kept."""
+
+    WINDOW_MS = 2_000
+
+    def __init__(self, ntiers: int) -> None:
+        self._ntiers = ntiers
+        self._beats: dict[str, deque[tuple[int, list[int]]]] = {}
+        self.rps: list[float] = [0.0] * ntiers
+
+    def update(self, gateways: list[wire.Heartbeat]) -> None:
+        live = {g.id for g in gateways}
+        for gone in set(self._beats) - live:
+            del self._beats[gone]
+        rps = [0.0] * self._ntiers
+        for g in gateways:
+            if len(g.admitted_by_tier) != self._ntiers:
+                continue  # a gateway of an earlier version: unknown, counted as none
+            beats = self._beats.setdefault(g.id, deque())
+            if not beats or g.beat_ms > beats[-1][0]:
+                beats.append((g.beat_ms, g.admitted_by_tier))
+            while beats[-1][0] - beats[0][0] > self.WINDOW_MS:
+                beats.popleft()
+            (first_ms, first), (last_ms, last) = beats[0], beats[-1]
+            if last_ms - first_ms >= 200:
+                for i in range(self._ntiers):
+                    rps[i] += max(0, last[i] - first[i]) * 1000.0 / (last_ms - first_ms)
+        self.rps = rps
 
 
 class FleetView:
@@ -32,6 +66,7 @@ class FleetView:
         self._serving: list[wire.Heartbeat] = []
         self._batch_ms = 0.0
         self._capacity: dict[int, float] = {}
+        self.arrivals = ArrivalRates(len(TIERS))
         self.refreshed = asyncio.Event()
         refresh_s = refresh_ms / 1000.0
         self.loop = Supervised(
@@ -51,6 +86,8 @@ class FleetView:
     def snapshot(self, snapshot: FleetSnapshot | None) -> None:
         self._snapshot = snapshot
         self._serving = [] if snapshot is None else [w for w in snapshot.workers if not w.draining]
+        if snapshot is not None:
+            self.arrivals.update(snapshot.gateways)
         times = [w.batch_ms for w in self._serving if w.batch_ms > 0]
         self._batch_ms = sum(times) / len(times) if times else 0.0
         self._capacity = {}
@@ -79,6 +116,10 @@ class FleetView:
     def batch_ms(self) -> float:
         """Mean measured batch time of the serving workers (0 if unknown)."""
         return self._batch_ms
+
+    def arrival_rps(self, tier: str) -> float:
+        """Requests of ``tier`` admitted per second, fleet-wide, of late."""
+        return self.arrivals.rps[TIERS.index(tier)]
 
     def mark_unreachable(self) -> None:
         """A request just failed to reach Redis: say not ready until a refresh succeeds."""

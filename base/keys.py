@@ -29,11 +29,18 @@ class Keys:
         self.cancelled = self.prefix + "cancelled"
         self.dead_letter = self.prefix + "dead-letter"
         self.reaper_lock = self.prefix + "reaper-lock"
-        self.ratelimit_prefix = self.prefix + "ratelimit"
+        self.quota_prefix = self.prefix + "quota"
         self.policy = self.prefix + "policy"
         self.scale_signal = self.prefix + "scale-signal"
         self.scale_history = self.prefix + "scale-history"
         self.queues = tuple(self.queue(t) for t in TIERS)
+        # Fair queuing inside a tier: its requests wait in one sorted set,
+        # scored by each one's start tag (its key's virtual time), beside a
+        # hash of the tier's virtual time and each waiting key's state
+        # (``admit.lua``, ``take.lua``). ``queue:{tier}`` (a list) is taken
+        # first: a requeue's front, and what a gateway of an earlier version queued.
+        self.fair_queues = tuple(self.fair_queue(t) for t in TIERS)
+        self.fair_states = tuple(self.fair_state(t) for t in TIERS)
         # Asynchronous jobs: their own queues (after every synchronous one), one
         # record per job, the queued count per key, and the channel that says
         # which jobs just finished (for long polls on any gateway).
@@ -45,6 +52,12 @@ class Keys:
 
     def queue(self, tier: str) -> str:
         return self.prefix + "queue:" + tier
+
+    def fair_queue(self, tier: str) -> str:
+        return self.prefix + "fq:" + tier
+
+    def fair_state(self, tier: str) -> str:
+        return self.prefix + "fair:" + tier
 
     def job_queue(self, tier: str) -> str:
         return self.prefix + "jobs:" + tier
@@ -61,6 +74,10 @@ class Keys:
         """An answer kept for an input digest, under the model that gave it."""
         model = hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
         return self.prefix + "cache:" + model + ":" + digest
+
+    def usage(self, hour: int) -> str:
+        """What each key used in one hour (epoch ms // 3,600,000): ``queue/usage.py``."""
+        return self.prefix + "usage:" + str(hour)
 
     def inflight(self, dispatcher_id: str) -> str:
         return self.prefix + "inflight:" + dispatcher_id

@@ -66,7 +66,7 @@ class LivePolicyLike(Protocol):
     def on_refused(self, callback: Callable[[], None]) -> None: ...
 
 
-REFUSAL_REASONS = ("capacity", "quota", "no_worker", "redis", "draining")
+REFUSAL_REASONS = ("capacity", "key_share", "quota", "no_worker", "redis", "draining")
 DROP_REASONS = ("expired", "cancelled", "malformed")
 WORKER_STATES = ("idle", "busy", "draining")
 
@@ -167,9 +167,25 @@ class GatewayMetrics(PolicyWatching):
             "Replies for requests no longer waiting here (a retried batch's duplicate, or late)",
             registry=registry,
         )
+        self.fairness = Gauge(
+            "infergate_fairness_jain",
+            "Fairness between the keys of a tier that were refused in the last 10 s: Jain's "
+            "index of their admitted requests over their weights (1: even shares; 1/n: one "
+            "key got all), 1 when fewer than two were refused",
+            ["tier"],
+            registry=registry,
+        )
+        self.keys_refused = Gauge(
+            "infergate_keys_refused",
+            "Keys of a tier refused at least once in the last 10 s (at this gateway)",
+            ["tier"],
+            registry=registry,
+        )
         for tier in TIERS:
             for reason in REFUSAL_REASONS:
                 self.refusals.labels(tier, reason)
+            self.fairness.labels(tier).set(1.0)
+            self.keys_refused.labels(tier).set(0)
         # The success path's three series per tier, resolved once (not per request).
         self.answered = {
             tier: (

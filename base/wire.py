@@ -152,6 +152,9 @@ class Heartbeat(msgspec.Struct, frozen=True, omit_defaults=True):
     # capacity (503), which the fleet would have served had it been bigger.
     admitted: int = 0
     refused: int = 0
+    # What it admitted per tier (tiers.TIERS order): the tiers' arrival rates,
+    # which admission needs for the capacity the tiers above leave.
+    admitted_by_tier: list[int] = []
 
 
 class ScaleSignal(msgspec.Struct, frozen=True):

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from infergate import __version__
+from infergate import __version__, usage
 
 if TYPE_CHECKING:
     from infergate.base.probes import Probes
@@ -238,6 +238,7 @@ def _tool_parsers(sub: Any) -> None:
     new.add_argument("--tier", required=True)
     new.add_argument("--id", required=True)
     new.add_argument("--admin", action="store_true")
+    usage.add_parser(sub)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -265,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         return _policy_check(args.file)
     if args.command == "keys":
         return _keys_new(args)
+    if args.command == "usage":
+        return usage.run(args)
     return 2
 
 
@@ -372,11 +375,13 @@ def _worker(args: argparse.Namespace) -> int:
     backend = _backend(args)
     if backend is None:
         return 2
-    workers = _live_policy(args, required=False).current.document.workers
+    document = _live_policy(args, required=False).current.document
+    workers = document.workers
     settings = WorkerSettings(
         **common,
         hang_timeout_ms=args.hang_timeout_ms or workers.hang_timeout_ms,
         max_attempts=workers.max_attempts,
+        usage_retention_s=round(document.usage.retention_days * 86_400),
     )
     worker = Worker(settings, backend)
     with _side_port(args, worker.registry, worker.probes()):

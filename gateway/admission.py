@@ -1,20 +1,25 @@
-"""Capacity-adaptive admission: say no at the door when the work queued
-ahead of a request cannot be served within its tier's latency budget.
+"""Capacity-adaptive admission: say no at the door when a request cannot be
+served within its tier's latency budget, and say it to the key that floods.
 
-Fleet capacity is measured, not configured: each worker reports in its
-heartbeat the batch time it measures, so capacity is
-``sum(max_batch / batch_time)`` over the workers that take work (a
-draining one does not; see ``infergate.base.fleet``), planned at the
-policy's target utilization. The work ahead of a request is the queue depth
-of its own and higher tiers (the fleet view, refreshed in the background)
-plus what this gateway has admitted since that view was taken, divided by
-capacity. That holds while the tiers above leave room. Once they queue a
-full batch, a tier with a minimum batch share is counted only on the slots
-it reserves in every batch (a guaranteed rate, so the estimate errs on the
-safe side); a tier without one is refused once as much is queued above it
-as the fleet can start in one batch time (and at least a full batch). When
-workers die,
-capacity drops within a heartbeat TTL and admission tightens by itself.
+Capacity ``C`` is measured, not configured (``infergate.base.fleet``: the
+serving workers' batch times), planned at the policy's target utilization.
+A tier's requests are served at the rate the tiers above leave,
+``C - (their arrival rate)`` (the gateways' heartbeats carry what each
+admitted per tier), after the work already queued above them; or, whatever
+is above, at the rate of the batch slots the tier reserves. So the requests
+of a tier that can wait and still be answered within its budget (less one
+batch time, its own batch's) is its *allowance*:
+
+    max(budget * (C - arrivals above) - queued above,  budget * C * slots / batch)
+
+A tier whose allowance is under one request is refused here, with no Redis
+round trip. Inside a tier, requests are served in fair order (``take.lua``),
+so a key waits behind its own queue over its weight's share of the tier,
+not behind the whole tier: ``admit.lua`` admits a key's request while the key
+holds less than that share of the allowance (and at least one), exactly and
+across gateways. A burst the fleet clears within budget is admitted whole;
+a key that floods is the one refused; when workers die, ``C`` drops within a
+heartbeat TTL and every allowance with it.
 """
 
 from dataclasses import dataclass
@@ -29,6 +34,8 @@ class Decision:
     admitted: bool
     wait_ms: float
     retry_after_ms: int = 0
+    # How many of the tier's requests may wait now (admit.lua's share check).
+    allowance: float = 0.0
 
 
 class Admission:
@@ -49,39 +56,55 @@ class Admission:
             self._snapshot_seen = snapshot
             self._admitted_since = dict.fromkeys(TIERS, 0)
 
-    def _ahead(self, tier: str) -> tuple[int, int]:
-        """(work queued at this tier and above, work queued at this tier)."""
+    def _queued(self, tier: str) -> tuple[int, int]:
+        """(requests queued in the tiers above ``tier``, in ``tier``): the
+        fleet view's depths plus what this gateway admitted since it."""
         self._sync()
         snapshot = self.fleet.snapshot
         depth = snapshot.queue_depth if snapshot is not None else {}
-        total = 0
-        own = 0
+        above = 0
         for t in TIERS:
-            n = depth.get(t, 0) + self._admitted_since[t]
-            total += n
             if t == tier:
-                own = n
+                return above, depth.get(t, 0) + self._admitted_since[t]
+            above += depth.get(t, 0) + self._admitted_since[t]
+        return above, 0
+
+    def _rates(self, policy: Policy, tier: str) -> tuple[float, float]:
+        """(the rate the tiers above leave this tier, the rate of its reserved slots)."""
+        capacity = self.capacity_rps(policy)
+        above = 0.0
+        for t in TIERS:
+            if t == tier:
                 break
-        return total, own
+            above += self.fleet.arrival_rps(t)
+        reserved = capacity * policy.reserved_slots(tier) / policy.document.batching.max_batch_size
+        return capacity - above, reserved
+
+    def _budget_s(self, policy: Policy, tier: str) -> float:
+        """The tier's budget for waiting: its latency budget less its own batch's time."""
+        return (policy.tiers[tier].latency_budget_ms - self.fleet.batch_ms()) / 1000.0
+
+    def allowance(self, policy: Policy, tier: str) -> float:
+        """How many of ``tier``'s requests can wait now and be answered within its budget."""
+        left, reserved = self._rates(policy, tier)
+        above, _ = self._queued(tier)
+        budget_s = self._budget_s(policy, tier)
+        by_priority = budget_s * left - above if left > 0 else 0.0
+        return max(by_priority, budget_s * reserved, 0.0)
 
     def estimate_wait_ms(self, policy: Policy, tier: str) -> float:
-        capacity = self.capacity_rps(policy)
-        if capacity <= 0:
+        """The expected latency of one more request of ``tier`` behind all of
+        the tier's queue (a key's own is shorter: its share, ``admit.lua``)."""
+        left, reserved = self._rates(policy, tier)
+        above, own = self._queued(tier)
+        waits = []
+        if left > 0:
+            waits.append((above + own + 1) / left)
+        if reserved > 0:
+            waits.append((own + 1) / reserved)
+        if not waits:
             return float("inf")
-        total, own = self._ahead(tier)
-        wait = total / capacity
-        max_batch = policy.document.batching.max_batch_size
-        slots = policy.reserved_slots(tier)
-        above = total - own
-        if slots and above >= max_batch:
-            # The tiers above fill a batch: count on this tier's reserved slots
-            # only. That rate is guaranteed, so the estimate errs on the safe side.
-            wait = own / (capacity * slots / max_batch)
-        elif not slots and above >= max(max_batch, capacity * self.fleet.batch_ms() / 1000.0):
-            # No reserved slots and more queued above than the fleet can start
-            # in one batch time: this tier waits until they drain.
-            wait = float("inf")
-        return wait * 1000.0
+        return min(waits) * 1000.0 + self.fleet.batch_ms()
 
     def admitted(self, tier: str) -> None:
         """Count a request let in since the last view: at the decision, before
@@ -97,11 +120,12 @@ class Admission:
         self._admitted_since[tier] = max(0, self._admitted_since[tier] - 1)
 
     def decide(self, policy: Policy, tier: str) -> Decision:
-        """Would a request of ``tier`` fit its budget now? (Counts nothing.)"""
+        """May a request of ``tier`` wait now? (Counts nothing.)"""
+        allowance = self.allowance(policy, tier)
+        if allowance >= 1.0:
+            return Decision(True, 0.0, 0, allowance)
         wait_ms = self.estimate_wait_ms(policy, tier)
         budget_ms = policy.tiers[tier].latency_budget_ms
-        if wait_ms <= budget_ms:
-            return Decision(True, wait_ms)
         batch_ms = self.fleet.batch_ms() or 100.0
         retry_ms = batch_ms if wait_ms == float("inf") else max(batch_ms, wait_ms - budget_ms)
-        return Decision(False, wait_ms, int(retry_ms))
+        return Decision(False, wait_ms, int(retry_ms), allowance)

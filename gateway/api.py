@@ -4,6 +4,7 @@ from typing import Annotated, Any
 
 import msgspec
 from infergate.base.queue.dead_letters import DeadLetter
+from infergate.base.queue.usage import KeyUsage
 from infergate.gateway.errors import ErrorDetail
 from litestar.openapi.spec import OpenAPIMediaType, OpenAPIType, RequestBody, Schema
 
@@ -181,6 +182,15 @@ class DeadLetters(msgspec.Struct):
 
     total: int
     batches: list[DeadLetter]
+
+
+class UsageReport(msgspec.Struct):
+    """What each key used from ``since`` (whole hours) to now: answered
+    requests, their input characters, their share of GPU time, refusals."""
+
+    since: str
+    until: str
+    keys: list[KeyUsage]
 
 
 class DeadLettersPurged(msgspec.Struct):

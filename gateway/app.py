@@ -3,7 +3,7 @@ the OpenAPI document."""
 
 from dataclasses import dataclass
 from importlib.metadata import version
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from infergate.base import logs
@@ -19,6 +19,7 @@ from infergate.gateway.api import (
     Readiness,
     ReloadResult,
     StatusResponse,
+    UsageReport,
     inference_request_body,
 )
 from infergate.gateway.errors import ERRORS, JSON, ApiError, ErrorBody, Headers, render
@@ -295,6 +296,28 @@ async def purge_dead_letters(request: Request[Any, Any, Any]) -> DeadLettersPurg
     return await _operators(request).purge_dead_letters()
 
 
+@get(
+    "/v1/admin/usage",
+    summary="What each key used: answered requests, input characters, GPU time, refusals",
+    description="Kept per hour for the policy's usage.retention_days; a key's GPU time is "
+    "its requests' shares of the backend calls that ran them.",
+    responses={**ADMIN_ERRORS, 400: _error("INVALID_INPUT: since or sort is not valid")},
+    security=[{"bearer": []}],
+)
+async def admin_usage(
+    request: Request[Any, Any, Any],
+    key_id: Annotated[str | None, Parameter(max_length=256, description="one key only")] = None,
+    since: Annotated[
+        str | None,
+        Parameter(max_length=64, description="epoch seconds or ISO 8601; default: a day ago"),
+    ] = None,
+    sort: Annotated[
+        Literal["gpu_ms", "requests", "input_chars", "refused"], Parameter(description="most first")
+    ] = "gpu_ms",
+) -> UsageReport:
+    return await _operators(request).usage(key_id, since, sort)
+
+
 @get("/healthz", summary="The process is alive")
 async def healthz() -> dict[str, str]:
     return {"status": "ok"}
@@ -395,6 +418,7 @@ def create_app(gateway: Gateway, inference: Inference) -> Litestar:
                 route_handlers=[
                     status,
                     admin_policy,
+                    admin_usage,
                     reload_policy,
                     dead_letters,
                     purge_dead_letters,

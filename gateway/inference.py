@@ -102,6 +102,8 @@ class Request:
     deadline_ms: int
     started: float
     share: Share | None
+    # How many of its tier's requests may wait now (admission.Decision)
+    allowance: float
     # The x-ratelimit-* headers, once the request's quota is charged: by its
     # first enqueue (the same round trip), or before it follows another.
     quota_headers: dict[str, str] | None = None
@@ -194,11 +196,13 @@ class Inference:
             headers = await self.charge_quota(key, tier, len(body.input))
             self.gw.metrics.cache_hits.labels(key.tier).inc()
             return self._response(call, started, key, cached), headers
-        self._check_capacity(policy, key.tier)
+        allowance = self._check_capacity(policy, key)
         deadline_ms = (
             tier.deadline_ms if body.timeout_ms is None else min(tier.deadline_ms, body.timeout_ms)
         )
-        request = Request(call.request_id, key, tier, body.input, deadline_ms, started, share)
+        request = Request(
+            call.request_id, key, tier, body.input, deadline_ms, started, share, allowance
+        )
         try:
             result = await self._collapsed_or_run(request, call.on_disconnect)
         except ApiError as exc:
@@ -268,27 +272,27 @@ class Inference:
     def _remaining_s(request: "Request") -> float:
         return request.deadline_ms / 1000.0 - clock.elapsed_s(request.started)
 
-    def _check_capacity(self, policy: Policy, tier_name: str) -> None:
-        """Redis and a worker are there, and the tier's queue fits its budget.
-        A local estimate with no Redis round trip, made before the quota is
-        charged, so under overload a refusal costs next to nothing."""
-        refused = self.gw.metrics.refusals
-        if self.gw.store.full:
-            refused.labels(tier_name, "redis_full").inc()
+    def _check_capacity(self, policy: Policy, key: KeyEntry) -> float:
+        """Redis and a worker are there, and the tier has room within its
+        budget: how many of its requests may wait (its allowance; a key's
+        share of it is checked with the charge, ``admit.lua``). A local
+        estimate with no Redis round trip, made before the quota is charged,
+        so under overload a refusal costs next to nothing."""
+        gw, tier_name = self.gw, key.tier
+        if gw.store.full:
+            gw.count_refused(key, "redis_full", for_capacity=False)
             raise redis_full()
-        if not self.gw.ready_for_replies():
-            refused.labels(tier_name, "redis").inc()
+        if not gw.ready_for_replies():
+            gw.count_refused(key, "redis", for_capacity=False)
             raise redis_unreachable()
-        if self.gw.fleet.workers_alive == 0:
-            refused.labels(tier_name, "no_worker").inc()
-            self.gw.refused_for_capacity += 1
+        if gw.fleet.workers_alive == 0:
+            gw.count_refused(key, "no_worker")
             raise ApiError(
                 "SERVICE_OVERLOADED", "no healthy worker is available", RETRY_NO_WORKER_MS
             )
-        decision = self.gw.admission.decide(policy, tier_name)
+        decision = gw.admission.decide(policy, tier_name)
         if not decision.admitted:
-            refused.labels(tier_name, "capacity").inc()
-            self.gw.refused_for_capacity += 1
+            gw.count_refused(key, "capacity")
             budget_ms = policy.tiers[tier_name].latency_budget_ms
             raise ApiError(
                 "SERVICE_OVERLOADED",
@@ -296,7 +300,8 @@ class Inference:
                 f"queued ahead, over its {budget_ms} ms budget",
                 decision.retry_after_ms,
             )
-        self.gw.admission.admitted(tier_name)
+        gw.admission.admitted(tier_name)
+        return decision.allowance
 
     async def _admit(self, request: "Request", envelope: wire.Envelope | None = None) -> None:
         """Charge the request's quota, once, and queue its envelope (when it
@@ -309,12 +314,12 @@ class Inference:
         data, beside = (b"", None) if envelope is None else self.gw.queue.stored(envelope)
         try:
             request.quota_headers = await self.charge_quota(
-                key, request.tier, len(request.text), queue_on, data, beside
+                key, request.tier, len(request.text), queue_on, data, beside, request.allowance
             )
         except ApiError:
             self.gw.admission.released(key.tier)  # counted when it was let in
             raise
-        self.gw.admitted += 1
+        self.gw.count_admitted(key)
 
     async def charge_quota(
         self,
@@ -324,20 +329,32 @@ class Inference:
         queue_on: str | None = None,
         envelope: bytes = b"",
         beside: Beside | None = None,
+        allowance: float = 0.0,
     ) -> dict[str, str]:
         """Charge the key's limits (and queue ``envelope`` on ``queue_on``, with
-        its long input ``beside`` it, in the same step); returns the
-        x-ratelimit-* headers, or raises 429."""
+        its long input ``beside`` it, in the same step, if the key holds less
+        than its share of the tier's ``allowance``); returns the x-ratelimit-*
+        headers, or raises 429 (a limit) or 503 (the key's share)."""
         try:
-            quota = await self.gw.quota.charge(key, tier, input_chars, queue_on, envelope, beside)
+            quota = await self.gw.quota.charge(
+                key, tier, input_chars, queue_on, envelope, beside, allowance
+            )
         except STORE_ERRORS as exc:
             error = self.gw.store_failed(exc)
             reason = "redis_full" if self.gw.store.full else "redis"
-            self.gw.metrics.refusals.labels(key.tier, reason).inc()
+            self.gw.count_refused(key, reason, for_capacity=False)
             raise error from exc
         headers = quota.headers()
+        if quota.over_share:
+            self.gw.count_refused(key, "key_share")
+            raise ApiError(
+                "SERVICE_OVERLOADED",
+                f"this key already has its share of the {key.tier} tier waiting: "
+                "retry when some of its requests are answered",
+                round(self.gw.fleet.batch_ms() or 100.0),
+            )
         if not quota.allowed:
-            self.gw.metrics.refusals.labels(key.tier, "quota").inc()
+            self.gw.count_refused(key, "quota", for_capacity=False)
             raise ApiError(
                 "RATE_LIMITED",
                 f"rate limit {quota.refused_by} exceeded for this key",

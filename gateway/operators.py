@@ -1,13 +1,15 @@
 """What operators ask a gateway (admin keys only): the policy in force, a
-reload, the dead letters, and the fleet at a glance."""
+reload, the dead letters, usage per key, and the fleet at a glance."""
 
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import msgspec
-from infergate.base import logs
+from infergate.base import clock, logs
 from infergate.base.errors import STORE_ERRORS
 from infergate.base.fleet import worker_capacity_rps
+from infergate.base.queue import usage
 from infergate.base.tiers import TIERS
 from infergate.gateway.api import (
     AdminPolicy,
@@ -15,6 +17,7 @@ from infergate.gateway.api import (
     DeadLettersPurged,
     ReloadResult,
     StatusResponse,
+    UsageReport,
     WorkerStatus,
 )
 from infergate.gateway.errors import ApiError
@@ -22,6 +25,9 @@ from infergate.gateway.service import Gateway
 from infergate.policies import KeyEntry
 
 log = logs.get(__name__)
+
+DAY_MS = 86_400_000
+USAGE_ORDER = ("gpu_ms", "requests", "input_chars", "refused")
 
 # The fleet counters /v1/status always shows (0 until something happens).
 COUNTERS = (
@@ -76,6 +82,21 @@ class Operators:
         log.info("admin.dead_letters_purged", purged=purged)
         return DeadLettersPurged(purged)
 
+    async def usage(self, key_id: str | None, since: str | None, sort: str) -> UsageReport:
+        """Usage per key from ``since`` (epoch seconds or ISO 8601; default a
+        day ago; no earlier than the policy keeps it), most first by ``sort``."""
+        now_ms = clock.now_ms()
+        kept_ms = round(self.gw.policy.current.document.usage.retention_days * DAY_MS)
+        since_ms = max(now_ms - DAY_MS if since is None else _epoch_ms(since), now_ms - kept_ms)
+        if sort not in USAGE_ORDER:
+            raise ApiError("INVALID_INPUT", f"sort must be one of {', '.join(USAGE_ORDER)}")
+        try:
+            rows = await usage.read(self.gw.store, min(since_ms, now_ms), now_ms, key_id)
+        except STORE_ERRORS as exc:
+            raise self.gw.store_failed(exc) from exc
+        rows.sort(key=lambda r: (-getattr(r, sort), r.key_id))
+        return UsageReport(_iso(since_ms - since_ms % usage.HOUR_MS), _iso(now_ms), rows)
+
     async def status(self) -> StatusResponse:
         try:
             fleet = await self.gw.store.fleet_status()
@@ -124,3 +145,21 @@ class Operators:
                 for w in [self.gw.admission.estimate_wait_ms(policy, t)]
             },
         )
+
+
+def _epoch_ms(text: str) -> int:
+    """``since`` as epoch ms: epoch seconds, or an ISO 8601 time (UTC if no zone)."""
+    try:
+        if text.isdigit() and len(text) <= 12:
+            return int(text) * 1000
+        at = datetime.fromisoformat(text)
+        return round((at if at.tzinfo else at.replace(tzinfo=UTC)).timestamp() * 1000)
+    except (ValueError, OverflowError):
+        raise ApiError(
+            "INVALID_INPUT",
+            "since must be epoch seconds or an ISO 8601 time, e.g. 2026-11-27T09:00Z",
+        ) from None
+
+
+def _iso(epoch_ms: int) -> str:
+    return datetime.fromtimestamp(epoch_ms / 1000, UTC).isoformat(timespec="seconds")

@@ -1,5 +1,6 @@
-"""Per-key quotas: ``limits`` fixed windows, counted in Redis, so every
-gateway process shares one count.
+"""Per-key quotas: sliding windows counted in Redis (``admit.lua``: ten
+buckets a window, never more than 110 % of a limit in any window-long span),
+so every gateway process shares one count.
 
 ``limits`` parses the policy's rates and names each window's counter; the
 counting is ``admit.lua``, which charges a request to all of its limits and
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
 
-from infergate.base.queue.gateway import Admitted, Counter, GatewayQueue
+from infergate.base.queue.gateway import Admitted, Counter, GatewayQueue, Place
 from infergate.base.queue.inputs import Beside
 from infergate.policies import KeyEntry, Tier
 from limits import RateLimitItem, parse_many
@@ -39,9 +40,11 @@ class QuotaResult:
     limit: int | None = None
     remaining: int | None = None
     reset_s: float | None = None
-    # When refused: which limit, and how long until its window resets.
+    # When refused: which limit, and how long until its window has room.
     refused_by: str | None = None
     retry_after_ms: int | None = None
+    # Refused (and charged nothing): its key holds its share of the tier already.
+    over_share: bool = False
 
     def headers(self) -> dict[str, str]:
         if self.limit is None or self.remaining is None or self.reset_s is None:
@@ -84,17 +87,22 @@ class Quota:
         queue_on: str | None = None,
         envelope: bytes = b"",
         beside: Beside | None = None,
+        allowance: float = 0.0,
     ) -> QuotaResult:
         """Charge the request to its key's limits; with ``queue_on`` (a tier),
         queue ``envelope`` there too (and store its long input ``beside`` it),
-        in the same step, if it was admitted (or hand it straight to an idle
-        worker: ``GatewayQueue.admit``)."""
+        in the same step, if it was admitted: its key's limits have room, and
+        the key holds less than its weight's share of ``allowance`` (or hand
+        it straight to an idle worker: ``GatewayQueue.admit``)."""
         charges = self.charges(key, tier, input_chars)
         if not charges and queue_on is None:
             return QuotaResult(True)
+        place = Place(key.id, max(1, input_chars), key.weight, allowance)
         admitted = await self.queue.admit(
-            [c.counter for c in charges], queue_on, envelope, straight=True, beside=beside
+            [c.counter for c in charges], queue_on, envelope, True, beside, place
         )
+        if admitted.over_share:
+            return QuotaResult(False, over_share=True)
         return _result(charges, admitted)
 
     async def refund(self, key: KeyEntry, tier: Tier, input_chars: int) -> None:

@@ -5,6 +5,7 @@ operators' endpoints (``operators.py``) work on it, and ``server.py`` puts
 the three together.
 """
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ from infergate.gateway.holds import Holds
 from infergate.gateway.limits import EdgeLimits
 from infergate.gateway.quota import Quota
 from infergate.gateway.replies import ReplyRouter
+from infergate.gateway.shares import Shares
 from infergate.gateway.sharing import Cache, Collapsing
 from infergate.policies import KeyEntry, Policy
 from infergate.policies.live import LivePolicy
@@ -91,11 +93,14 @@ class Gateway:
         self._reading: FleetReading | None = None
         self.registry.register(FleetCollector(lambda: self._reading))
         self.metrics_reading = Supervised("metrics-reading", self._refresh_reading, 1.0)
+        self.shares = Shares(self.store, self.metrics)
+        self.shares_flush = Supervised("usage-refusals", self._flush_shares, 5.0)
         self.started_ms = clock.now_ms()
         self.served = 0
         # Demand, for the autoscaling signal (base/autoscale.py): admitted, and
         # refused for capacity. Carried by the heartbeat, never a command per request.
         self.admitted = 0
+        self.admitted_by_tier = [0] * len(TIERS)  # (the tiers' arrival rates: fleet.py)
         self.refused_for_capacity = 0
         self.draining = False
         # Secrets already matched to a key of the active policy (``_key_of``).
@@ -111,10 +116,28 @@ class Gateway:
                 requests_done=self.served,
                 admitted=self.admitted,
                 refused=self.refused_for_capacity,
+                admitted_by_tier=self.admitted_by_tier,
             ),
             settings.heartbeat_interval_ms,
             settings.heartbeat_ttl_ms,
         )
+
+    def count_admitted(self, key: KeyEntry) -> None:
+        """A request was let in (charged and queued, or handed to a worker)."""
+        self.admitted += 1
+        self.admitted_by_tier[TIERS.index(key.tier)] += 1
+        self.shares.admitted(key)
+
+    def count_refused(self, key: KeyEntry, reason: str, for_capacity: bool = True) -> None:
+        """A request of ``key`` was refused at admission."""
+        self.metrics.refusals.labels(key.tier, reason).inc()
+        if for_capacity:
+            self.refused_for_capacity += 1
+        self.shares.refused(key)
+
+    async def _flush_shares(self) -> None:
+        retention_days = self.policy.current.document.usage.retention_days
+        await self.shares.flush(round(retention_days * 86_400))
 
     async def _refresh_reading(self) -> None:
         self._reading = self._fleet_reading()
@@ -185,10 +208,14 @@ class Gateway:
         await self.replies.start()
         self.heartbeat.start()
         self.metrics_reading.start()
+        self.shares_flush.start()
         log.info("gateway.started", gateway_id=self.id, policy_version=self.policy.current.version)
 
     async def stop(self) -> None:
         await self.metrics_reading.stop()
+        await self.shares_flush.stop()
+        with contextlib.suppress(*STORE_ERRORS):  # (the last refusals counted)
+            await self._flush_shares()
         await self.policy.stop()
         await self.heartbeat.stop()
         await self.replies.stop()

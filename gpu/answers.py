@@ -14,6 +14,7 @@ from infergate.base.keys import Keys
 from infergate.base.metrics import WorkerMetrics
 from infergate.base.queue import inputs
 from infergate.base.queue.replies import failure_replies, group_by_gateway
+from infergate.base.queue.usage import Charge, shares
 from infergate.base.queue.worker import KeptAnswer
 from infergate.gpu.backend import Backend, BackendError
 
@@ -34,6 +35,8 @@ class Answer:
     keep: list[KeptAnswer] = field(default_factory=list)
     # The long inputs kept beside the batch's envelopes, deleted with the answer.
     inputs_done: list[str] = field(default_factory=list)
+    # What each key's requests in it cost (usage per key, stored with the answer).
+    usage: list[Charge] = field(default_factory=list)
     # The batch's metrics and log line, once the answer is out (or given up
     # on): off the way of the replies (a log line written just after an
     # idle spell takes about 0.2 ms on this project's 2-core test machine).
@@ -141,6 +144,7 @@ class Answers:
                     )
                 )
         answer.replies = group_by_gateway(results)
+        answer.usage = charges(live, infer_ms)
         # (the batch leaves processing with its answer: none of them runs again)
         answer.inputs_done = inputs.input_keys(self.keys, batch.envelopes)
         self.tally.batch_served(len(live))
@@ -215,6 +219,19 @@ class Answers:
             idle_ms=idle_ms,
             failed=failed,
         )
+
+
+def charges(live: list[wire.Envelope], infer_ms: int) -> list[Charge]:
+    """Each key's share of a call that ran ``live``: its requests, their input
+    characters, and the call's time split evenly over them."""
+    per_key: dict[tuple[str, str], list[int]] = {}
+    for env, gpu_us in zip(live, shares(infer_ms * 1000, len(live)), strict=True):
+        chars = env.input_chars or len(env.input or "")
+        counts = per_key.setdefault((env.key_id, env.tier), [0, 0, 0])
+        counts[0] += 1
+        counts[1] += chars
+        counts[2] += gpu_us
+    return [Charge(key, tier, *counts) for (key, tier), counts in per_key.items()]
 
 
 def _result(

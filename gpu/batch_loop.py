@@ -193,14 +193,16 @@ class BatchLoop:
         following: bytes | None = None
         # The same for every attempt: a repeat is known.
         step = step or new_batch_id()
-        replies, keep, inputs_done = (
-            (answer.replies, answer.keep, answer.inputs_done) if answer else (None, (), ())
+        replies, keep, inputs_done, usage = (
+            (answer.replies, answer.keep, answer.inputs_done, answer.usage)
+            if answer
+            else (None, (), (), ())
         )
 
         async def take() -> None:
             nonlocal following
             taken = await self.queue.take_next(
-                ran, step, clock.now_ms(), replies, keep, inputs_done
+                ran, step, clock.now_ms(), replies, keep, inputs_done, usage
             )
             if taken.credit_lost:
                 await self._keep_credit_offered()
@@ -249,6 +251,7 @@ class BatchLoop:
                 answer.keep,
                 leaving=leaving,
                 inputs_done=answer.inputs_done,
+                usage=answer.usage,
             )
 
         try:

@@ -65,6 +65,8 @@ class WorkerSettings(ProcessSettings):
     # After SIGTERM, how long to keep trying to publish a finished batch while
     # Redis is away; past it the batch stays in processing for the reaper.
     publish_grace_s: float = 5.0
+    # How long usage per key is kept (the policy's usage.retention_days).
+    usage_retention_s: int = 35 * 86_400
 
 
 class Worker:
@@ -78,7 +80,7 @@ class Worker:
             block_s=settings.pull_timeout_s,
             name="worker:" + self.id,
         )
-        self.queue = WorkerQueue(self.store, self.id)
+        self.queue = WorkerQueue(self.store, self.id, settings.usage_retention_s)
         # Short timeouts: a take the lane cannot finish is repeated by the loop.
         self._blocking_take = self.queue.blocking_take(settings.redis_url, timeout_s=1.0)
         # Set at SIGTERM: the heartbeat says draining at once, so admission

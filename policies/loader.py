@@ -312,11 +312,21 @@ def _check_keys(doc: Document, at: "_Locator") -> list[Problem]:
         seen_digests.setdefault(key.sha256, i)
         if key.rate_limits is not None:
             out.extend(_check_rates(key.rate_limits, [*here, "rate_limits"], at))
+        if not 0.01 <= key.weight <= 1000:  # (NaN fails too)
+            out.append(
+                at.problem([*here, "weight"], "must be between 0.01 and 1000, e.g. 1 (the default)")
+            )
     return out
 
 
 def _check_settings(doc: Document, at: "_Locator") -> list[Problem]:
     out: list[Problem] = []
+    if not 1 / 24 <= doc.usage.retention_days <= 3660:  # (NaN fails too)
+        out.append(
+            at.problem(
+                ["usage", "retention_days"], "must be between 1/24 (an hour) and 3660, e.g. 35"
+            )
+        )
     if not 1 <= doc.batching.max_batch_size <= 100:
         out.append(
             at.problem(

@@ -30,6 +30,9 @@ class KeyEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     admin: bool = False
     # Overrides the tier's rate limits for this key when given.
     rate_limits: list[str] | None = None
+    # Its share of its tier against the tier's other keys with requests
+    # waiting (fair queuing), relative to theirs: 2 gets twice a 1's share.
+    weight: float = 1.0
 
 
 class Batching(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -97,6 +100,12 @@ class Workers(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_attempts: int = 2
 
 
+class Usage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    # Usage per key (requests, input characters, GPU time), kept per hour for
+    # this long (GET /v1/admin/usage, `infergate usage`). Read by workers at start.
+    retention_days: float = 35.0
+
+
 class Document(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The YAML document as written."""
 
@@ -109,6 +118,7 @@ class Document(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     sharing: Sharing = msgspec.field(default_factory=Sharing)
     limits: Limits = msgspec.field(default_factory=Limits)
     workers: Workers = msgspec.field(default_factory=Workers)
+    usage: Usage = msgspec.field(default_factory=Usage)
 
 
 class Policy(msgspec.Struct, frozen=True):

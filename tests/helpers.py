@@ -427,6 +427,7 @@ def assert_redis_clean(client: redis.Redis, keys: Keys = KEYS) -> None:
     lists += [k.decode() for k in client.scan_iter(keys.prefix + "processing:*")]
     lists += [k.decode() for k in client.scan_iter(keys.prefix + "batches:*")]
     assert {name: client.llen(name) for name in lists if client.llen(name)} == {}
+    assert {q: client.zcard(q) for q in keys.fair_queues if client.zcard(q)} == {}
     # Fleet structure, bounded by the number of processes, not of requests.
     structural = (
         keys.stats,
@@ -442,6 +443,14 @@ def assert_redis_clean(client: redis.Redis, keys: Keys = KEYS) -> None:
         name = key.decode()
         if client.ttl(name) == -1:
             assert name in structural or name.startswith(per_process), name
+
+
+async def queued(store: Any, tier: str) -> int:
+    """What waits in a tier: its queue list and its fair queue."""
+    keys = store.keys
+    return int(await store.redis.llen(keys.queue(tier))) + int(
+        await store.redis.zcard(keys.fair_queue(tier))
+    )
 
 
 def redis_clean(client: redis.Redis, keys: Keys = KEYS) -> bool:

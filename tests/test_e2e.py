@@ -238,9 +238,9 @@ async def test_enterprise_sent_after_a_free_backlog_is_answered_first(
     try:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=100)) as session:
             free = [asyncio.create_task(one(session, "free", i)) for i in range(50)]
-            queue = Keys("prio").queue("free")
+            queue = Keys("prio").fair_queue("free")
             deadline = time.monotonic() + 10
-            while client.llen(queue) < 30:
+            while client.zcard(queue) < 30:
                 assert time.monotonic() < deadline, "the free backlog never formed"
                 await asyncio.sleep(0.01)
             enterprise = [asyncio.create_task(one(session, "enterprise", i)) for i in range(5)]

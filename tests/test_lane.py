@@ -20,6 +20,8 @@ from infergate.gpu.lane import Lane, Ran, Then
 from infergate.gpu.simulated import SimulatedBackend
 from infergate.gpu.worker import Worker, WorkerSettings
 
+from tests.helpers import queued
+
 
 class Gated:
     """A backend whose first call waits until the test lets it return."""
@@ -183,8 +185,10 @@ async def test_the_lane_leaves_the_take_to_the_event_loop_when_it_must(
         assert ran.stepping is None, case
         assert isinstance(ran.error, BackendError) == (case == "failed call")
         assert await store.redis.lrange(store.keys.processing("w1"), 0, -1) == [b"batch A"]
-        assert await store.redis.llen(store.keys.queue("paid")) == 1, case
-        await store.redis.delete(store.keys.queue("paid"))
+        assert await queued(store, "paid") == 1, case
+        await store.redis.delete(
+            *store.keys.queues, *store.keys.fair_queues, *store.keys.fair_states
+        )
 
 
 async def test_a_take_that_fails_leaves_its_step_to_the_event_loop(store: Store) -> None:
@@ -243,7 +247,7 @@ async def test_a_take_whose_reply_is_lost_is_repeated_by_the_event_loop_with_its
     assert again.batch == formed
     assert again.size == 0
     assert await store.redis.llen(store.keys.processing("w1")) == 2
-    assert await store.redis.llen(store.keys.queue("paid")) == 0
+    assert await queued(store, "paid") == 0
     assert await store.redis.llen(store.keys.ready) == 0
 
 

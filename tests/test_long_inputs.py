@@ -14,6 +14,8 @@ from infergate.base.queue.store import Store
 from infergate.gpu.simulated import SimulatedBackend, sim_output
 from infergate.gpu.worker import Worker, WorkerSettings
 
+from tests.helpers import queued
+
 LONG = BESIDE_MIN_CHARS
 
 
@@ -35,22 +37,24 @@ async def test_a_long_input_waits_beside_its_envelope_only_once_admitted(redis_u
     try:
         text = "€" * LONG
         assert await _admit(queue, _envelope(1, text, deadline_in_ms=9_000))
-        queued = wire.decode_envelope(await store.redis.lindex(keys.queue("paid"), 0))
+        (raw,) = await store.redis.zrange(keys.fair_queue("paid"), -1, -1)
+        waiting = wire.decode_envelope(raw)
         # The envelope carries the key, not the input.
-        assert (queued.input, queued.input_key) == (None, keys.input("gw", "r1"))
-        assert queued.input_chars == LONG
+        assert (waiting.input, waiting.input_key) == (None, keys.input("gw", "r1"))
+        assert waiting.input_chars == LONG
         assert (await store.redis.get(keys.input("gw", "r1"))).decode() == text
         ttl_ms = await store.redis.pttl(keys.input("gw", "r1"))
         assert 9_000 < ttl_ms <= 9_000 + GRACE_MS
         # One character shorter: in the envelope, as always.
         assert await _admit(queue, _envelope(2, "x" * (LONG - 1)))
-        short = wire.decode_envelope(await store.redis.lindex(keys.queue("paid"), 0))
+        (raw,) = await store.redis.zrange(keys.fair_queue("paid"), -1, -1)
+        short = wire.decode_envelope(raw)
         assert (short.input, short.input_key) == ("x" * (LONG - 1), None)
         assert not await store.redis.exists(keys.input("gw", "r2"))
         # Refused by its quota: nothing queued, nothing stored.
         assert not await _admit(queue, _envelope(3, text), limit=2)
         assert not await store.redis.exists(keys.input("gw", "r3"))
-        assert await store.redis.llen(keys.queue("paid")) == 2
+        assert await queued(store, "paid") == 2
     finally:
         await store.close()
 

@@ -23,10 +23,17 @@ from infergate.base.queue.worker import WorkerQueue
 from infergate.base.tiers import TIERS
 from infergate.redis_server import RedisServer
 
+from tests.helpers import queued
+
 
 def env(i: int, tier: str, deadline_in_ms: int = 10_000) -> bytes:
     now = clock.now_ms()
     return wire.encode(wire.Envelope(f"r{i}", "gw", tier, "k", f"in{i}", now, now + deadline_in_ms))
+
+
+async def charged(q: "Faces", window: str) -> int:
+    """What a limit's sliding window holds (admit.lua): its buckets' sum."""
+    return sum(int(v) for v in await q.redis.hvals(window))
 
 
 @dataclass
@@ -129,7 +136,7 @@ async def test_take_is_priority_ordered_and_fifo_within_a_tier(q: Faces) -> None
     assert data == wire.encode_batch("b1", "d1", batch.formed_ms, taken.envelopes)
     assert await q.redis.llen(q.keys.credits("d1")) == 0
     assert (await q.stats())["requests_batched"] == 5
-    assert await q.redis.llen(q.keys.queue("free")) == 1
+    assert await queued(q.store, "free") == 1
     # Work was left behind: the doorbell rang again for another dispatcher.
     assert await q.redis.llen(q.keys.doorbell) == 1
 
@@ -201,7 +208,8 @@ async def test_requeue_returns_credits_and_an_older_dispatchers_inflight_in_orde
     await q.dispatcher.wait_credit(1)
     # What a dispatcher of an earlier version left in its inflight list.
     for _ in range(3):
-        await q.redis.rpush(q.keys.inflight("d1"), await q.redis.rpop(q.keys.queue("free")))
+        ((oldest, _),) = await q.redis.zpopmin(q.keys.fair_queue("free"))
+        await q.redis.rpush(q.keys.inflight("d1"), oldest)
     await q.gateway.enqueue("free", env(9, "free"))
     assert await q.dispatcher.requeue_own() == (3, 1)
     assert await q.redis.lrange(q.keys.ready, 0, -1) == [b"w1"]
@@ -320,7 +328,7 @@ async def test_a_stalled_dispatcher_forms_nothing_with_a_credit_the_reaper_took_
     assert taken.credit_lost
     assert taken.size == 0
     assert await q.redis.llen(q.keys.batches) == 0  # nothing runs twice
-    assert await q.redis.llen(q.keys.queue("paid")) == 1
+    assert await queued(q.store, "paid") == 1
     assert await q.redis.lrange(q.keys.ready, 0, -1) == [b"w1"]
 
 
@@ -387,7 +395,7 @@ async def test_take_refuses_for_a_credit_whose_worker_has_gone(q: Faces) -> None
     taken = await q.dispatcher.take("w-gone", "b1", clock.now_ms(), rule(10))
     assert taken.worker_gone
     assert taken.envelopes == []
-    assert await q.redis.llen(q.keys.queue("paid")) == 1
+    assert await queued(q.store, "paid") == 1
 
 
 async def test_jobs_come_after_synchronous_work_and_alone_only_with_headroom(q: Faces) -> None:
@@ -440,16 +448,16 @@ async def test_concurrent_admits_share_writes_and_each_gets_its_own_reply(q: Fac
     # Each was charged in the order Redis ran it: counts 1..30, refused ones see 30.
     assert sorted(r.counts[0] for r in replies if r.admitted) == list(range(1, 31))
     assert all(r.counts[0] == 30 and r.depth == 0 for r in replies if not r.admitted)
-    assert await q.redis.llen(q.keys.queue("free")) == 30
-    assert int(await q.redis.get(counter.key)) == 30
-    assert 0 < await q.redis.ttl(counter.key) <= 60
+    assert await queued(q.store, "free") == 30
+    assert await charged(q, counter.key) == 30
+    assert 60 < await q.redis.ttl(counter.key) <= 67  # a window and a tenth, and a second
 
 
 async def test_admit_reloads_its_script_after_redis_forgot_it(q: Faces) -> None:
     await q.redis.script_flush()  # as a restarted or failed-over Redis would have
     replies = await asyncio.gather(*(q.gateway.admit([], "paid", env(i, "paid")) for i in range(5)))
     assert [r.admitted for r in replies] == [True] * 5
-    assert await q.redis.llen(q.keys.queue("paid")) == 5
+    assert await queued(q.store, "paid") == 5
 
 
 async def test_a_failing_call_fails_alone_and_a_lost_redis_fails_every_call(q: Faces) -> None:
@@ -463,7 +471,7 @@ async def test_a_failing_call_fails_alone_and_a_lost_redis_fails_every_call(q: F
         return_exceptions=True,
     )
     assert [type(r).__name__ for r in results] == ["Admitted", "ResponseError", "Admitted"]
-    assert int(await q.redis.get(good.key)) == 2
+    assert await charged(q, good.key) == 2
 
 
 async def test_every_queued_call_fails_with_a_store_error_when_redis_is_gone() -> None:
@@ -499,21 +507,23 @@ async def test_a_lone_request_is_handed_straight_to_an_idle_worker(q: Faces) -> 
     after = await q.stats()
     assert after["batches_formed"] == before.get("batches_formed", 0) + 1
     assert int(await q.redis.get(q.keys.last_dispatch)) >= batch.formed_ms
-    assert int(await q.redis.get(counter.key)) == 1  # charged all the same
+    assert await charged(q, counter.key) == 1  # charged all the same
 
     # Pacing: a hand-off 50 ms ago at most holds the next one (queued, the doorbell rung).
     await q.worker.offer_credit()
     assert not await admit(2)
-    assert await q.redis.llen(q.keys.queue("paid")) == 1
+    assert await queued(q.store, "paid") == 1
     assert await q.redis.llen(q.keys.doorbell) == 1
     await q.redis.delete(q.keys.last_dispatch, q.keys.doorbell)
     # Anything queued ahead (here r2, of any tier; or jobs) keeps it in line.
     assert not await admit(3, "enterprise")
     assert await q.redis.llen(q.keys.ready) == 1
-    await q.redis.delete(*q.keys.queues)
+    await q.redis.delete(*q.keys.queues, *q.keys.fair_queues, *q.keys.fair_states)
     await q.redis.lpush(q.keys.job_queue("free"), b"a job")
     assert not await admit(4)
-    await q.redis.delete(*q.keys.queues, *q.keys.job_queues)
+    await q.redis.delete(
+        *q.keys.queues, *q.keys.fair_queues, *q.keys.fair_states, *q.keys.job_queues
+    )
     # A credit whose worker's heartbeat is gone is dropped, not paid with.
     await q.redis.lpush(q.keys.ready, b"gone")
     await q.redis.rpoplpush(q.keys.ready, q.keys.ready)  # "gone" first in line
@@ -527,26 +537,30 @@ async def test_a_lone_request_is_handed_straight_to_an_idle_worker(q: Faces) -> 
     assert not await admit(6)
     # A key of another type on its way (Redis contents are not trusted): queued.
     await q.dispatcher.publish_rule(rule(10))
-    await q.redis.delete(*q.keys.queues, q.keys.handoff("w1"))
+    await q.redis.delete(
+        *q.keys.queues, *q.keys.fair_queues, *q.keys.fair_states, q.keys.handoff("w1")
+    )
     await q.redis.set(q.keys.handoff("w1"), b"a string")
     assert not await admit(8)
-    assert await q.redis.llen(q.keys.queue("paid")) == 1
+    assert await queued(q.store, "paid") == 1
     assert await q.redis.llen(q.keys.ready) == 1  # not spent
-    await q.redis.delete(q.keys.handoff("w1"), *q.keys.queues)
+    await q.redis.delete(
+        q.keys.handoff("w1"), *q.keys.queues, *q.keys.fair_queues, *q.keys.fair_states
+    )
     stats = await q.redis.hgetall(q.keys.stats)
     await q.redis.delete(q.keys.stats)
     await q.redis.set(q.keys.stats, b"a string")
     assert not await admit(9)  # queued once, never also handed
-    assert await q.redis.llen(q.keys.queue("paid")) == 1
+    assert await queued(q.store, "paid") == 1
     assert await q.redis.llen(q.keys.handoff("w1")) == 0
     assert await q.redis.llen(q.keys.ready) == 1
     await q.redis.delete(q.keys.stats)
     await q.redis.hset(q.keys.stats, mapping=stats)
     await q.redis.lpush(q.keys.handoff("w1"), b"r5's batch")
     # Refused by its quota: nothing formed, the credit kept.
-    await q.redis.delete(*q.keys.queues)
+    await q.redis.delete(*q.keys.queues, *q.keys.fair_queues, *q.keys.fair_states)
     await q.dispatcher.publish_rule(rule(10))
-    await q.redis.set(counter.key, 100)
+    await q.gateway.admit([counter._replace(cost=100 - await charged(q, counter.key))])
     refused = await q.gateway.admit([counter], "paid", env(7, "paid"), straight=True)
     assert (refused.admitted, refused.handed) == (False, False)
     assert await q.redis.llen(q.keys.ready) == 1
@@ -572,7 +586,7 @@ async def test_a_transaction_on_the_held_connection_beside_script_calls(q: Faces
     assert results[1] == [b"OK", b"OK"]
     assert "WRONGTYPE" in str(results[2])
     assert await q.redis.mget("t:a", "t:b", "t:c", "t:d") == [b"1", b"2", b"3", b"4"]
-    assert await q.redis.llen(q.keys.queue("free")) == 2
+    assert await queued(q.store, "free") == 2
 
 
 async def test_a_job_record_of_another_type_does_not_block_the_answer(q: Faces) -> None:
@@ -661,7 +675,7 @@ async def test_a_free_worker_forms_its_next_batch_by_the_published_rule_and_can_
     assert batch.dispatcher == "w1"  # formed by the worker itself
     assert await q.redis.lrange(q.keys.processing("w1"), 0, -1) == [first.batch, b"batch A"]
     assert await q.redis.llen(q.keys.ready) == 0
-    assert await q.redis.llen(q.keys.queue("free")) == 1
+    assert await queued(q.store, "free") == 1
     assert await q.redis.llen(q.keys.doorbell) == 1  # work left behind, for idle workers
     assert (await q.stats())["requests_batched"] == 2
 
@@ -722,7 +736,7 @@ async def test_a_free_worker_runs_a_waiting_batch_first_and_offers_no_credit(q: 
     assert first.batch == again.batch == b"batch B"
     assert await q.redis.lrange(q.keys.batches, 0, -1) == [b"batch C"]
     assert await q.redis.llen(q.keys.ready) == 0
-    assert await q.redis.llen(q.keys.queue("enterprise")) == 1
+    assert await queued(q.store, "enterprise") == 1
     assert not first.credit_lost
 
 
@@ -735,7 +749,7 @@ async def test_a_take_whose_batch_is_gone_says_so_and_puts_out_no_credit(q: Face
     assert gone.credit_lost
     assert gone.batch is None
     assert await q.redis.llen(q.keys.ready) == 0
-    assert await q.redis.llen(q.keys.queue("free")) == 1
+    assert await queued(q.store, "free") == 1
     assert await q.worker.ensure_credit()  # what the worker does then
     assert await q.redis.lrange(q.keys.ready, 0, -1) == [b"w1"]
 
@@ -758,7 +772,7 @@ async def test_a_free_worker_offers_its_credit_with_no_rule_a_bad_rule_or_pacing
         answered = await _take(q, b"batch A")
         assert answered.batch is None, published
         assert await q.redis.lrange(q.keys.ready, 0, -1) == [b"w1"]  # once, never twice
-        assert await q.redis.llen(q.keys.queue("paid")) == 1
+        assert await queued(q.store, "paid") == 1
         assert await q.redis.lrange(q.keys.processing("w1"), 0, -1) == [b"batch A"]
         await q.redis.delete(q.keys.processing("w1"))  # answered
     # A rule key of another type is no rule either (not a failed step).
@@ -791,24 +805,34 @@ async def test_a_leaving_worker_acks_and_takes_its_credit_back(q: Faces) -> None
     await q.worker.answer_batch({"gw": reply}, clock.now_ms(), b"batch A", leaving=True)
     assert await q.redis.llen(q.keys.processing("w1")) == 0
     assert await q.redis.llen(q.keys.ready) == 0
-    assert await q.redis.llen(q.keys.queue("free")) == 1
+    assert await queued(q.store, "free") == 1
 
 
-async def test_admit_starts_over_from_counters_it_cannot_trust(q: Faces) -> None:
-    """Redis contents are not trusted: a counter that is text, '007', of
-    another type, or a window that never ends, never breaks or blocks a key."""
-    keys = [q.gateway.counter_key(name) for name in ("text", "zeros", "list", "forever")]
+async def test_admit_starts_over_from_windows_it_cannot_trust(q: Faces) -> None:
+    """Redis contents are not trusted: a window that is text, of another type,
+    or a hash of anything but bucket indices and integers starts over; a
+    bucket ahead of Redis's clock does not count (and goes); none blocks a key."""
+    names = ("text", "list", "field", "zeros", "ahead", "full")
+    keys = [q.gateway.counter_key(name) for name in names]
+    now_s = (await q.redis.time())[0]
+    current = now_s * 10 // 60  # the bucket a 60 s window is in now
     await q.redis.set(keys[0], "abc")
-    await q.redis.set(keys[1], "007")
-    await q.redis.rpush(keys[2], "x")
-    await q.redis.set(keys[3], 10)  # over its limit of 5, and no TTL
-    counters = [Counter(k, 1, 5, 60) for k in keys[:3]]
+    await q.redis.rpush(keys[1], "x")
+    await q.redis.hset(keys[2], "not a bucket", 1)
+    await q.redis.hset(keys[3], str(current), "007")
+    await q.redis.hset(keys[4], str(current + 100), 10)  # over its limit of 5, and ahead
+    counters = [Counter(k, 1, 5, 60) for k in keys[:5]]
     admitted = await q.gateway.admit(counters, "free", env(1, "free"))
     assert admitted.admitted
-    assert admitted.counts == [1, 1, 1]
-    refused = await q.gateway.admit([Counter(keys[3], 1, 5, 60)])
+    assert admitted.counts == [1, 1, 1, 1, 1]
+    assert all([await charged(q, k) == 1 for k in keys[:5]])
+    assert all([0 < await q.redis.ttl(k) <= 67 for k in keys[:5]])
+    # A bucket that is the limit, planted without a TTL: refused, until it
+    # leaves the window (it is no longer counted then, and deleted).
+    await q.redis.hset(keys[5], str(current), 5)
+    refused = await q.gateway.admit([Counter(keys[5], 1, 5, 60)])
     assert not refused.admitted
-    assert 0 < await q.redis.ttl(keys[3]) <= 60  # refused, and its window now ends
+    assert 0 < refused.ttls_ms[0] <= 66_000
 
 
 async def test_a_heartbeat_of_another_type_reads_as_expired(q: Faces) -> None:
@@ -1003,7 +1027,7 @@ async def test_a_planted_hand_off_key_takes_nothing_out_of_the_queues(q: Faces) 
     await q.redis.set(q.keys.handoff("w1"), b"planted")
     taken = await take(q, 10)
     assert (taken.size, taken.worker_gone) == (0, True)
-    assert await q.redis.llen(q.keys.queue("paid")) == 1
+    assert await queued(q.store, "paid") == 1
 
 
 async def _blocked(q: Faces, clients: int) -> None:

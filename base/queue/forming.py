@@ -75,6 +75,8 @@ def take_keys(
         last_step or own,
         *keys.queues,
         *keys.job_queues,
+        *keys.fair_queues,
+        *keys.fair_states,
     ]
 
 

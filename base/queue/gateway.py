@@ -25,14 +25,31 @@ class Counter(NamedTuple):
     window_s: int
 
 
+class Place(NamedTuple):
+    """A request's place in its tier's fair queue (``admit.lua``): its key,
+    its cost, its key's weight, and how many of the tier's requests may wait
+    (the key may hold its weight's share of them; 0: no such check)."""
+
+    key_id: str = ""
+    cost: int = 0
+    weight: float = 1.0
+    allowance: float = 0.0
+
+
+ANYWHERE = Place()  # no key's place: no share check (tests, and what a tool queues)
+
+
 class Admitted(NamedTuple):
-    """What ``admit`` did: charged (and queued) or not, and each counter after it."""
+    """What ``admit`` did: charged (and queued) or not, and each window after it."""
 
     admitted: bool
     depth: int
-    counts: list[int]
-    ttls_ms: list[int]  # the ms left in each counter's window; negative: none open
+    counts: list[int]  # each window's sum (after the charge, if admitted)
+    # ms until each window has room again (refused), or until its oldest
+    # charge leaves it; negative: nothing charged in it
+    ttls_ms: list[int]
     handed: bool = False  # handed straight to an idle worker, not queued
+    over_share: bool = False  # refused: its key already holds its share of the tier
 
 
 class ReplySubscription:
@@ -79,13 +96,16 @@ class GatewayQueue:
             keys.stats,
             *keys.queues,
             *keys.job_queues,
+            *keys.fair_queues,
         )
         self._worker_heartbeats = keys.heartbeat("worker", "")  # + a worker id
         self._handoffs = keys.handoff("")  # + a worker id
 
     def counter_key(self, name: str) -> str:
-        """A limit's counter, named as the ``limits`` library names it."""
-        return f"{self.keys.ratelimit_prefix}:{name}"
+        """A limit's sliding window, named as the ``limits`` library names its
+        counter (under ``quota``: the fixed windows of earlier versions were
+        under ``ratelimit``)."""
+        return f"{self.keys.quota_prefix}:{name}"
 
     async def admit(
         self,
@@ -94,6 +114,7 @@ class GatewayQueue:
         envelope: bytes = b"",
         straight: bool = False,
         beside: Beside | None = None,
+        place: Place = ANYWHERE,
     ) -> Admitted:
         """Charge ``counters`` and, if every one has room, queue ``envelope`` on
         ``tier`` and wake a dispatcher: one round trip (``admit.lua``). Without a
@@ -101,19 +122,21 @@ class GatewayQueue:
         nothing is queued and a worker is idle, hand it to that worker as a
         batch of its own instead, as a dispatcher would (``Admitted.handed``).
         ``beside``: the envelope's long input, stored under its own key in the
-        same step (``inputs.py``)."""
+        same step (``inputs.py``). ``place``: where it queues in its tier's
+        fair order, and whether its key may queue one more."""
         keys = self.keys
         names = [c.key for c in counters]
-        args: list[str | int | bytes] = [len(counters), envelope]
+        args: list[str | int | float | bytes] = [len(counters), envelope]
         for c in counters:
             args += (c.cost, c.amount, c.window_s)
         if tier is not None:
-            names += (keys.queue(tier), keys.doorbell)
+            names += (keys.fair_queue(tier), keys.doorbell, keys.fair_state(tier))
             if beside is not None:
                 names.append(beside.key)
                 args += (beside.ttl_ms, beside.input)
             else:
                 args += (0, "")
+            args += (place.key_id, place.cost, round(place.weight * 1000), place.allowance)
             if straight:
                 names += self._straight_keys
                 args += (
@@ -126,16 +149,20 @@ class GatewayQueue:
         reply = await self.store.pipelined.call(self.store.scripts.admit, names, args)
         if reply[2]:
             self._on_handed()
-        return Admitted(bool(reply[0]), int(reply[1]), reply[3::2], reply[4::2], bool(reply[2]))
+        return Admitted(
+            reply[0] == 1, int(reply[1]), reply[3::2], reply[4::2], bool(reply[2]), reply[0] == 2
+        )
 
     def stored(self, envelope: wire.Envelope) -> tuple[bytes, Beside | None]:
         """The envelope as it is queued, and its input if it is kept beside it."""
         return inputs.stored(self.keys, envelope)
 
-    async def enqueue(self, tier: str, envelope: bytes, beside: Beside | None = None) -> int:
+    async def enqueue(
+        self, tier: str, envelope: bytes, beside: Beside | None = None, place: Place = ANYWHERE
+    ) -> int:
         """Queue an envelope (and store its long input beside it) and wake a
-        dispatcher; returns the tier's queue depth."""
-        return (await self.admit((), tier, envelope, beside=beside)).depth
+        dispatcher; returns the depth of the tier's fair queue."""
+        return (await self.admit((), tier, envelope, beside=beside, place=place)).depth
 
     async def enqueue_job(
         self, envelope: wire.Envelope, max_queued: int, result_ttl_ms: int

@@ -56,6 +56,8 @@ class FleetSnapshot(msgspec.Struct, frozen=True):
     workers: list[wire.Heartbeat]
     queue_depth: dict[str, int]
     taken_ms: int
+    # The live gateways' heartbeats: what each admitted, per tier (arrival rates).
+    gateways: list[wire.Heartbeat] = []
 
 
 class FleetStatus(msgspec.Struct, frozen=True):
@@ -154,6 +156,8 @@ class Store:
             if with_depths:
                 for q in self.keys.queues:
                     pipe.llen(q)
+                for q in self.keys.fair_queues:
+                    pipe.zcard(q)
             if with_counters:
                 pipe.hgetall(self.keys.stats)
             results = await pipe.execute()
@@ -198,17 +202,27 @@ class Store:
         sent with the hot path's calls (``pipelined``): admission reads this
         every few tens of ms on every gateway."""
         keys = self.keys
-        ids, values, depths = await self.pipelined.call(
+        ids, values, depths, gateway_ids, gateway_values = await self.pipelined.call(
             self.scripts.fleet,
-            [keys.members("worker"), *keys.queues],
-            [keys.heartbeat("worker", "")],
+            [keys.members("worker"), keys.members("gateway"), *keys.queues, *keys.fair_queues],
+            [keys.heartbeat("worker", ""), keys.heartbeat("gateway", "")],
         )
         beats = {i.decode(errors="replace"): v for i, v in zip(ids, values, strict=True)}
-        return FleetSnapshot(self.readable("worker", beats), _depths(depths), now_ms)
+        gateways = {
+            i.decode(errors="replace"): v for i, v in zip(gateway_ids, gateway_values, strict=True)
+        }
+        return FleetSnapshot(
+            self.readable("worker", beats),
+            _depths(depths),
+            now_ms,
+            self.readable("gateway", gateways),
+        )
 
     async def fleet_status(self) -> FleetStatus:
         beats, extras = await self.heartbeats(ROLES, with_depths=True, with_counters=True)
-        *depths, raw_counters = extras
+        *lengths, raw_counters = extras
+        ntiers = len(TIERS)
+        depths = [a + b for a, b in zip(lengths[:ntiers], lengths[ntiers:], strict=True)]
         return FleetStatus(
             {role: self.readable(role, beats[role]) for role in ROLES},
             _depths(depths),

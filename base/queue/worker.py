@@ -12,6 +12,7 @@ from infergate.base.queue.forming import TakeResult, new_batch_id, take_args, ta
 from infergate.base.queue.replies import reply_commands
 from infergate.base.queue.scripts import evalsha, execute, queue_on, source
 from infergate.base.queue.store import Store, process_ids
+from infergate.base.queue.usage import Charge, charge_commands
 from redis.asyncio.client import Pipeline
 from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
@@ -28,10 +29,11 @@ class KeptAnswer(NamedTuple):
 
 
 class WorkerQueue:
-    def __init__(self, store: Store, worker_id: str) -> None:
+    def __init__(self, store: Store, worker_id: str, usage_retention_s: int = 35 * 86_400) -> None:
         self.store = store
         self.keys = store.keys
         self.worker_id = worker_id
+        self.usage_retention_s = usage_retention_s  # (how long usage per key is kept)
 
     async def offer_credit(self) -> None:
         """Say this worker is idle and can take one batch (idempotent)."""
@@ -124,6 +126,7 @@ class WorkerQueue:
         replies: Mapping[str, wire.Reply] | None = None,
         keep: Sequence[KeptAnswer] = (),
         inputs_done: Sequence[str] = (),
+        usage: Sequence[Charge] = (),
     ) -> TakeResult:
         """The backend has just run ``ran`` (still in processing): form this
         worker's next batch straight into its processing list, beside it
@@ -146,7 +149,7 @@ class WorkerQueue:
             return take_result(await self.store.pipelined.call(scripts.take, take, args))
         commands = [
             evalsha(scripts.take, take, args),
-            *self._answer_commands(replies, now_ms, keep, inputs_done),
+            *self._answer_commands(replies, now_ms, keep, inputs_done, usage),
         ]
         results = await self.store.pipelined.transaction(commands, self._scripts)
         return take_result(results[0])
@@ -177,6 +180,7 @@ class WorkerQueue:
         keep: Sequence[KeptAnswer] = (),
         leaving: bool = False,
         inputs_done: Sequence[str] = (),
+        usage: Sequence[Charge] = (),
     ) -> None:
         """Publish one reply per gateway, store the jobs' results and the
         answers to keep, delete the batch's long inputs (``inputs_done``),
@@ -192,7 +196,7 @@ class WorkerQueue:
             if leaving
             else ("LREM", processing, 0, batch)
         )
-        commands = [*self._answer_commands(replies, now_ms, keep, inputs_done), ack]
+        commands = [*self._answer_commands(replies, now_ms, keep, inputs_done, usage), ack]
         await self.store.pipelined.transaction(commands, self._scripts)
 
     async def publish_replies(self, replies: Mapping[str, wire.Reply]) -> None:
@@ -219,10 +223,13 @@ class WorkerQueue:
         now_ms: int,
         keep: Sequence[KeptAnswer],
         inputs_done: Sequence[str],
+        usage: Sequence[Charge] = (),
     ) -> list[tuple[Any, ...]]:
         """The replies, one per gateway (and the jobs' results), the answers
-        to keep, and the deleting of the long inputs answered."""
+        to keep, the deleting of the long inputs answered, and what each
+        key's requests cost (``usage.py``)."""
         commands = reply_commands(self.store, replies, now_ms)
+        commands += charge_commands(self.keys, usage, now_ms, self.usage_retention_s)
         for answer in keep:
             key = self.keys.cache(answer.digest, answer.fingerprint)
             commands.append(("SET", key, answer.output, "PX", answer.ttl_ms))

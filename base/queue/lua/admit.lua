@@ -1,14 +1,28 @@
--- admit: charge a request to its key's limits and, if every limit has room,
--- queue its envelope and ring the doorbell: one step, one round trip.
--- Each limit is a fixed window as the `limits` library keeps it (its key
--- names, a counter that expires `expiry` seconds after the charge that
--- opened its window). A request over any limit is charged to none: the
--- counters only ever hold what was admitted, across every gateway, and a
--- refusal has nothing to refund. A counter that is not a canonical integer
--- (Redis contents are not trusted: text, '007', a list) starts again from
--- zero, and one without an expiry gets its window's, refused or not, so no
--- key can be blocked for ever.
--- A refund is a charge of minus the cost.
+-- admit: charge a request to its key's limits and, if every limit has room
+-- and its key's share of the tier has room, queue its envelope and ring the
+-- doorbell: one step, one round trip.
+-- Each limit is a sliding window of ten buckets: a hash (field: the bucket's
+-- index, t * 10 // window; value: what was charged in it) that holds every
+-- bucket overlapping the last window (eleven: the oldest one in full). A
+-- request is admitted while the eleven buckets' sum plus its cost stays
+-- within the limit plus a tenth (floor), and the last ten buckets' within the
+-- limit: every span of one window lies inside the eleven buckets counted when
+-- the last request in it was admitted, so no such span is ever charged more
+-- than 110 % of the limit; a burst gets the limit, no more; and a client that
+-- keeps exactly to its rate is never refused. Time is Redis's (TIME), so every
+-- gateway judges on one clock. A request refused by any check is charged to
+-- none: the windows only ever hold what was admitted, across every gateway,
+-- and a refusal has nothing to refund. A window that is not a hash of
+-- integers (Redis contents are not trusted) starts again, empty.
+-- A refund is a charge of minus the cost (always made).
+-- A key's share of its tier: the gateway says how many of the tier's
+-- requests can wait within its latency budget (the allowance; 0: no check);
+-- a key may have waiting at most its weight's share of that, among the keys
+-- with requests waiting (itself included), and at least one. A key that
+-- floods its tier is refused there while the others are not.
+-- Queued in fair order (take.lua): the request's start tag is the later of
+-- the tier's virtual time and its key's last finish tag; its finish tag is
+-- the start plus its cost over its key's weight.
 -- Handed straight to an idle worker: a request admitted while nothing at all
 -- is queued, an idle worker's credit is on `ready` (not held by a
 -- dispatcher) and pacing would not hold it back, is formed into a batch of
@@ -18,50 +32,125 @@
 -- it (it could be of a higher tier, or jobs a batch would take along), no
 -- published batching rule, or no live idle worker: it is queued as usual.
 -- A long input is stored beside its envelope (queue/inputs.py), if admitted.
--- KEYS[1..n] the counters  KEYS[n+1] queue:{tier}  KEYS[n+2] doorbell
---   (without those two: charge only)
--- KEYS[n+3] the input's key, when one is stored beside (ARGV[3n+3] > 0)
--- KEYS[s..] (to hand it straight; s is n+3, or n+4 after an input's key)
---   ready, batch-rule, last-dispatch, stats, then every queue:{tier} and
---   jobs:{tier}
+-- KEYS[1..n] the windows  KEYS[n+1] fq:{tier}  KEYS[n+2] doorbell
+--   KEYS[n+3] fair:{tier}  (without those three: charge only)
+-- KEYS[n+4] the input's key, when one is stored beside (ARGV[3n+3] > 0)
+-- KEYS[s..] (to hand it straight; s is n+4, or n+5 after an input's key)
+--   ready, batch-rule, last-dispatch, stats, then every queue:{tier},
+--   jobs:{tier} and fq:{tier}
 -- ARGV[1] n  ARGV[2] the envelope (when queued)
 -- ARGV[3i], ARGV[3i+1], ARGV[3i+2] limit i's cost, amount and window (s)
 -- ARGV[3n+3] the input's time to live in ms (0: none stored beside)
 -- ARGV[3n+4] the input
--- ARGV[3n+5..3n+9] (to hand it straight) the batch id, who forms it (the
+-- ARGV[3n+5..3n+8] the key's id, the request's cost, the key's weight (in
+--   thousandths), the tier's allowance (requests; 0: no share check)
+-- ARGV[3n+9..3n+13] (to hand it straight) the batch id, who forms it (the
 --   gateway), now (epoch ms), the worker heartbeat key prefix, the worker
 --   hand-off list prefix (the batch goes to batches:{worker} of the worker
 --   whose credit paid for it: that worker, and no other, runs it)
--- Returns {admitted (1 or 0), queue depth (0 if nothing was queued),
---          handed straight (1 or 0),
---          count_1, ttl_ms_1, ..., count_n, ttl_ms_n}: a counter after the
--- charge (before it, if refused), and the ms left in its window (-2: none open).
+-- Returns {admitted (1; 0: over a limit; 2: over its key's share),
+--          queue depth (0 if nothing was queued), handed straight (1 or 0),
+--          count_1, ttl_ms_1, ..., count_n, ttl_ms_n}: a window's last ten
+-- buckets' sum after the charge (before it, if refused), and the ms until it has room again
+-- (refused) or until its oldest charge leaves it (-2: nothing charged).
 local n = tonumber(ARGV[1])
 local input_ttl = tonumber(ARGV[3 * n + 3] or '0') or 0
-local straight_from = input_ttl > 0 and n + 4 or n + 3
-local sa = 3 * n + 5  -- the first argument to hand it straight
-local counts, ttls = {}, {}
+local straight_from = input_ttl > 0 and n + 5 or n + 4
+local fa = 3 * n + 5  -- the first argument of the fair queue
+local sa = 3 * n + 9  -- the first argument to hand it straight
+local time = redis.call('TIME')
+local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+local sums, ttls, buckets = {}, {}, {}
 local admitted = 1
-for i = 1, n do
-  local key, window_ms = KEYS[i], tonumber(ARGV[3 * i + 2]) * 1000
-  local raw = redis.pcall('GET', key)  -- an error: a key of another type
-  -- Only a counter INCRBY can count on: '0', or an integer without leading
-  -- zeros, in 18 digits. Anything else (another type, text, '007') starts over.
-  if raw and not (type(raw) == 'string'
-      and (raw == '0' or (#raw <= 18 and string.match(raw, '^%-?[1-9]%d*$')))) then
-    redis.call('DEL', key)
-    raw = false
+
+local function window(key)
+  -- the buckets of a limit still inside its window (index -> amount), in
+  -- order of index; older ones are deleted; anything unreadable starts over
+  local raw = redis.pcall('HGETALL', key)
+  if type(raw) ~= 'table' or raw.err then redis.call('DEL', key) return {}, {} end
+  local amounts, order = {}, {}
+  for j = 1, #raw, 2 do
+    local index, amount = raw[j], raw[j + 1]
+    -- (integers as HINCRBY writes them: no leading zeros, 18 digits at most)
+    if not (string.match(index, '^%d+$') and #index <= 15 and #amount <= 18
+        and (amount == '0' or string.match(amount, '^%-?[1-9]%d*$'))) then
+      redis.call('DEL', key)
+      return {}, {}
+    end
+    amounts[tonumber(index)] = tonumber(amount)
+    order[#order + 1] = tonumber(index)
   end
-  ttls[i] = -2
-  if raw then
-    ttls[i] = redis.call('PTTL', key)
-    if ttls[i] == -1 then  -- a window that never ends, ended
-      redis.call('PEXPIRE', key, window_ms)
-      ttls[i] = window_ms
+  table.sort(order)
+  return amounts, order
+end
+
+for i = 1, n do
+  local key, cost = KEYS[i], tonumber(ARGV[3 * i])
+  local amount, window_ms = tonumber(ARGV[3 * i + 1]), tonumber(ARGV[3 * i + 2]) * 1000
+  local current = math.floor(now * 10 / window_ms)
+  local amounts, order = window(key)
+  local stale, kept = {}, {}
+  for _, index in ipairs(order) do
+    -- (one ahead of Redis's clock, which stepped back, is stale too: it
+    -- would count for as long as the clock takes to reach it)
+    if index < current - 10 or index > current then
+      stale[#stale + 1] = index
+    else
+      kept[#kept + 1] = index
     end
   end
-  counts[i] = tonumber(raw or '0')
-  if counts[i] + tonumber(ARGV[3 * i]) > tonumber(ARGV[3 * i + 1]) then admitted = 0 end
+  if #stale > 0 then redis.call('HDEL', key, unpack(stale)) end
+  local function fits(from)
+    -- would the request fit once bucket `from` is the current one? (the
+    -- eleven buckets within the limit and a tenth, the last ten within it)
+    local eleven, ten = 0, 0
+    for _, index in ipairs(kept) do
+      if index >= from - 10 then eleven = eleven + amounts[index] end
+      if index >= from - 9 then ten = ten + amounts[index] end
+    end
+    return eleven + cost <= amount + math.floor(amount / 10) and ten + cost <= amount, ten
+  end
+  local room, ten = fits(current)
+  sums[i], buckets[i] = ten, current
+  -- until its oldest charge in the last ten buckets leaves them (admitted:
+  -- the remaining count grows then), or until it has room (refused)
+  ttls[i] = -2
+  for _, index in ipairs(kept) do
+    if index >= current - 9 then
+      ttls[i] = math.ceil((index + 10) * window_ms / 10) - now
+      break
+    end
+  end
+  if cost > 0 and not room then
+    admitted = 0
+    ttls[i] = window_ms
+    for later = current + 1, current + 11 do
+      if fits(later) then
+        ttls[i] = math.ceil(later * window_ms / 10) - now
+        break
+      end
+    end
+  end
+end
+
+local queued = #KEYS > n
+local fq, state = KEYS[n + 1], KEYS[n + 3]
+local key_id = ARGV[fa]
+local cost, weight, allowance = 0, 1000, 0
+local tier_time, finish, waiting, weights = 0, 0, 0, 0
+if queued and admitted == 1 then
+  cost, weight = tonumber(ARGV[fa + 1]) or 0, tonumber(ARGV[fa + 2]) or 1000
+  allowance = tonumber(ARGV[fa + 3]) or 0
+  -- (a state of another type is not this script's: it starts over)
+  local fair = redis.pcall('HMGET', state, 'v', 'f:' .. key_id, 'n:' .. key_id, 'w')
+  if type(fair) ~= 'table' or fair.err then redis.call('DEL', state) fair = {} end
+  tier_time, finish = tonumber(fair[1]) or 0, tonumber(fair[2]) or 0
+  waiting, weights = tonumber(fair[3]) or 0, tonumber(fair[4]) or 0
+  if allowance > 0 then
+    local others = weights - (waiting > 0 and weight or 0)
+    local share = math.max(1, math.floor(allowance * weight / (math.max(others, 0) + weight)))
+    if waiting + 1 > share then admitted = 2 end
+  end
 end
 
 local function pacing_interval(rule_key, ntiers)
@@ -81,13 +170,13 @@ local function hand_straight()
   -- (no idle worker first: under load, the one check made)
   if redis.call('LLEN', ready) == 0 then return false end
   for i = d + 4, #KEYS do
-    if redis.call('LLEN', KEYS[i]) > 0 then return false end
+    if redis.call('EXISTS', KEYS[i]) == 1 then return false end
   end
-  local interval = pacing_interval(rule_key, (#KEYS - d - 3) / 2)
+  local interval = pacing_interval(rule_key, (#KEYS - d - 3) / 3)
   if interval == nil then return false end
-  local now = tonumber(ARGV[sa + 2])
-  local last = math.min(tonumber(redis.pcall('GET', last_key)) or 0, now)
-  if interval > 0 and last + interval > now then return false end
+  local at = tonumber(ARGV[sa + 2])
+  local last = math.min(tonumber(redis.pcall('GET', last_key)) or 0, at)
+  if interval > 0 and last + interval > at then return false end
   -- Nothing after the credit is spent may fail (the envelope would be
   -- queued as well): the keys it writes are checked first.
   local stats_kind = redis.call('TYPE', stats)['ok']
@@ -107,29 +196,44 @@ local function hand_straight()
   return true
 end
 
+local function queue_fairly()
+  -- onto the tier's fair queue at its start tag; its key's state after it
+  local start = math.max(tier_time, finish)
+  redis.call('ZADD', fq, start, ARGV[2])
+  local ends = string.format('%.17g', start + cost * 1000 / math.max(weight, 1))
+  -- (written from what was read, so a planted value that is no number
+  -- counts as none, instead of failing the step)
+  redis.call('HSET', state, 'f:' .. key_id, ends, 'n:' .. key_id, math.max(waiting, 0) + 1)
+  if waiting <= 0 then
+    redis.call('HSET', state, 'w:' .. key_id, weight, 'w', math.max(weights, 0) + weight)
+  end
+  redis.call('LPUSH', KEYS[n + 2], '1')
+  redis.call('LTRIM', KEYS[n + 2], 0, 0)
+  return redis.call('ZCARD', fq)
+end
+
 local reply = {admitted, 0, 0}
 if admitted == 1 then
   for i = 1, n do
-    counts[i] = redis.call('INCRBY', KEYS[i], ARGV[3 * i])
-    if ttls[i] < 0 then  -- this charge opened the window
-      ttls[i] = tonumber(ARGV[3 * i + 2]) * 1000
-      redis.call('PEXPIRE', KEYS[i], ttls[i])
-    end
+    local key, cost_i = KEYS[i], tonumber(ARGV[3 * i])
+    redis.call('HINCRBY', key, buckets[i], cost_i)
+    sums[i] = sums[i] + cost_i
+    local window_ms = tonumber(ARGV[3 * i + 2]) * 1000
+    redis.call('PEXPIRE', key, math.ceil(window_ms * 11 / 10) + 1000)
+    if ttls[i] < 0 then ttls[i] = math.ceil((buckets[i] + 10) * window_ms / 10) - now end
   end
-  if input_ttl > 0 then redis.call('SET', KEYS[n + 3], ARGV[3 * n + 4], 'PX', input_ttl) end
+  if input_ttl > 0 then redis.call('SET', KEYS[n + 4], ARGV[3 * n + 4], 'PX', input_ttl) end
   -- (a key of another type on the way: queued, as without a worker idle)
   local handable, handed = false, false
   if #KEYS >= straight_from then handable, handed = pcall(hand_straight) end
   if handable and handed then
     reply[3] = 1
-  elseif #KEYS > n then
-    reply[2] = redis.call('LPUSH', KEYS[n + 1], ARGV[2])
-    redis.call('LPUSH', KEYS[n + 2], '1')
-    redis.call('LTRIM', KEYS[n + 2], 0, 0)
+  elseif queued then
+    reply[2] = queue_fairly()
   end
 end
 for i = 1, n do
-  reply[2 * i + 2] = counts[i]
+  reply[2 * i + 2] = sums[i]
   reply[2 * i + 3] = ttls[i]
 end
 return reply

@@ -1,22 +1,30 @@
 -- fleet: what admission reads every few tens of ms, in one step: the
--- registered workers, each one's heartbeat (false once it expired, or if it
--- is not a string), and the
--- depth of each tier queue.
--- KEYS[1] members:worker  KEYS[2..] queue:{tier}
--- ARGV[1] the workers' heartbeat key prefix (the key is the prefix and the id)
--- Returns {ids (sorted), heartbeats, depths}
-local ids = redis.call('SMEMBERS', KEYS[1])
-table.sort(ids)
-local beats = {}
-for i, id in ipairs(ids) do
-  -- pcall: a key of another type (Redis contents are not trusted) reads as
-  -- expired, as MGET would have it, instead of failing the whole view.
-  local beat = redis.pcall('GET', ARGV[1] .. id)
-  if type(beat) ~= 'string' then beat = false end
-  beats[i] = beat
+-- registered workers and gateways, each one's heartbeat (false once it
+-- expired, or if it is not a string), and the depth of each tier (its
+-- queue list and its fair queue).
+-- KEYS[1] members:worker  KEYS[2] members:gateway
+-- KEYS[3..2+T] queue:{tier}  KEYS[3+T..2+2T] fq:{tier}
+-- ARGV[1] the workers' heartbeat key prefix (the key is the prefix and the
+-- id)  ARGV[2] the gateways'
+-- Returns {worker ids (sorted), their heartbeats, depths, gateway ids, theirs}
+local function beats_of(members, prefix)
+  local ids = redis.call('SMEMBERS', members)
+  table.sort(ids)
+  local beats = {}
+  for i, id in ipairs(ids) do
+    -- pcall: a key of another type (Redis contents are not trusted) reads as
+    -- expired, as MGET would have it, instead of failing the whole view.
+    local beat = redis.pcall('GET', prefix .. id)
+    if type(beat) ~= 'string' then beat = false end
+    beats[i] = beat
+  end
+  return ids, beats
 end
+local ids, beats = beats_of(KEYS[1], ARGV[1])
+local gateway_ids, gateway_beats = beats_of(KEYS[2], ARGV[2])
+local ntiers = (#KEYS - 2) / 2
 local depths = {}
-for i = 2, #KEYS do
-  depths[i - 1] = redis.call('LLEN', KEYS[i])
+for i = 1, ntiers do
+  depths[i] = redis.call('LLEN', KEYS[2 + i]) + redis.call('ZCARD', KEYS[2 + ntiers + i])
 end
-return {ids, beats, depths}
+return {ids, beats, depths, gateway_ids, gateway_beats}

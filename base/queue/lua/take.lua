@@ -48,6 +48,17 @@
 --   'worker': batches, the shared list the reaper's retried batches wait on
 -- KEYS[10] 'worker': the worker's last step (its token); 'dispatch': unused
 -- KEYS[11..10+T] queue:{tier}, highest priority first; KEYS[11+T..10+2T] jobs:{tier}
+-- KEYS[11+2T..10+3T] fq:{tier}; KEYS[11+3T..10+4T] fair:{tier}
+-- Fair queuing inside a tier (admit.lua queues): a tier's requests wait in
+-- fq:{tier}, scored by start tag (start-time fair queuing: a request's tag
+-- is the later of the tier's virtual time and its key's last finish tag,
+-- which its cost over its key's weight moves on), and are taken in tag
+-- order: each key gets the tier's slots in proportion to its weight, by
+-- cost, whatever the others send. The tier's virtual time becomes the tag
+-- of the last one taken; a key's state (waiting count, weight, finish tag)
+-- goes once it has nothing waiting, and the tier's once nothing of it waits.
+-- queue:{tier} (a list) is taken before it: a requeue puts envelopes at its
+-- front, and gateways of an earlier version queue there.
 -- A dispatcher takes nothing if the credit is no longer its own (it stalled
 -- past its heartbeat and the reaper returned the credit: a batch now would
 -- run beside the one another dispatcher forms with it), or if its worker's
@@ -90,18 +101,21 @@ local live_at = math.max(now, tonumber(time[1]) * 1000 + math.floor(tonumber(tim
 local credit = ARGV[3]
 local job_prefix, input_prefix = ARGV[6] .. 'job:', ARGV[6] .. 'input:'
 local first_queue = 11
-local ntiers = (#KEYS - first_queue + 1) / 2
+local ntiers = (#KEYS - first_queue + 1) / 4
 local first_job_queue = first_queue + ntiers
+local first_fair = first_queue + 2 * ntiers
+local first_state = first_queue + 3 * ntiers
 
 local function result(size, wait, gone, lost, batch)
   return {{}, 0, 0, 0, wait, 0, gone, size, lost, batch}
 end
 
-local function ring_if_waiting(first)
+local function ring_if_waiting(first, also)
   -- ring the doorbell (kept at one ring) if any of the tier queues from
-  -- KEYS[first] on holds work
+  -- KEYS[first] on (or from KEYS[also] on) holds work
   for i = 1, ntiers do
-    if redis.call('LLEN', KEYS[first + i - 1]) > 0 then
+    if redis.call('EXISTS', KEYS[first + i - 1]) == 1
+        or (also and redis.call('EXISTS', KEYS[also + i - 1]) == 1) then
       redis.call('LPUSH', doorbell, '1')
       redis.call('LTRIM', doorbell, 0, 0)
       return
@@ -184,7 +198,10 @@ if min_interval > 0 then
   local wait = last + min_interval - now
   if wait > 0 then
     local queued = 0
-    for i = 1, ntiers do queued = queued + redis.call('LLEN', KEYS[first_queue + i - 1]) end
+    for i = 1, ntiers do
+      queued = queued + redis.call('LLEN', KEYS[first_queue + i - 1])
+        + redis.call('ZCARD', KEYS[first_fair + i - 1])
+    end
     if queued > 0 and queued < n then
       if for_worker then offer_credit() return result(0, 0, 0, 0, false) end
       return result(0, wait, 0, 0, false)
@@ -217,12 +234,15 @@ local function drop_input(env)
   end
 end
 
+local considered = nil  -- the envelope consider() last read, if it read one
+
 local function consider(raw)
   -- one envelope off a queue: taken, or dropped and counted. (cjson stops
   -- reading at a NUL byte: what followed one, anything at all, would go
   -- into the batch unread. JSON escapes a NUL, so none is in an envelope.)
   local ok, env = false, nil
   if not string.find(raw, '\0', 1, true) then ok, env = pcall(cjson.decode, raw) end
+  considered = ok and type(env) == 'table' and env or nil
   if not ok or type(env) ~= 'table' or type(env.deadline_ms) ~= 'number'
       or type(env.id) ~= 'string' or type(env.gateway) ~= 'string'
       or not (type(env.input) == 'string'
@@ -275,20 +295,75 @@ end
 local function pop_from(queue, limit)
   -- The oldest envelopes are read a chunk at a time (no more than could be
   -- taken, so each one read leaves the queue) and trimmed off together.
+  -- Returns how many were taken.
   local got = 0
   while got < limit and #taken < n do
     local chunk = redis.call('LRANGE', queue, -math.min(limit - got, n - #taken), -1)
-    if #chunk == 0 then return end
+    if #chunk == 0 then break end
     for j = #chunk, 1, -1 do got = got + consider(chunk[j]) end
     redis.call('LTRIM', queue, 0, -(#chunk + 1))
   end
+  return got
+end
+
+local function left_fair_queue(state, left)
+  -- the keys whose requests left a tier's fair queue: their waiting counts
+  -- down; a key with none left waiting leaves the tier's active weight
+  -- (read and written whole: a planted value that is no number counts as none)
+  for key, count in pairs(left) do
+    local name = 'n:' .. key
+    local waiting = (tonumber(redis.call('HGET', state, name)) or 0) - count
+    if waiting > 0 then
+      redis.call('HSET', state, name, waiting)
+    else
+      local weight = tonumber(redis.call('HGET', state, 'w:' .. key)) or 0
+      local total = tonumber(redis.call('HGET', state, 'w')) or 0
+      redis.call('HDEL', state, name, 'w:' .. key, 'f:' .. key)
+      redis.call('HSET', state, 'w', math.max(total - weight, 0))
+    end
+  end
+end
+
+local function pop_fair(i, limit)
+  -- The lowest start tags of tier i's fair queue, a chunk at a time, as
+  -- pop_from; then the tier's virtual time and its keys' counts.
+  local queue, state = KEYS[first_fair + i - 1], KEYS[first_state + i - 1]
+  local got, tag, left = 0, nil, {}
+  while got < limit and #taken < n do
+    local chunk = redis.call('ZRANGE', queue, 0, math.min(limit - got, n - #taken) - 1, 'WITHSCORES')
+    if #chunk == 0 then break end
+    for j = 1, #chunk, 2 do
+      got = got + consider(chunk[j])
+      tag = chunk[j + 1]
+      local key = considered and considered.key_id
+      if type(key) == 'string' then left[key] = (left[key] or 0) + 1 end
+    end
+    redis.call('ZREMRANGEBYRANK', queue, 0, #chunk / 2 - 1)
+  end
+  if tag == nil then return got end
+  -- (a state of another type than a hash is not this script's: replaced)
+  local kind = redis.call('TYPE', state)['ok']
+  if redis.call('EXISTS', queue) == 0 or (kind ~= 'hash' and kind ~= 'none') then
+    redis.call('DEL', state)  -- nothing waits: the tier's virtual time starts over
+  else
+    redis.call('HSET', state, 'v', tag)
+    left_fair_queue(state, left)
+  end
+  return got
+end
+
+local function pop_tier(i, limit)
+  -- a tier's requests: a requeue's front (and an earlier version's queue)
+  -- first, then in fair order
+  local got = pop_from(KEYS[first_queue + i - 1], limit)
+  if got < limit then pop_fair(i, limit - got) end
 end
 
 for i = 1, ntiers do
-  if min_slots[i] > 0 then pop_from(KEYS[first_queue + i - 1], min_slots[i]) end
+  if min_slots[i] > 0 then pop_tier(i, min_slots[i]) end
 end
 for i = 1, ntiers do
-  pop_from(KEYS[first_queue + i - 1], n)
+  pop_tier(i, n)
 end
 if #taken < n and headroom >= 0 and (#taken > 0 or now - last >= quiet_ms
     or redis.call('LLEN', ready) >= headroom) then
@@ -300,7 +375,7 @@ if cancelled > 0 then redis.call('HINCRBY', stats, 'cancelled_dropped', cancelle
 if malformed > 0 then redis.call('HINCRBY', stats, 'malformed_dropped', malformed) end
 if check_cancelled then redis.call('ZREMRANGEBYSCORE', cancelled_set, '-inf', now) end
 
-if #taken >= n then ring_if_waiting(first_queue) end
+if #taken >= n then ring_if_waiting(first_queue, first_fair) end
 local batch = false
 if #taken > 0 then
   -- The batch's frame, as wire.encode_batch writes it: its head on a line,

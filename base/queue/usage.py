@@ -1,0 +1,118 @@
+"""Usage per key: what each key's answered requests cost, kept per hour.
+
+A worker charges every request of a batch it ran its share of the batch's
+measured backend time (the call's time split evenly over the requests that
+ran in it, in microseconds, so the shares add up to the call), with its input
+characters, in the transaction that answers the batch (``WorkerQueue``).
+One hash per hour, ``usage:{hour}``, with fields ``{tier}\\n{key}\\n{what}``
+(a key id may hold anything but a newline), kept for the policy's
+``usage.retention_days``; gateways add what they refused, per key, a few
+times a minute. Operators read it with ``GET /v1/admin/usage``.
+"""
+
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
+
+import msgspec
+from infergate.base.keys import Keys
+from infergate.base.queue.store import Store
+
+HOUR_MS = 3_600_000
+# What is counted per key and hour (a field's last part).
+WHAT = ("requests", "input_chars", "gpu_us", "refused")
+
+
+class Charge(NamedTuple):
+    """What one key's requests in one batch (or refused at one gateway) cost."""
+
+    key_id: str
+    tier: str
+    requests: int = 0
+    input_chars: int = 0
+    gpu_us: int = 0
+    refused: int = 0
+
+
+class KeyUsage(msgspec.Struct, frozen=True):
+    key_id: str
+    tier: str
+    requests: int
+    input_chars: int
+    gpu_ms: float
+    refused: int
+
+
+def shares(total_us: int, count: int) -> list[int]:
+    """``total_us`` split over ``count`` requests, in whole microseconds that
+    add up to it (the first ones get the remainder's microseconds)."""
+    if count <= 0:
+        return []
+    each, extra = divmod(max(total_us, 0), count)
+    return [each + (1 if i < extra else 0) for i in range(count)]
+
+
+def charge_commands(
+    keys: Keys, charges: Iterable[Charge], now_ms: int, retention_s: int
+) -> list[tuple[Any, ...]]:
+    """HINCRBYs on this hour's hash, and its expiry: for a transaction."""
+    key = keys.usage(now_ms // HOUR_MS)
+    commands: list[tuple[Any, ...]] = []
+    for c in charges:
+        head = f"{c.tier}\n{c.key_id}\n"
+        for what, amount in zip(WHAT, c[2:], strict=True):
+            if amount:
+                commands.append(("HINCRBY", key, head + what, amount))
+    if commands:
+        commands.append(("EXPIRE", key, retention_s))
+    return commands
+
+
+async def charge(store: Store, charges: Sequence[Charge], now_ms: int, retention_s: int) -> None:
+    """Add ``charges`` now, in one transaction (a gateway's refusals)."""
+    commands = charge_commands(store.keys, charges, now_ms, retention_s)
+    if not commands:
+        return
+    async with store.redis.pipeline(transaction=True) as pipe:
+        for command in commands:
+            pipe.execute_command(*command)
+        await pipe.execute()
+
+
+async def read(
+    store: Store, since_ms: int, until_ms: int, key_id: str | None = None
+) -> list[KeyUsage]:
+    """Every key's usage in the hours from ``since_ms`` to ``until_ms``
+    (whole hours: the hour ``since_ms`` falls in counts whole), most GPU time
+    first. A field that does not read as a count is skipped (Redis contents
+    are not trusted)."""
+    hours = range(since_ms // HOUR_MS, until_ms // HOUR_MS + 1)
+    async with store.redis.pipeline(transaction=False) as pipe:
+        for hour in hours:
+            pipe.hgetall(store.keys.usage(hour))
+        hashes = await pipe.execute(raise_on_error=False)
+    totals: dict[tuple[str, str], list[int]] = {}
+    for raw in hashes:
+        if not isinstance(raw, dict):
+            continue  # (a key of another type)
+        for field, value in raw.items():
+            parsed = _parse(field, value)
+            if parsed is None or (key_id is not None and parsed[1] != key_id):
+                continue
+            tier, key, what, amount = parsed
+            totals.setdefault((key, tier), [0] * len(WHAT))[WHAT.index(what)] += amount
+    rows = [
+        KeyUsage(key, tier, counts[0], counts[1], counts[2] / 1000.0, counts[3])
+        for (key, tier), counts in totals.items()
+    ]
+    return sorted(rows, key=lambda r: (-r.gpu_ms, -r.requests, r.key_id))
+
+
+def _parse(field: bytes, value: bytes) -> tuple[str, str, str, int] | None:
+    try:
+        text = field.decode()
+        tier, rest = text.split("\n", 1)
+        key, what = rest.rsplit("\n", 1)
+        amount = int(value)
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return (tier, key, what, amount) if what in WHAT else None

@@ -1,0 +1,94 @@
+"""``infergate usage``: what each key used (GET /v1/admin/usage), as a table.
+
+Reads a gateway's endpoint with an admin key (``--admin-key``, or the
+``INFERGATE_ADMIN_KEY`` environment variable, so the secret stays out of the
+process list), and prints one line per key, most first.
+"""
+
+import json
+import os
+import sys
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any
+
+COLUMNS = (
+    ("key_id", "KEY"),
+    ("tier", "TIER"),
+    ("requests", "REQUESTS"),
+    ("input_chars", "INPUT CHARS"),
+    ("gpu_ms", "GPU MS"),
+    ("refused", "REFUSED"),
+)
+
+
+def add_parser(sub: Any) -> None:
+    usage = sub.add_parser("usage", help="what each key used: requests, input characters, GPU time")
+    usage.add_argument("--url", default="http://127.0.0.1:8000", help="a gateway")
+    usage.add_argument("--admin-key", default=None, help="default: $INFERGATE_ADMIN_KEY")
+    usage.add_argument("--key-id", default=None, help="one key only")
+    usage.add_argument(
+        "--since", default=None, help="epoch seconds or ISO 8601 (default: a day ago)"
+    )
+    usage.add_argument(
+        "--sort", default="gpu_ms", choices=("gpu_ms", "requests", "input_chars", "refused")
+    )
+    usage.add_argument("--json", action="store_true", help="the endpoint's JSON as it is")
+
+
+def run(args: Any) -> int:
+    secret = args.admin_key or os.environ.get("INFERGATE_ADMIN_KEY")
+    if not secret:
+        print(
+            "infergate usage: give an admin key (--admin-key or INFERGATE_ADMIN_KEY)",
+            file=sys.stderr,
+        )
+        return 2
+    query = {"sort": args.sort}
+    query |= {k: v for k, v in (("key_id", args.key_id), ("since", args.since)) if v}
+    url = args.url.rstrip("/") + "/v1/admin/usage?" + urllib.parse.urlencode(query)
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {secret}"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            report = json.load(response)
+    except urllib.error.HTTPError as exc:
+        print(f"infergate usage: {exc.code} {_message(exc.read())}", file=sys.stderr)
+        return 1
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        print(f"infergate usage: cannot read {args.url}: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(report, indent=2) if args.json else table(report))
+    return 0
+
+
+def table(report: dict[str, Any]) -> str:
+    rows = [[_cell(row.get(field)) for field, _ in COLUMNS] for row in report.get("keys", [])]
+    heads = [head for _, head in COLUMNS]
+    widths = [max(len(c) for c in col) for col in zip(heads, *rows, strict=False)]
+    lines = [f"usage from {report.get('since')} to {report.get('until')}"]
+    for cells in [heads, *rows]:
+        lines.append(
+            "  ".join(
+                c.ljust(w) if i < 2 else c.rjust(w)
+                for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+            ).rstrip()
+        )
+    if not rows:
+        lines.append("(no usage in that time)")
+    return "\n".join(lines)
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:,.1f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def _message(body: bytes) -> str:
+    try:
+        return str(json.loads(body)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return body[:200].decode(errors="replace")

@@ -1,0 +1,278 @@
+"""Unit tests of capacity admission (``gateway/admission.py``): arithmetic on
+a fleet view set by hand, no Redis. A tier's requests are served at the rate
+the tiers above leave it (capacity less their arrival rate), after what is
+queued above, or at least at the rate of its reserved slots; its allowance is
+how many of its requests can wait within its budget less one batch time."""
+
+from collections.abc import Iterable
+from typing import cast
+
+import pytest
+from infergate.base.fleet import ArrivalRates, FleetView
+from infergate.base.queue.store import FleetSnapshot, Store
+from infergate.base.wire import Heartbeat
+from infergate.gateway.admission import Admission, Decision
+from infergate.policies import Policy, parse_policy
+
+from tests.helpers import as_yaml, policy
+
+INF = float("inf")
+
+
+def worker(n: int, batch_ms: float, draining: bool = False) -> Heartbeat:
+    return Heartbeat(
+        role="worker", id=f"w{n}", started_ms=0, beat_ms=0, batch_ms=batch_ms, draining=draining
+    )
+
+
+def gateway(n: int, beat_ms: int, enterprise: int = 0, paid: int = 0, free: int = 0) -> Heartbeat:
+    """A gateway's heartbeat: what it admitted per tier since it started."""
+    return Heartbeat(
+        role="gateway",
+        id=f"g{n}",
+        started_ms=0,
+        beat_ms=beat_ms,
+        admitted_by_tier=[enterprise, paid, free],
+    )
+
+
+def snapshot(
+    workers: Iterable[Heartbeat],
+    enterprise: int = 0,
+    paid: int = 0,
+    free: int = 0,
+    gateways: Iterable[Heartbeat] = (),
+) -> FleetSnapshot:
+    return FleetSnapshot(
+        workers=list(workers),
+        queue_depth={"enterprise": enterprise, "paid": paid, "free": free},
+        taken_ms=0,
+        gateways=list(gateways),
+    )
+
+
+def fleet(snap: FleetSnapshot | None) -> FleetView:
+    # Only refresh() touches the store, and these tests set the snapshot themselves.
+    view = FleetView(cast(Store, object()), refresh_ms=50)
+    view.snapshot = snap
+    return view
+
+
+def admission_policy(
+    *,
+    max_batch: int = 100,
+    utilization: float = 0.5,
+    free_share: float = 0.0,
+    budgets: dict[str, int] | None = None,
+) -> Policy:
+    tiers = {tier: {"latency_budget_ms": ms} for tier, ms in (budgets or {}).items()}
+    return parse_policy(
+        as_yaml(
+            policy(
+                max_batch_size=max_batch,
+                free_share=free_share,
+                capacity={"target_utilization": utilization},
+                tiers=tiers,
+            )
+        )
+    )
+
+
+def four_workers() -> list[Heartbeat]:
+    """4 x (100 / 0.25 s) = 1600 rps measured; at 0.5 utilization 800 rps planned."""
+    return [worker(i, 250.0) for i in range(4)]
+
+
+def wait_ms(ahead: float, rate: float, batch_ms: float = 250.0) -> float:
+    """The model: the requests ahead and this one at ``rate``, then its own batch."""
+    return (ahead + 1) / rate * 1000.0 + batch_ms
+
+
+def waits(admission: Admission, pol: Policy) -> dict[str, float]:
+    return {t: admission.estimate_wait_ms(pol, t) for t in ("enterprise", "paid", "free")}
+
+
+def test_capacity_is_max_batch_over_batch_time_of_serving_workers_times_utilization() -> None:
+    # 10 / 0.1 s = 100 rps, 10 / 0.2 s = 50 rps; the draining one (10 / 0.05 s =
+    # 200 rps) and the one that measured no batch time yet add nothing.
+    workers = [worker(1, 100.0), worker(2, 200.0), worker(3, 50.0, draining=True), worker(4, 0.0)]
+    view = fleet(snapshot(workers, enterprise=15))
+    assert view.capacity_rps(10) == pytest.approx(150.0)
+    assert view.batch_ms() == pytest.approx(150.0)  # mean of the serving, measured ones
+    admission = Admission(view)
+    half = admission_policy(max_batch=10, utilization=0.5)
+    assert admission.capacity_rps(half) == pytest.approx(75.0)
+    assert admission.capacity_rps(admission_policy(max_batch=10, utilization=1.0)) == (
+        pytest.approx(150.0)
+    )
+    # 15 queued and this one at 75 rps, then its batch: 213.3 + 150 ms.
+    assert admission.estimate_wait_ms(half, "enterprise") == pytest.approx(wait_ms(15, 75, 150))
+
+
+def test_draining_or_dead_workers_lower_capacity_and_raise_the_wait() -> None:
+    pol = admission_policy()
+    view = fleet(snapshot(four_workers(), enterprise=60))
+    admission = Admission(view)
+    assert admission.capacity_rps(pol) == pytest.approx(800.0)
+    assert admission.estimate_wait_ms(pol, "enterprise") == pytest.approx(wait_ms(60, 800))
+    # One starts draining: 3 x 400 x 0.5 = 600 rps.
+    drained = [*four_workers()[:3], worker(3, 250.0, draining=True)]
+    view.snapshot = snapshot(drained, enterprise=60)
+    assert admission.capacity_rps(pol) == pytest.approx(600.0)
+    assert admission.estimate_wait_ms(pol, "enterprise") == pytest.approx(wait_ms(60, 600))
+    # Two died (gone from the snapshot): 400 rps.
+    view.snapshot = snapshot(four_workers()[:2], enterprise=60)
+    assert admission.estimate_wait_ms(pol, "enterprise") == pytest.approx(wait_ms(60, 400))
+
+
+@pytest.mark.parametrize(
+    "snap",
+    [
+        None,
+        snapshot([]),
+        snapshot([worker(1, 250.0, draining=True), worker(2, 100.0, draining=True)]),
+        snapshot([worker(1, 0.0)]),
+    ],
+    ids=["no-snapshot", "no-workers", "all-draining", "no-batch-time-measured"],
+)
+def test_no_capacity_means_no_allowance_and_refusal_with_retry_after(
+    snap: FleetSnapshot | None,
+) -> None:
+    pol = admission_policy(budgets={"enterprise": 10_000, "paid": 10_000, "free": 10_000})
+    admission = Admission(fleet(snap))
+    assert admission.capacity_rps(pol) == 0.0
+    for tier in ("enterprise", "paid", "free"):
+        assert admission.estimate_wait_ms(pol, tier) == INF
+        assert admission.allowance(pol, tier) == 0.0
+        # No batch time is measured by any serving worker: retry after 100 ms.
+        assert admission.decide(pol, tier) == Decision(False, INF, 100, 0.0)
+
+
+def test_the_wait_counts_own_and_higher_tiers_only() -> None:
+    pol = admission_policy()
+    view = fleet(snapshot(four_workers(), enterprise=50, paid=25, free=25))
+    admission = Admission(view)
+    assert waits(admission, pol) == pytest.approx(
+        {"enterprise": wait_ms(50, 800), "paid": wait_ms(75, 800), "free": wait_ms(100, 800)}
+    )
+    # Lower tiers' queues do not delay a higher tier.
+    view.snapshot = snapshot(four_workers(), enterprise=50, paid=25, free=150)
+    assert waits(admission, pol) == pytest.approx(
+        {"enterprise": wait_ms(50, 800), "paid": wait_ms(75, 800), "free": wait_ms(225, 800)}
+    )
+
+
+def test_the_allowance_is_what_waits_within_the_budget_after_what_is_queued_above() -> None:
+    # Budgets 1,000 ms less a 250 ms batch: 0.75 s at 800 rps is 600 requests.
+    pol = admission_policy(budgets={"enterprise": 1000, "paid": 1000, "free": 1000})
+    view = fleet(snapshot(four_workers(), enterprise=100, paid=50, free=500))
+    admission = Admission(view)
+    assert admission.allowance(pol, "enterprise") == pytest.approx(600.0)
+    assert admission.allowance(pol, "paid") == pytest.approx(500.0)
+    # A tier's own queue is not in its allowance: its keys' shares are (admit.lua).
+    assert admission.allowance(pol, "free") == pytest.approx(450.0)
+    assert admission.decide(pol, "free") == Decision(True, 0.0, 0, pytest.approx(450.0))
+    # 600 queued above: nothing left.
+    view.snapshot = snapshot(four_workers(), enterprise=300, paid=300)
+    assert admission.allowance(pol, "free") == 0.0
+    refused = admission.decide(pol, "free")
+    assert not refused.admitted
+    assert refused.wait_ms == pytest.approx(wait_ms(600, 800))
+    # Retry after the excess over the budget, here under one batch time: that.
+    assert refused.retry_after_ms == 250
+    # What this gateway admitted since the view counts as queued above.
+    view.snapshot = snapshot(four_workers(), enterprise=300, paid=299)
+    assert admission.decide(pol, "free").admitted
+    admission.admitted("paid")
+    assert not admission.decide(pol, "free").admitted
+    admission.released("paid")
+    assert admission.decide(pol, "free").admitted
+
+
+def test_a_burst_the_fleet_clears_within_the_budget_is_admitted_whole() -> None:
+    """The issue's burst: 2 workers of about 1,000 rps, idle, then 400 requests
+    of all three tiers at once; free (500 ms, 5 % reserved) keeps room for
+    all of its third behind the other two thirds."""
+    pol = admission_policy(
+        free_share=0.05, budgets={"enterprise": 300, "paid": 1000, "free": 500}, utilization=0.85
+    )
+    view = fleet(snapshot([worker(1, 100.0), worker(2, 100.0)]))
+    admission = Admission(view)
+    for tier in ("enterprise", "paid", "free"):
+        for _ in range(133):
+            assert admission.decide(pol, tier).admitted, tier
+            admission.admitted(tier)
+    # 1,700 rps planned: 266 above free drain in 156 ms; 0.4 s leaves room for 414.
+    assert admission.allowance(pol, "free") == pytest.approx(0.4 * 1700 - 266)
+
+
+def test_the_arrival_rate_of_the_tiers_above_is_capacity_they_take() -> None:
+    """The issue's overload: 1 worker of batches of 10 (100 rps measured, 85
+    planned), enterprise arriving at 20 rps: free is served at 65 rps."""
+    pol = admission_policy(max_batch=10, utilization=0.85, budgets={"free": 500})
+    beats = [gateway(1, 0), gateway(2, 0)]
+    view = fleet(snapshot([worker(1, 100.0)], gateways=beats))
+    # Two gateways admit 10 enterprise requests a second each, 5 free.
+    for t in range(1, 11):
+        beats = [gateway(1, t * 100, enterprise=t, free=t // 2), gateway(2, t * 100, enterprise=t)]
+        view.snapshot = snapshot([worker(1, 100.0)], enterprise=2, free=3, gateways=beats)
+    assert view.arrival_rps("enterprise") == pytest.approx(20.0)
+    assert view.arrival_rps("free") == pytest.approx(50 / 9, rel=0.2)
+    admission = Admission(view)
+    # (500 - 100) ms at 65 rps, less the 2 queued above: 24 free requests.
+    assert admission.allowance(pol, "free") == pytest.approx(0.4 * 65 - 2)
+    assert admission.estimate_wait_ms(pol, "free") == pytest.approx(wait_ms(5, 65, 100))
+    # Enterprise's own rate does not count against it.
+    budget_ms = pol.tiers["enterprise"].latency_budget_ms
+    assert admission.allowance(pol, "enterprise") == pytest.approx((budget_ms - 100) / 1000 * 85)
+
+
+def test_arrival_rates_forget_gateways_gone_and_old_beats() -> None:
+    rates = ArrivalRates(3)
+    rates.update([gateway(1, 0, paid=0)])
+    rates.update([gateway(1, 500, paid=50)])
+    assert rates.rps == pytest.approx([0.0, 100.0, 0.0])
+    # A beat seen again changes nothing; one of an earlier version is not counted.
+    old = Heartbeat(role="gateway", id="g2", started_ms=0, beat_ms=500, admitted=10**6)
+    rates.update([gateway(1, 500, paid=50), old])
+    assert rates.rps == pytest.approx([0.0, 100.0, 0.0])
+    # Beats older than the window drop out: from 2,500 ms on the rate is 100 -> 100.
+    rates.update([gateway(1, 2_500, paid=250)])
+    rates.update([gateway(1, 3_000, paid=250)])
+    assert rates.rps == pytest.approx([0.0, 0.0, 0.0])
+    # A gateway gone from the view is forgotten; a restart's lower count is not negative.
+    rates.update([])
+    rates.update([gateway(1, 4_000, paid=0)])
+    rates.update([gateway(1, 4_500, paid=0)])
+    assert rates.rps == pytest.approx([0.0, 0.0, 0.0])
+
+
+@pytest.mark.parametrize(("share", "slots"), [(0.1, 10), (0.25, 25), (0.004, 1)])
+def test_a_tier_with_reserved_slots_always_has_their_rate(share: float, slots: int) -> None:
+    pol = admission_policy(free_share=share, budgets={"free": 1250})
+    assert pol.reserved_slots("free") == slots
+    # Far more queued above than the budget covers: free still gets its slots,
+    # 800 x slots / 100 rps for 1 s (1,250 ms less the batch).
+    view = fleet(snapshot(four_workers(), enterprise=6000, paid=4000, free=30))
+    admission = Admission(view)
+    assert admission.allowance(pol, "free") == pytest.approx(8.0 * slots)
+    assert admission.estimate_wait_ms(pol, "free") == pytest.approx(wait_ms(30, 8.0 * slots))
+    # Tiers without a share have none: paid waits behind enterprise's 6,000.
+    assert admission.allowance(pol, "paid") == 0.0
+
+
+def test_decide_counts_nothing() -> None:
+    pol = admission_policy(budgets={"enterprise": 500})
+    view = fleet(snapshot(four_workers(), enterprise=100))
+    admission = Admission(view)
+    before = admission.allowance(pol, "paid")
+    for _ in range(10):
+        admission.decide(pol, "enterprise")
+    assert admission.allowance(pol, "paid") == before
+    # The same view assigned again is not a new one: counts stay; a new one starts over.
+    admission.admitted("enterprise")
+    assert admission.allowance(pol, "paid") == before - 1
+    view.snapshot = view.snapshot
+    assert admission.allowance(pol, "paid") == before - 1
+    view.snapshot = snapshot(four_workers(), enterprise=100)
+    assert admission.allowance(pol, "paid") == before

@@ -1,0 +1,209 @@
+"""Fair queuing inside a tier (``admit.lua`` queues, ``take.lua`` takes), on a
+real Redis: the order batches are formed in is checked against a reference
+model of start-time fair queuing, written here in a few lines of Python, for
+sequences of admissions and takes that hypothesis makes up; and the key's
+share of its tier is checked where it refuses."""
+
+import asyncio
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from infergate.base import clock, wire
+from infergate.base.queue.dispatcher import DispatcherQueue
+from infergate.base.queue.forming import Rule
+from infergate.base.queue.gateway import GatewayQueue, Place
+from infergate.base.queue.store import Store
+
+from tests.helpers import queued
+
+WEIGHTS = {"a": 1.0, "b": 1.0, "c": 2.0, "d": 0.5}
+
+
+def envelope(n: int, key: str, tier: str = "paid") -> bytes:
+    now = clock.now_ms()
+    return wire.encode(wire.Envelope(f"r{n:04}", "gw", tier, key, f"in{n}", now, now + 60_000))
+
+
+@dataclass
+class Reference:
+    """Start-time fair queuing as take.lua and admit.lua keep it: a request's
+    start tag is the later of the tier's virtual time and its key's last
+    finish tag; requests leave in (tag, bytes) order; the virtual time is the
+    tag of the last one taken; a key with nothing waiting is forgotten, and so
+    is the tier once nothing of it waits."""
+
+    virtual: float = 0.0
+    finish: dict[str, float] = field(default_factory=dict)
+    waiting: dict[str, int] = field(default_factory=dict)
+    queue: list[tuple[float, bytes, str]] = field(default_factory=list)
+
+    def admit(self, key: str, cost: int, data: bytes) -> None:
+        start = max(self.virtual, self.finish.get(key, 0.0))
+        self.queue.append((start, data, key))
+        milli = round(WEIGHTS[key] * 1000)
+        self.finish[key] = start + cost * 1000 / max(milli, 1)
+        self.waiting[key] = self.waiting.get(key, 0) + 1
+
+    def take(self, n: int) -> list[bytes]:
+        self.queue.sort()
+        taken, self.queue = self.queue[:n], self.queue[n:]
+        if not taken:
+            return []
+        if not self.queue:
+            self.virtual, self.finish, self.waiting = 0.0, {}, {}
+        else:
+            self.virtual = taken[-1][0]
+            for _, _, key in taken:
+                self.waiting[key] -= 1
+                if self.waiting[key] == 0:
+                    del self.waiting[key], self.finish[key]
+        return [data for _, data, _ in taken]
+
+
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("admit"), st.sampled_from(sorted(WEIGHTS)), st.integers(1, 5000)),
+        st.tuples(st.just("take"), st.integers(1, 12), st.just(0)),
+    ),
+    min_size=1,
+    max_size=60,
+)
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(ops=OPS)
+def test_batches_follow_the_reference_model_of_fair_queuing(
+    redis_url: str, ops: list[tuple[str, str | int, int]]
+) -> None:
+    asyncio.run(_replay(redis_url, ops))
+
+
+async def _replay(redis_url: str, ops: list[tuple[str, str | int, int]]) -> None:
+    store = Store.connect(redis_url, "fq", name="test")
+    try:
+        await store.redis.flushdb()
+        await store.redis.set(store.keys.heartbeat("worker", "w1"), b"{}")
+        gateway, dispatcher = GatewayQueue(store, "gw"), DispatcherQueue(store, "d1")
+        model = Reference()
+        for i, (op, arg, cost) in enumerate(ops):
+            if op == "admit":
+                data = envelope(i, str(arg))
+                await gateway.enqueue("paid", data, place=Place(str(arg), cost, WEIGHTS[str(arg)]))
+                model.admit(str(arg), cost, data)
+            else:
+                await store.redis.rpush(store.keys.credits("d1"), "w1")
+                taken = await dispatcher.take(
+                    "w1", f"b{i}", clock.now_ms(), Rule(int(arg), 0, -1, min_slots=(0, 0, 0)), True
+                )
+                assert taken.envelopes == model.take(int(arg)), i
+                await store.redis.delete(store.keys.handoff("w1"))
+        # Whatever is left comes out in the model's order too, and leaves nothing.
+        await store.redis.rpush(store.keys.credits("d1"), "w1")
+        rest = await dispatcher.take(
+            "w1", "last", clock.now_ms(), Rule(100, 0, -1, min_slots=(0, 0, 0)), True
+        )
+        assert rest.envelopes == model.take(100)
+        assert not await store.redis.exists(store.keys.fair_state("paid"))
+    finally:
+        await store.close()
+
+
+@pytest.fixture
+async def store(redis_url: str):
+    s = Store.connect(redis_url, "fair", name="test")
+    await s.redis.set(s.keys.heartbeat("worker", "w1"), b"{}")
+    yield s
+    await s.close()
+
+
+async def take_ids(store: Store, n: int) -> list[str]:
+    await store.redis.rpush(store.keys.credits("d1"), "w1")
+    taken = await DispatcherQueue(store, "d1").take(
+        "w1", "b", clock.now_ms(), Rule(n, 0, -1, min_slots=(0, 0, 0)), True
+    )
+    await store.redis.delete(store.keys.handoff("w1"))
+    return [
+        wire.decode_envelope(e).key_id + ":" + wire.decode_envelope(e).id for e in taken.envelopes
+    ]
+
+
+async def test_a_key_that_arrives_behind_a_flood_is_served_in_the_next_batch_whole(
+    store: Store,
+) -> None:
+    gateway = GatewayQueue(store, "gw")
+    for i in range(100):
+        await gateway.enqueue("paid", envelope(i, "a"), place=Place("a", 10))
+    for i in range(100, 105):
+        await gateway.enqueue("paid", envelope(i, "b"), place=Place("b", 10))
+    # Nothing was served before b came: a and b in turn from the start, so
+    # b's five are all in the first batch, behind none of a's hundred.
+    first = await take_ids(store, 10)
+    assert [k.split(":")[0] for k in first] == ["a", "b"] * 5
+    second = await take_ids(store, 10)
+    assert [k.split(":")[0] for k in second] == ["a"] * 10
+    # One more b, after 20 were served: it starts at the tier's virtual time
+    # (the last tag taken, not behind a's queue) and goes first in the next batch.
+    await gateway.enqueue("paid", envelope(200, "b"), place=Place("b", 10))
+    third = await take_ids(store, 10)
+    assert [k.split(":")[0] for k in third][:3] == ["b", "a", "a"]
+    # Within a key, first come first served.
+    a_ids = [k for k in first + second + third if k.startswith("a:")]
+    assert a_ids == sorted(a_ids)
+
+
+async def test_weights_share_the_slots_and_costs_are_charged(store: Store) -> None:
+    gateway = GatewayQueue(store, "gw")
+    for i in range(60):
+        await gateway.enqueue("paid", envelope(i, "heavy"), place=Place("heavy", 10, weight=2.0))
+        await gateway.enqueue("paid", envelope(100 + i, "light"), place=Place("light", 10))
+        await gateway.enqueue("paid", envelope(200 + i, "long"), place=Place("long", 30))
+    counts = {"heavy": 0, "light": 0, "long": 0}
+    for _ in range(6):
+        for k in await take_ids(store, 10):
+            counts[k.split(":")[0]] += 1
+    # Weight 2 gets twice a 1's slots; inputs three times as long get a third.
+    assert counts == {"heavy": 36, "light": 18, "long": 6}
+
+
+async def test_a_key_is_refused_past_its_share_of_the_allowance_and_others_are_not(
+    store: Store,
+) -> None:
+    gateway = GatewayQueue(store, "gw")
+
+    async def admit(i: int, key: str, allowance: float, weight: float = 1.0) -> bool:
+        place = Place(key, 10, weight, allowance)
+        result = await gateway.admit([], "paid", envelope(i, key), place=place)
+        assert result.admitted != result.over_share
+        return result.admitted
+
+    # Alone, a key may hold the whole allowance.
+    assert [await admit(i, "a", 10) for i in range(11)] == [True] * 10 + [False]
+    # Another key arrives: it has half (a holds 10 already: over its new share).
+    assert [await admit(20 + i, "b", 10) for i in range(6)] == [True] * 5 + [False]
+    assert not await admit(30, "a", 10)
+    # A heavier key's share: 3 / (1 + 1 + 3) of 10 = 6.
+    assert [await admit(40 + i, "c", 10, weight=3.0) for i in range(7)] == [True] * 6 + [False]
+    # Every key may hold one, however small its share; no allowance, no check.
+    assert await admit(50, "d", 1)
+    assert await admit(51, "a", 0)
+    assert await queued(store, "paid") == 10 + 5 + 6 + 1 + 1
+    # Once its requests are taken, a key has room again.
+    await take_ids(store, 30)
+    assert await admit(60, "a", 10)
+
+
+async def test_a_fair_state_that_is_not_a_hash_starts_over(store: Store) -> None:
+    """Redis contents are not trusted: a planted state neither breaks nor blocks a tier."""
+    gateway = GatewayQueue(store, "gw")
+    await store.redis.set(store.keys.fair_state("paid"), "planted")
+    assert (await gateway.admit([], "paid", envelope(1, "a"), place=Place("a", 5, 1, 10))).admitted
+    await store.redis.hset(
+        store.keys.fair_state("paid"), mapping={"v": "x", "n:a": "[]", "w": "{}"}
+    )
+    assert (await gateway.admit([], "paid", envelope(2, "a"), place=Place("a", 5, 1, 10))).admitted
+    assert await take_ids(store, 10) == ["a:r0001", "a:r0002"]
+    assert not await store.redis.exists(store.keys.fair_state("paid"))

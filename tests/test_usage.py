@@ -1,0 +1,153 @@
+"""Usage per key: every answered request charged its share of its batch's
+backend time in the transaction that answers it, refusals added by the
+gateways; read back by GET /v1/admin/usage and `infergate usage`. Real
+processes on a real Redis."""
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+from infergate.base.queue import usage
+from infergate.base.queue.store import Store
+
+from tests.helpers import SECRETS, Cluster, auth, http, key_entry, policy_yaml, wait_for
+
+
+def test_shares_add_up_to_the_call() -> None:
+    assert usage.shares(100_000, 3) == [33_334, 33_333, 33_333]
+    assert sum(usage.shares(7, 5)) == 7
+    assert usage.shares(5, 0) == []
+
+
+async def test_read_skips_what_it_cannot_read(redis_url: str) -> None:
+    """Redis contents are not trusted: a field or value that is not a count,
+    or a key of another type, is skipped, never a 500."""
+    store = Store.connect(redis_url, "u", name="test")
+    try:
+        now_ms = 10 * usage.HOUR_MS + 5
+        charges = [usage.Charge("k|1", "paid", 2, 20, 1500), usage.Charge("k2", "free", refused=4)]
+        async with store.redis.pipeline(transaction=True) as pipe:
+            for command in usage.charge_commands(store.keys, charges, now_ms, 3600):
+                pipe.execute_command(*command)
+            await pipe.execute()
+        hour = store.keys.usage(10)
+        await store.redis.hset(hour, mapping={"junk": 1, "paid\nk|1\nrequests2": 1})
+        await store.redis.hset(hour, "paid\nk|1\ngpu_us", "NaN")  # (replaces the real one)
+        await store.redis.set(store.keys.usage(9), "a string")
+        rows = await usage.read(store, 9 * usage.HOUR_MS, now_ms)
+        assert rows == [
+            usage.KeyUsage("k|1", "paid", 2, 20, 0.0, 0),
+            usage.KeyUsage("k2", "free", 0, 0, 0.0, 4),
+        ]
+        assert 0 < await store.redis.ttl(hour) <= 3600
+        assert await usage.read(store, 9 * usage.HOUR_MS, now_ms, key_id="k2") == rows[1:]
+    finally:
+        await store.close()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, redis_url: str):
+    keys = (
+        key_entry("u1", "paid", "u1-secret"),
+        key_entry("u2", "free", "u2-secret"),
+        key_entry("u3", "paid", "u3-secret", rate_limits=["2/minute"]),
+    )
+    c = Cluster(tmp_path, redis_url, policy_yaml(extra_keys=keys), workers=2)
+    yield c
+    c.stop()
+
+
+def _gpu_ms_logged(c: Cluster) -> float:
+    """The workers' backend time, from their batch.done lines."""
+    total = 0
+    for worker in c.workers:
+        for line in worker.output().splitlines():
+            if '"batch.done"' in line:
+                total += json.loads(line)["infer_ms"]
+    return float(total)
+
+
+async def test_every_answered_request_is_charged_to_its_key(cluster: Cluster) -> None:
+    c = cluster
+    sends = [("u1-secret", i) for i in range(30)] + [("u2-secret", i) for i in range(10)]
+    sends += [("u3-secret", i) for i in range(5)]
+    async with aiohttp.ClientSession() as session:
+
+        async def one(secret: str, i: int) -> int:
+            async with session.post(
+                c.urls[0] + "/v1/inference",
+                json={"input": f"{secret}-{i}-" + "x" * i},
+                headers={"Authorization": "Bearer " + secret},
+            ) as r:
+                return r.status
+
+        statuses = await asyncio.gather(*(one(s, i) for s, i in sends))
+    assert statuses.count(429) == 3
+    assert statuses.count(200) == 42
+
+    def report() -> dict:
+        status, _, body = http("GET", c.urls[0] + "/v1/admin/usage", headers=auth("admin"))
+        assert status == 200, body
+        rows = {r["key_id"]: r for r in body["keys"]}
+        # (the gateway adds its refusals every 5 s; the answers are there at
+        # once, and the workers' log lines soon after them)
+        logged = _gpu_ms_logged(c)
+        total = sum(r["gpu_ms"] for r in body["keys"])
+        done = rows.get("u3", {}).get("refused") == 3 and abs(total - logged) < 1e-6
+        return body if done else {}
+
+    body = await asyncio.to_thread(wait_for, report, 20, "usage with the refusals, as logged")
+    rows = {r["key_id"]: r for r in body["keys"]}
+    assert set(rows) == {"u1", "u2", "u3"}
+    assert (rows["u1"]["tier"], rows["u1"]["requests"], rows["u1"]["refused"]) == ("paid", 30, 0)
+    assert rows["u1"]["input_chars"] == sum(len(f"u1-secret-{i}-") + i for i in range(30))
+    assert (rows["u2"]["requests"], rows["u3"]["requests"]) == (10, 2)
+    # The keys' GPU time adds up to the workers' backend time, to the microsecond.
+    total = sum(r["gpu_ms"] for r in body["keys"])
+    assert total == pytest.approx(_gpu_ms_logged(c), abs=1e-6)
+    assert all(r["gpu_ms"] > 0 for r in rows.values())
+    # One key, a sort, a start; a non-admin key, a bad start.
+    one_key = http("GET", c.urls[0] + "/v1/admin/usage?key_id=u2", headers=auth("admin"))[2]
+    assert [r["key_id"] for r in one_key["keys"]] == ["u2"]
+    by_refused = http("GET", c.urls[0] + "/v1/admin/usage?sort=refused", headers=auth("admin"))[2]
+    assert by_refused["keys"][0]["key_id"] == "u3"
+    since = http(
+        "GET", c.urls[0] + "/v1/admin/usage?since=2026-01-01T00:00Z", headers=auth("admin")
+    )
+    assert since[0] == 200
+    assert len(since[2]["keys"]) == 3
+    assert http("GET", c.urls[0] + "/v1/admin/usage", headers=auth("paid"))[0] == 403
+    bad = http("GET", c.urls[0] + "/v1/admin/usage?since=yesterday", headers=auth("admin"))
+    assert bad[0] == 400
+    assert "since" in bad[2]["error"]["message"]
+    assert http("GET", c.urls[0] + "/v1/admin/usage?sort=x", headers=auth("admin"))[0] == 400
+    # The command prints the same as a table; without an admin key it says so.
+    env = {**os.environ, "INFERGATE_ADMIN_KEY": SECRETS["admin"]}
+    out = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "infergate", "usage", "--url", c.urls[0]],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[1].split() == ["KEY", "TIER", "REQUESTS", "INPUT", "CHARS", "GPU", "MS", "REFUSED"]
+    assert [line.split()[0] for line in lines[2:]] == [r["key_id"] for r in body["keys"]]
+    env.pop("INFERGATE_ADMIN_KEY")
+    bare = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "infergate", "usage", "--url", c.urls[0]],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert bare.returncode == 2
+    assert "admin key" in bare.stderr
