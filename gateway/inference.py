@@ -337,7 +337,14 @@ class Inference:
         headers, or raises 429 (a limit) or 503 (the key's share)."""
         try:
             quota = await self.gw.quota.charge(
-                key, tier, input_chars, queue_on, envelope, beside, allowance
+                key,
+                tier,
+                input_chars,
+                queue_on,
+                envelope,
+                beside,
+                allowance,
+                self.gw.shares.recent_weight(key.tier) if allowance else 0.0,
             )
         except STORE_ERRORS as exc:
             error = self.gw.store_failed(exc)

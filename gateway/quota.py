@@ -88,16 +88,18 @@ class Quota:
         envelope: bytes = b"",
         beside: Beside | None = None,
         allowance: float = 0.0,
+        recent_weight: float = 0.0,
     ) -> QuotaResult:
         """Charge the request to its key's limits; with ``queue_on`` (a tier),
         queue ``envelope`` there too (and store its long input ``beside`` it),
         in the same step, if it was admitted: its key's limits have room, and
         the key holds less than its weight's share of ``allowance`` (or hand
-        it straight to an idle worker: ``GatewayQueue.admit``)."""
+        it straight to an idle worker: ``GatewayQueue.admit``). ``recent_weight``:
+        the weights of the tier's keys admitted lately (``Place``)."""
         charges = self.charges(key, tier, input_chars)
         if not charges and queue_on is None:
             return QuotaResult(True)
-        place = Place(key.id, max(1, input_chars), key.weight, allowance)
+        place = Place(key.id, max(1, input_chars), key.weight, allowance, recent_weight)
         admitted = await self.queue.admit(
             [c.counter for c in charges], queue_on, envelope, True, beside, place
         )
@@ -139,7 +141,7 @@ def _result(charges: list[Charge], admitted: Admitted) -> QuotaResult:
         reset_s = _left_s(charge, ttl_ms)
     if admitted.admitted:
         return QuotaResult(True, limit, remaining, reset_s)
-    charge, _, ttl_ms = next(w for w in windows if w[1] + w[0].counter.cost > w[0].counter.amount)
+    charge, _, ttl_ms = windows[max(admitted.refused_by, 0)]
     return QuotaResult(
         False,
         limit,

@@ -254,3 +254,26 @@ class _Names:
 
     def counter_key(self, name: str) -> str:
         return "rl:" + name
+
+
+async def test_a_window_refused_by_its_oldest_bucket_names_its_limit(store: Store) -> None:
+    """The last ten buckets have room, the eleven overlapping the window do
+    not (the limit and a tenth): 429 naming that limit, with the time until
+    the oldest bucket leaves, never an error."""
+    pol = free_tier(rate_limits=["10/minute"])
+    quota = quota_on(store)
+    key = key_of(pol, "fre")
+    (charge,) = quota.charges(key, pol.tiers["free"], 10)
+    for _ in range(3):  # (again if a 6 s bucket ended between the two steps)
+        now_s = (await store.redis.time())[0]
+        current = now_s * 10 // 60
+        await store.redis.delete(charge.counter.key)
+        await store.redis.hset(charge.counter.key, mapping={current - 10: 6, current: 5})
+        result = await quota.charge(key, pol.tiers["free"], 10)
+        if (await store.redis.time())[0] * 10 // 60 == current:
+            break
+    assert not result.allowed
+    assert result.refused_by == "10 per 1 minute (requests)"
+    assert result.remaining == 5  # the last ten buckets' room
+    assert result.retry_after_ms is not None
+    assert 0 < result.retry_after_ms <= 6_000  # the oldest bucket leaves within one

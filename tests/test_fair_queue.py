@@ -5,16 +5,22 @@ sequences of admissions and takes that hypothesis makes up; and the key's
 share of its tier is checked where it refuses."""
 
 import asyncio
+import time
 from dataclasses import dataclass, field
+from typing import cast
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from infergate.base import clock, wire
+from infergate.base.metrics import GatewayMetrics
 from infergate.base.queue.dispatcher import DispatcherQueue
 from infergate.base.queue.forming import Rule
 from infergate.base.queue.gateway import GatewayQueue, Place
 from infergate.base.queue.store import Store
+from infergate.gateway.shares import Shares
+from infergate.policies import KeyEntry
+from prometheus_client import CollectorRegistry
 
 from tests.helpers import queued
 
@@ -207,3 +213,30 @@ async def test_a_fair_state_that_is_not_a_hash_starts_over(store: Store) -> None
     assert (await gateway.admit([], "paid", envelope(2, "a"), place=Place("a", 5, 1, 10))).admitted
     assert await take_ids(store, 10) == ["a:r0001", "a:r0002"]
     assert not await store.redis.exists(store.keys.fair_state("paid"))
+
+
+async def test_keys_seen_lately_share_the_allowance_though_nothing_of_theirs_waits(
+    store: Store,
+) -> None:
+    """A quiet key's requests are taken as they come, so it seldom has any
+    waiting; the gateway's keys of the last second count all the same."""
+    gateway = GatewayQueue(store, "gw")
+    alone = Place("a", 10, 1.0, 10, recent_weight=1.0)
+    shared = Place("a", 10, 1.0, 10, recent_weight=2.0)
+    admitted = [
+        (await gateway.admit([], "paid", envelope(i, "a"), place=shared)).admitted for i in range(6)
+    ]
+    assert admitted == [True] * 5 + [False]
+    assert (await gateway.admit([], "paid", envelope(9, "a"), place=alone)).admitted
+
+
+def test_the_gateway_remembers_the_keys_of_the_last_second() -> None:
+    shares = Shares(cast(Store, object()), GatewayMetrics(CollectorRegistry()))
+    shares.admitted(KeyEntry("a", "paid", "0" * 64, weight=1.0))
+    shares.admitted(KeyEntry("b", "paid", "0" * 64, weight=2.0))
+    shares.admitted(KeyEntry("c", "free", "0" * 64))
+    now = time.monotonic()
+    assert shares.recent_weight("paid", lambda: now) == 3.0
+    assert shares.recent_weight("free", lambda: now) == 1.0
+    assert shares.recent_weight("paid", lambda: now + 0.05) == 3.0  # (at most every 100 ms)
+    assert shares.recent_weight("paid", lambda: now + 1.5) == 0.0

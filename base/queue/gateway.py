@@ -27,13 +27,15 @@ class Counter(NamedTuple):
 
 class Place(NamedTuple):
     """A request's place in its tier's fair queue (``admit.lua``): its key,
-    its cost, its key's weight, and how many of the tier's requests may wait
-    (the key may hold its weight's share of them; 0: no such check)."""
+    its cost, its key's weight, how many of the tier's requests may wait
+    (the key may hold its weight's share of them; 0: no such check), and
+    the weights of the keys seen lately, waiting or not (they share too)."""
 
     key_id: str = ""
     cost: int = 0
     weight: float = 1.0
     allowance: float = 0.0
+    recent_weight: float = 0.0
 
 
 ANYWHERE = Place()  # no key's place: no share check (tests, and what a tool queues)
@@ -50,6 +52,7 @@ class Admitted(NamedTuple):
     ttls_ms: list[int]
     handed: bool = False  # handed straight to an idle worker, not queued
     over_share: bool = False  # refused: its key already holds its share of the tier
+    refused_by: int = -1  # the first counter without room (its index), if any
 
 
 class ReplySubscription:
@@ -136,7 +139,13 @@ class GatewayQueue:
                 args += (beside.ttl_ms, beside.input)
             else:
                 args += (0, "")
-            args += (place.key_id, place.cost, round(place.weight * 1000), place.allowance)
+            args += (
+                place.key_id,
+                place.cost,
+                round(place.weight * 1000),
+                place.allowance,
+                round(place.recent_weight * 1000),
+            )
             if straight:
                 names += self._straight_keys
                 args += (
@@ -149,8 +158,15 @@ class GatewayQueue:
         reply = await self.store.pipelined.call(self.store.scripts.admit, names, args)
         if reply[2]:
             self._on_handed()
+        n = len(counters)
         return Admitted(
-            reply[0] == 1, int(reply[1]), reply[3::2], reply[4::2], bool(reply[2]), reply[0] == 2
+            reply[0] == 1,
+            int(reply[1]),
+            reply[3 : 3 + 2 * n : 2],
+            reply[4 : 4 + 2 * n : 2],
+            bool(reply[2]),
+            reply[0] == 2,
+            int(reply[3 + 2 * n]) - 1,
         )
 
     def stored(self, envelope: wire.Envelope) -> tuple[bytes, Beside | None]:

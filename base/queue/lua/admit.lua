@@ -18,8 +18,11 @@
 -- A key's share of its tier: the gateway says how many of the tier's
 -- requests can wait within its latency budget (the allowance; 0: no check);
 -- a key may have waiting at most its weight's share of that, among the keys
--- with requests waiting (itself included), and at least one. A key that
--- floods its tier is refused there while the others are not.
+-- with requests waiting (itself included), or those the gateway admitted in
+-- the last second if more (a key with nothing waiting now still takes its
+-- share of the slots: counting only the waiting ones would let a flooding key
+-- queue what the others' arrivals then delay past the budget), and at least
+-- one. A key that floods its tier is refused there while the others are not.
 -- Queued in fair order (take.lua): the request's start tag is the later of
 -- the tier's virtual time and its key's last finish tag; its finish tag is
 -- the start plus its cost over its key's weight.
@@ -42,26 +45,29 @@
 -- ARGV[3i], ARGV[3i+1], ARGV[3i+2] limit i's cost, amount and window (s)
 -- ARGV[3n+3] the input's time to live in ms (0: none stored beside)
 -- ARGV[3n+4] the input
--- ARGV[3n+5..3n+8] the key's id, the request's cost, the key's weight (in
---   thousandths), the tier's allowance (requests; 0: no share check)
--- ARGV[3n+9..3n+13] (to hand it straight) the batch id, who forms it (the
+-- ARGV[3n+5..3n+9] the key's id, the request's cost, the key's weight (in
+--   thousandths), the tier's allowance (requests; 0: no share check), the
+--   weights (thousandths) of the keys the gateway admitted in the last second
+-- ARGV[3n+10..3n+14] (to hand it straight) the batch id, who forms it (the
 --   gateway), now (epoch ms), the worker heartbeat key prefix, the worker
 --   hand-off list prefix (the batch goes to batches:{worker} of the worker
 --   whose credit paid for it: that worker, and no other, runs it)
 -- Returns {admitted (1; 0: over a limit; 2: over its key's share),
 --          queue depth (0 if nothing was queued), handed straight (1 or 0),
---          count_1, ttl_ms_1, ..., count_n, ttl_ms_n}: a window's last ten
+--          count_1, ttl_ms_1, ..., count_n, ttl_ms_n, the first limit
+--          without room (1-based; 0: none)}: a window's last ten
 -- buckets' sum after the charge (before it, if refused), and the ms until it has room again
 -- (refused) or until its oldest charge leaves it (-2: nothing charged).
 local n = tonumber(ARGV[1])
 local input_ttl = tonumber(ARGV[3 * n + 3] or '0') or 0
 local straight_from = input_ttl > 0 and n + 5 or n + 4
 local fa = 3 * n + 5  -- the first argument of the fair queue
-local sa = 3 * n + 9  -- the first argument to hand it straight
+local sa = 3 * n + 10  -- the first argument to hand it straight
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 local sums, ttls, buckets = {}, {}, {}
 local admitted = 1
+local refused_by = 0  -- the first limit without room (1-based; 0: none)
 
 local function window(key)
   -- the buckets of a limit still inside its window (index -> amount), in
@@ -123,6 +129,7 @@ for i = 1, n do
   end
   if cost > 0 and not room then
     admitted = 0
+    if refused_by == 0 then refused_by = i end
     ttls[i] = window_ms
     for later = current + 1, current + 11 do
       if fits(later) then
@@ -148,7 +155,8 @@ if queued and admitted == 1 then
   waiting, weights = tonumber(fair[3]) or 0, tonumber(fair[4]) or 0
   if allowance > 0 then
     local others = weights - (waiting > 0 and weight or 0)
-    local share = math.max(1, math.floor(allowance * weight / (math.max(others, 0) + weight)))
+    local sharing = math.max(math.max(others, 0) + weight, tonumber(ARGV[fa + 4]) or 0)
+    local share = math.max(1, math.floor(allowance * weight / sharing))
     if waiting + 1 > share then admitted = 2 end
   end
 end
@@ -236,4 +244,5 @@ for i = 1, n do
   reply[2 * i + 2] = sums[i]
   reply[2 * i + 3] = ttls[i]
 end
+reply[2 * n + 4] = refused_by
 return reply
