@@ -32,8 +32,12 @@ def env(i: int, tier: str, deadline_in_ms: int = 10_000) -> bytes:
 
 
 async def charged(q: "Faces", window: str) -> int:
-    """What a limit's sliding window holds (admit.lua): its buckets' sum."""
-    return sum(int(v) for v in await q.redis.hvals(window))
+    """What a limit's sliding window holds (admit.lua): its buckets' sum
+    (and it is the sum the window keeps, 's')."""
+    fields = await q.redis.hgetall(window)
+    buckets = sum(int(v) for k, v in fields.items() if k not in (b"l", b"s"))
+    assert buckets == int(fields.get(b"s", 0))
+    return buckets
 
 
 @dataclass
@@ -447,7 +451,7 @@ async def test_concurrent_admits_share_writes_and_each_gets_its_own_reply(q: Fac
     assert sum(r.admitted for r in replies) == 30
     # Each was charged in the order Redis ran it: counts 1..30, refused ones see 30.
     assert sorted(r.counts[0] for r in replies if r.admitted) == list(range(1, 31))
-    assert all(r.counts[0] == 30 and r.depth == 0 for r in replies if not r.admitted)
+    assert all(r.counts[0] == 30 and not r.queued for r in replies if not r.admitted)
     assert await queued(q.store, "free") == 30
     assert await charged(q, counter.key) == 30
     assert 60 < await q.redis.ttl(counter.key) <= 67  # a window and a tenth, and a second
@@ -810,27 +814,28 @@ async def test_a_leaving_worker_acks_and_takes_its_credit_back(q: Faces) -> None
 
 async def test_admit_starts_over_from_windows_it_cannot_trust(q: Faces) -> None:
     """Redis contents are not trusted: a window that is text, of another type,
-    or a hash of anything but bucket indices and integers starts over; a
-    bucket ahead of Redis's clock does not count (and goes); none blocks a key."""
-    names = ("text", "list", "field", "zeros", "ahead", "full")
+    a hash whose sum or newest bucket is no number, one without its newest
+    bucket, or one ahead of Redis's clock starts over; none blocks a key."""
+    names = ("text", "list", "sum", "newest", "missing", "ahead", "full")
     keys = [q.gateway.counter_key(name) for name in names]
     now_s = (await q.redis.time())[0]
     current = now_s * 10 // 60  # the bucket a 60 s window is in now
     await q.redis.set(keys[0], "abc")
     await q.redis.rpush(keys[1], "x")
-    await q.redis.hset(keys[2], "not a bucket", 1)
-    await q.redis.hset(keys[3], str(current), "007")
-    await q.redis.hset(keys[4], str(current + 100), 10)  # over its limit of 5, and ahead
-    counters = [Counter(k, 1, 5, 60) for k in keys[:5]]
+    await q.redis.hset(keys[2], mapping={"l": current, "s": "0x10", str(current): 5})
+    await q.redis.hset(keys[3], mapping={"l": "soon", "s": 5, str(current): 5})
+    await q.redis.hset(keys[4], mapping={"s": 5, str(current): 5})
+    await q.redis.hset(keys[5], mapping={"l": current + 100, "s": 10, str(current + 100): 10})
+    counters = [Counter(k, 1, 5, 60) for k in keys[:6]]
     admitted = await q.gateway.admit(counters, "free", env(1, "free"))
     assert admitted.admitted
-    assert admitted.counts == [1, 1, 1, 1, 1]
-    assert all([await charged(q, k) == 1 for k in keys[:5]])
-    assert all([0 < await q.redis.ttl(k) <= 67 for k in keys[:5]])
-    # A bucket that is the limit, planted without a TTL: refused, until it
-    # leaves the window (it is no longer counted then, and deleted).
-    await q.redis.hset(keys[5], str(current), 5)
-    refused = await q.gateway.admit([Counter(keys[5], 1, 5, 60)])
+    assert admitted.counts == [1] * 6
+    assert all([await charged(q, k) == 1 for k in keys[:6]])
+    assert all([0 < await q.redis.ttl(k) <= 67 for k in keys[:6]])
+    # A window at its limit, planted without a TTL: refused, until its
+    # bucket leaves the window (it is no longer counted then, and deleted).
+    await q.redis.hset(keys[6], mapping={"l": current, "s": 5, str(current): 5})
+    refused = await q.gateway.admit([Counter(keys[6], 1, 5, 60)])
     assert not refused.admitted
     assert 0 < refused.ttls_ms[0] <= 66_000
 

@@ -45,7 +45,7 @@ class Admitted(NamedTuple):
     """What ``admit`` did: charged (and queued) or not, and each window after it."""
 
     admitted: bool
-    depth: int
+    queued: bool  # onto its tier's fair queue (not when refused, or handed straight)
     counts: list[int]  # each window's sum (after the charge, if admitted)
     # ms until each window has room again (refused), or until its oldest
     # charge leaves it; negative: nothing charged in it
@@ -161,7 +161,7 @@ class GatewayQueue:
         n = len(counters)
         return Admitted(
             reply[0] == 1,
-            int(reply[1]),
+            bool(reply[1]),
             reply[3 : 3 + 2 * n : 2],
             reply[4 : 4 + 2 * n : 2],
             bool(reply[2]),
@@ -175,10 +175,10 @@ class GatewayQueue:
 
     async def enqueue(
         self, tier: str, envelope: bytes, beside: Beside | None = None, place: Place = ANYWHERE
-    ) -> int:
+    ) -> bool:
         """Queue an envelope (and store its long input beside it) and wake a
-        dispatcher; returns the depth of the tier's fair queue."""
-        return (await self.admit((), tier, envelope, beside=beside, place=place)).depth
+        dispatcher; returns whether it was queued (or handed to an idle worker)."""
+        return (await self.admit((), tier, envelope, beside=beside, place=place)).queued
 
     async def enqueue_job(
         self, envelope: wire.Envelope, max_queued: int, result_ttl_ms: int

@@ -3,7 +3,9 @@
 -- doorbell: one step, one round trip.
 -- Each limit is a sliding window of ten buckets: a hash (field: the bucket's
 -- index, t * 10 // window; value: what was charged in it) that holds every
--- bucket overlapping the last window (eleven: the oldest one in full). A
+-- bucket overlapping the last window (eleven: the oldest one in full), with
+-- their sum ('s') as of the newest bucket ('l'): a request reads three fields
+-- (and, once a bucket, the ones that left). A
 -- request is admitted while the eleven buckets' sum plus its cost stays
 -- within the limit plus a tenth (floor), and the last ten buckets' within the
 -- limit: every span of one window lies inside the eleven buckets counted when
@@ -53,7 +55,7 @@
 --   hand-off list prefix (the batch goes to batches:{worker} of the worker
 --   whose credit paid for it: that worker, and no other, runs it)
 -- Returns {admitted (1; 0: over a limit; 2: over its key's share),
---          queue depth (0 if nothing was queued), handed straight (1 or 0),
+--          queued (1 or 0), handed straight (1 or 0),
 --          count_1, ttl_ms_1, ..., count_n, ttl_ms_n, the first limit
 --          without room (1-based; 0: none)}: a window's last ten
 -- buckets' sum after the charge (before it, if refused), and the ms until it has room again
@@ -69,73 +71,97 @@ local sums, ttls, buckets = {}, {}, {}
 local admitted = 1
 local refused_by = 0  -- the first limit without room (1-based; 0: none)
 
-local function window(key)
-  -- the buckets of a limit still inside its window (index -> amount), in
-  -- order of index; older ones are deleted; anything unreadable starts over
-  local raw = redis.pcall('HGETALL', key)
-  if type(raw) ~= 'table' or raw.err then redis.call('DEL', key) return {}, {} end
-  local amounts, order = {}, {}
-  for j = 1, #raw, 2 do
-    local index, amount = raw[j], raw[j + 1]
-    -- (integers as HINCRBY writes them: no leading zeros, 18 digits at most)
-    if not (string.match(index, '^%d+$') and #index <= 15 and #amount <= 18
-        and (amount == '0' or string.match(amount, '^%-?[1-9]%d*$'))) then
-      redis.call('DEL', key)
-      return {}, {}
-    end
-    amounts[tonumber(index)] = tonumber(amount)
-    order[#order + 1] = tonumber(index)
+local function number(raw)
+  -- a count as HINCRBY writes it, or nil if it is not one (planted: text,
+  -- '0x10', ' 5', '1e3', 'nan', or past 18 digits)
+  if type(raw) == 'string' and not (#raw <= 18 and string.find(raw, '^%-?%d+$')) then
+    return nil
   end
-  table.sort(order)
-  return amounts, order
+  return tonumber(raw)
 end
 
+local function window(key, current)
+  -- the eleven buckets' sum as of bucket `current`, and what the oldest of
+  -- them holds (so the last ten's is the difference). The buckets that left
+  -- since the sum was last moved on are deleted and taken off it (with
+  -- the window's expiry set again); a hash that cannot be read, or holds
+  -- anything but counts there, starts over, empty.
+  local raw = redis.pcall('HMGET', key, 'l', 's', tostring(current - 10))
+  if type(raw) ~= 'table' or raw.err then
+    redis.call('DEL', key)
+    return 0, 0, true
+  end
+  if not raw[1] then
+    -- new (or planted without its newest bucket: it starts over)
+    if raw[2] or raw[3] then redis.call('DEL', key) end
+    return 0, 0, true
+  end
+  local last, sum, oldest = number(raw[1]), number(raw[2] or 0), number(raw[3] or 0)
+  if last == nil or sum == nil or oldest == nil or last > current then
+    -- (one ahead of Redis's clock, which stepped back, would count until
+    -- the clock reached it)
+    redis.call('DEL', key)
+    return 0, 0, true
+  end
+  if last == current then return sum, oldest, false end
+  -- buckets last - 10 .. current - 11 left the window (those past last are empty)
+  local left = {}
+  for index = last - 10, math.min(current - 11, last) do left[#left + 1] = tostring(index) end
+  if #left > 0 then
+    local amounts = redis.call('HMGET', key, unpack(left))
+    for j = 1, #left do
+      local amount = number(amounts[j] or 0)
+      if amount == nil then
+        redis.call('DEL', key)
+        return 0, 0, true
+      end
+      sum = sum - amount
+    end
+    redis.call('HDEL', key, unpack(left))
+  end
+  return sum, oldest, true
+end
+
+local function room(key, current, cost, amount, eleven, ten, window_ms)
+  -- Whether a request of `cost` fits now; if not, the ms until it would
+  -- (reading every bucket: only when refused).
+  local allowed = amount + math.floor(amount / 10)
+  if eleven + cost <= allowed and ten + cost <= amount then return true, 0 end
+  local fields = {}
+  for j = 1, 11 do fields[j] = tostring(current - 11 + j) end
+  local amounts = redis.call('HMGET', key, unpack(fields))
+  for later = 1, 11 do
+    local e, t = 0, 0
+    for j = 1 + later, 11 do
+      local a = number(amounts[j] or 0) or 0
+      e = e + a
+      if j >= 2 + later then t = t + a end
+    end
+    if e + cost <= allowed and t + cost <= amount then
+      return false, math.ceil((current + later) * window_ms / 10) - now
+    end
+  end
+  return false, -1
+end
+
+local windows = {}
 for i = 1, n do
   local key, cost = KEYS[i], tonumber(ARGV[3 * i])
   local amount, window_ms = tonumber(ARGV[3 * i + 1]), tonumber(ARGV[3 * i + 2]) * 1000
   local current = math.floor(now * 10 / window_ms)
-  local amounts, order = window(key)
-  local stale, kept = {}, {}
-  for _, index in ipairs(order) do
-    -- (one ahead of Redis's clock, which stepped back, is stale too: it
-    -- would count for as long as the clock takes to reach it)
-    if index < current - 10 or index > current then
-      stale[#stale + 1] = index
-    else
-      kept[#kept + 1] = index
-    end
-  end
-  if #stale > 0 then redis.call('HDEL', key, unpack(stale)) end
-  local function fits(from)
-    -- would the request fit once bucket `from` is the current one? (the
-    -- eleven buckets within the limit and a tenth, the last ten within it)
-    local eleven, ten = 0, 0
-    for _, index in ipairs(kept) do
-      if index >= from - 10 then eleven = eleven + amounts[index] end
-      if index >= from - 9 then ten = ten + amounts[index] end
-    end
-    return eleven + cost <= amount + math.floor(amount / 10) and ten + cost <= amount, ten
-  end
-  local room, ten = fits(current)
+  local eleven, oldest, moved = window(key, current)
+  local ten = eleven - oldest
+  windows[i] = {eleven, moved, window_ms}
   sums[i], buckets[i] = ten, current
-  -- until its oldest charge in the last ten buckets leaves them (admitted:
-  -- the remaining count grows then), or until it has room (refused)
-  ttls[i] = -2
-  for _, index in ipairs(kept) do
-    if index >= current - 9 then
-      ttls[i] = math.ceil((index + 10) * window_ms / 10) - now
-      break
-    end
-  end
-  if cost > 0 and not room then
-    admitted = 0
-    if refused_by == 0 then refused_by = i end
-    ttls[i] = window_ms
-    for later = current + 1, current + 11 do
-      if fits(later) then
-        ttls[i] = math.ceil(later * window_ms / 10) - now
-        break
-      end
+  -- until the window is as it was before any charge: the current bucket
+  -- leaves the last ten (the x-ratelimit-reset-requests header)
+  ttls[i] = eleven ~= 0 and math.ceil((current + 10) * window_ms / 10) - now or -2
+  if cost > 0 then
+    local fits, wait = room(key, current, cost, amount, eleven, ten, window_ms)
+    if not fits then
+      admitted = 0
+      if refused_by == 0 then refused_by = i end
+      ttls[i] = wait >= 0 and wait or window_ms
     end
   end
 end
@@ -217,17 +243,30 @@ local function queue_fairly()
   end
   redis.call('LPUSH', KEYS[n + 2], '1')
   redis.call('LTRIM', KEYS[n + 2], 0, 0)
-  return redis.call('ZCARD', fq)
+  return 1
 end
 
 local reply = {admitted, 0, 0}
 if admitted == 1 then
   for i = 1, n do
     local key, cost_i = KEYS[i], tonumber(ARGV[3 * i])
-    redis.call('HINCRBY', key, buckets[i], cost_i)
+    local eleven, moved, window_ms = windows[i][1], windows[i][2], windows[i][3]
+    local bucket = tostring(buckets[i])
+    -- (a value HINCRBY cannot add to, planted: the window starts over)
+    if type(redis.pcall('HINCRBY', key, bucket, cost_i)) ~= 'number' then
+      redis.call('DEL', key)
+      redis.call('HINCRBY', key, bucket, cost_i)
+      eleven, moved = 0, true
+    end
+    if moved then
+      redis.call('HSET', key, 's', eleven + cost_i, 'l', bucket)
+      -- (a charge in bucket b leaves the window at (b + 11) tenths: 1.1
+      -- windows from the start of b at most)
+      redis.call('PEXPIRE', key, math.ceil(window_ms * 11 / 10) + 1000)
+    else
+      redis.call('HINCRBY', key, 's', cost_i)
+    end
     sums[i] = sums[i] + cost_i
-    local window_ms = tonumber(ARGV[3 * i + 2]) * 1000
-    redis.call('PEXPIRE', key, math.ceil(window_ms * 11 / 10) + 1000)
     if ttls[i] < 0 then ttls[i] = math.ceil((buckets[i] + 10) * window_ms / 10) - now end
   end
   if input_ttl > 0 then redis.call('SET', KEYS[n + 4], ARGV[3 * n + 4], 'PX', input_ttl) end
