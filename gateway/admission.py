@@ -12,6 +12,12 @@ batch time, its own batch's) is its *allowance*:
 
     max(budget * (C - arrivals above) - queued above,  budget * C * slots / batch)
 
+The tiers' arrival rates are the larger of the fleet's (heartbeats: seconds
+old) and this gateway's own over the last half second times the gateways
+alive (at once): when overload starts, the tiers above are seen taking the
+fleet within a fleet view, before a lower tier has queued more than its
+budget can serve at its reserved rate.
+
 A tier whose allowance is under one request is refused here, with no Redis
 round trip. Inside a tier, requests are served in fair order (``take.lua``),
 so a key waits behind its own queue over its weight's share of the tier,
@@ -22,8 +28,10 @@ a key that floods is the one refused; when workers die, ``C`` drops within a
 heartbeat TTL and every allowance with it.
 """
 
+from collections import deque
 from dataclasses import dataclass
 
+from infergate.base import clock
 from infergate.base.fleet import FleetView
 from infergate.base.tiers import TIERS
 from infergate.policies import Policy
@@ -43,6 +51,11 @@ class Admission:
         self.fleet = fleet
         self._snapshot_seen: object = None
         self._admitted_since: dict[str, int] = dict.fromkeys(TIERS, 0)
+        # What this gateway let in per tier, running, sampled at each new view
+        # (monotonic s, counts) for its own arrival rates.
+        self._counted = dict.fromkeys(TIERS, 0)
+        self._samples: deque[tuple[float, dict[str, int]]] = deque()
+        self._local_rps = dict.fromkeys(TIERS, 0.0)
 
     def capacity_rps(self, policy: Policy) -> float:
         """Planned capacity: measured (serving workers only) x target utilization."""
@@ -55,6 +68,20 @@ class Admission:
         if snapshot is not self._snapshot_seen:
             self._snapshot_seen = snapshot
             self._admitted_since = dict.fromkeys(TIERS, 0)
+            self._sample(1 if snapshot is None else max(1, len(snapshot.gateways)))
+
+    def _sample(self, gateways: int) -> None:
+        """This gateway's arrival rates over the last half second, times the
+        gateways alive (requests spread over them)."""
+        now = clock.monotonic_s()
+        self._samples.append((now, dict(self._counted)))
+        while now - self._samples[0][0] > 0.5:
+            self._samples.popleft()
+        first_s, first = self._samples[0]
+        span_s = now - first_s
+        for t in TIERS:
+            rate = (self._counted[t] - first[t]) / span_s if span_s >= 0.04 else 0.0
+            self._local_rps[t] = rate * gateways
 
     def _queued(self, tier: str) -> tuple[int, int]:
         """(requests queued in the tiers above ``tier``, in ``tier``): the
@@ -76,7 +103,7 @@ class Admission:
         for t in TIERS:
             if t == tier:
                 break
-            above += self.fleet.arrival_rps(t)
+            above += max(self.fleet.arrival_rps(t), self._local_rps[t])
         reserved = capacity * policy.reserved_slots(tier) / policy.document.batching.max_batch_size
         return capacity - above, reserved
 
@@ -112,12 +139,14 @@ class Admission:
         one go counts the ones decided before it."""
         self._sync()
         self._admitted_since[tier] += 1
+        self._counted[tier] += 1
 
     def released(self, tier: str) -> None:
         """A request counted by ``admitted`` was not queued after all (its
         quota refused it, or Redis failed)."""
         self._sync()
         self._admitted_since[tier] = max(0, self._admitted_since[tier] - 1)
+        self._counted[tier] -= 1
 
     def decide(self, policy: Policy, tier: str) -> Decision:
         """May a request of ``tier`` wait now? (Counts nothing.)"""

@@ -276,3 +276,33 @@ def test_decide_counts_nothing() -> None:
     assert admission.allowance(pol, "paid") == before - 1
     view.snapshot = snapshot(four_workers(), enterprise=100)
     assert admission.allowance(pol, "paid") == before
+
+
+def test_this_gateways_own_arrivals_count_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before the gateways' heartbeats show the tiers above arriving (they
+    are seconds behind), this gateway's own rate over the last half second,
+    times the gateways alive, counts: overload is seen within a fleet view."""
+    from infergate.base import clock
+
+    now = [100.0]
+    monkeypatch.setattr(clock, "monotonic_s", lambda: now[0])
+    pol = admission_policy(max_batch=10, utilization=0.85, free_share=0.05, budgets={"free": 500})
+    beats = [gateway(1, 0), gateway(2, 0)]
+    view = fleet(snapshot([worker(1, 100.0)], gateways=beats))
+    admission = Admission(view)
+    reserved_only = 0.4 * 85 * 1 / 10
+    assert admission.allowance(pol, "free") == pytest.approx(0.4 * 85)
+    # 10 enterprise requests every 50 ms here (200 rps), 400 with two gateways.
+    for _ in range(6):
+        now[0] += 0.05
+        for _ in range(10):
+            admission.admitted("enterprise")
+        view.snapshot = snapshot([worker(1, 100.0)], gateways=beats)
+    assert view.arrival_rps("enterprise") == 0.0  # (the heartbeats say nothing yet)
+    assert admission.allowance(pol, "free") == pytest.approx(reserved_only)
+    # Half a second later with nothing more, the rate is gone again.
+    now[0] += 0.6
+    view.snapshot = snapshot([worker(1, 100.0)], gateways=beats)
+    view.snapshot = snapshot([worker(1, 100.0)], gateways=beats)
+    admission.decide(pol, "free")
+    assert admission.allowance(pol, "free") == pytest.approx(0.4 * 85)
