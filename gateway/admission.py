@@ -13,8 +13,8 @@ batch time, its own batch's) is its *allowance*:
     max(budget * (C - arrivals above) - queued above,  budget * C * slots / batch)
 
 The tiers' arrival rates are the larger of the fleet's (heartbeats: seconds
-old) and this gateway's own over the last half second times the gateways
-alive (at once): when overload starts, the tiers above are seen taking the
+old) and this gateway's own in the last half second (over half a second) times
+the gateways alive (at once): when overload starts, the tiers above are seen taking the
 fleet within a fleet view, before a lower tier has queued more than its
 budget can serve at its reserved rate.
 
@@ -77,11 +77,11 @@ class Admission:
         self._samples.append((now, dict(self._counted)))
         while now - self._samples[0][0] > 0.5:
             self._samples.popleft()
-        first_s, first = self._samples[0]
-        span_s = now - first_s
+        first = self._samples[0][1]
         for t in TIERS:
-            rate = (self._counted[t] - first[t]) / span_s if span_s >= 0.04 else 0.0
-            self._local_rps[t] = rate * gateways
+            # (over the whole half second, however short the span sampled: a
+            # burst let in at once is a burst, queued above, not a rate)
+            self._local_rps[t] = (self._counted[t] - first[t]) / 0.5 * gateways
 
     def _queued(self, tier: str) -> tuple[int, int]:
         """(requests queued in the tiers above ``tier``, in ``tier``): the
