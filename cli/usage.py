@@ -49,8 +49,10 @@ def run(args: Any) -> int:
     query |= {k: v for k, v in (("key_id", args.key_id), ("since", args.since)) if v}
     url = args.url.rstrip("/") + "/v1/admin/usage?" + urllib.parse.urlencode(query)
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {secret}"})
+    # (a redirect is not followed: it would carry the admin key to wherever it points)
+    opener = urllib.request.build_opener(_NoRedirect)
     try:
-        with urllib.request.urlopen(request, timeout=10) as response:
+        with opener.open(request, timeout=10) as response:
             report = json.load(response)
     except urllib.error.HTTPError as exc:
         print(f"infergate usage: {exc.code} {_message(exc.read())}", file=sys.stderr)
@@ -60,6 +62,11 @@ def run(args: Any) -> int:
         return 1
     print(json.dumps(report, indent=2) if args.json else table(report))
     return 0
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
 
 
 def table(report: dict[str, Any]) -> str:

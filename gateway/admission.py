@@ -114,10 +114,13 @@ class Admission:
     def allowance(self, policy: Policy, tier: str) -> float:
         """How many of ``tier``'s requests can wait now and be answered within its budget."""
         left, reserved = self._rates(policy, tier)
-        above, _ = self._queued(tier)
+        above, own = self._queued(tier)
         budget_s = self._budget_s(policy, tier)
         by_priority = budget_s * left - above if left > 0 else 0.0
-        return max(by_priority, budget_s * reserved, 0.0)
+        # (with nothing queued at or above it, one goes at once, whatever
+        # the budget: a budget under one batch time never closes a tier)
+        idle = 1.0 if above + own == 0 and self.capacity_rps(policy) > 0 else 0.0
+        return max(by_priority, budget_s * reserved, idle)
 
     def estimate_wait_ms(self, policy: Policy, tier: str) -> float:
         """The expected latency of one more request of ``tier`` behind all of

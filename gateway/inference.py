@@ -15,7 +15,7 @@ import msgspec
 from infergate.base import clock, logs, tracing, wire
 from infergate.base.errors import STORE_ERRORS
 from infergate.base.metrics import NO_TIER
-from infergate.base.queue.gateway import GatewayQueue
+from infergate.base.queue.gateway import GatewayQueue, Place
 from infergate.base.queue.inputs import Beside
 from infergate.gateway.api import (
     BadRequestBody,
@@ -196,7 +196,7 @@ class Inference:
             headers = await self.charge_quota(key, tier, len(body.input))
             self.gw.metrics.cache_hits.labels(key.tier).inc()
             return self._response(call, started, key, cached), headers
-        allowance = self._check_capacity(policy, key)
+        allowance = check_capacity(self.gw, policy, key)
         deadline_ms = (
             tier.deadline_ms if body.timeout_ms is None else min(tier.deadline_ms, body.timeout_ms)
         )
@@ -272,43 +272,12 @@ class Inference:
     def _remaining_s(request: "Request") -> float:
         return request.deadline_ms / 1000.0 - clock.elapsed_s(request.started)
 
-    def _check_capacity(self, policy: Policy, key: KeyEntry) -> float:
-        """Redis and a worker are there, and the tier has room within its
-        budget: how many of its requests may wait (its allowance; a key's
-        share of it is checked with the charge, ``admit.lua``). A local
-        estimate with no Redis round trip, made before the quota is charged,
-        so under overload a refusal costs next to nothing."""
-        gw, tier_name = self.gw, key.tier
-        if gw.store.full:
-            gw.count_refused(key, "redis_full", for_capacity=False)
-            raise redis_full()
-        if not gw.ready_for_replies():
-            gw.count_refused(key, "redis", for_capacity=False)
-            raise redis_unreachable()
-        if gw.fleet.workers_alive == 0:
-            gw.count_refused(key, "no_worker")
-            raise ApiError(
-                "SERVICE_OVERLOADED", "no healthy worker is available", RETRY_NO_WORKER_MS
-            )
-        decision = gw.admission.decide(policy, tier_name)
-        if not decision.admitted:
-            gw.count_refused(key, "capacity")
-            budget_ms = policy.tiers[tier_name].latency_budget_ms
-            raise ApiError(
-                "SERVICE_OVERLOADED",
-                f"the {tier_name} tier is at capacity: about {decision.wait_ms:.0f} ms of work is "
-                f"queued ahead, over its {budget_ms} ms budget",
-                decision.retry_after_ms,
-            )
-        gw.admission.admitted(tier_name)
-        return decision.allowance
-
     async def _admit(self, request: "Request", envelope: wire.Envelope | None = None) -> None:
         """Charge the request's quota, once, and queue its envelope (when it
         has one): the two in one round trip the first time."""
         if request.quota_headers is not None:
             if envelope is not None:
-                await self._enqueue(envelope)
+                await self._enqueue(envelope, request.key, len(request.text))
             return
         key, queue_on = request.key, None if envelope is None else envelope.tier
         data, beside = (b"", None) if envelope is None else self.gw.queue.stored(envelope)
@@ -353,7 +322,8 @@ class Inference:
             raise error from exc
         headers = quota.headers()
         if quota.over_share:
-            self.gw.count_refused(key, "key_share")
+            # (not demand the fleet should grow for: one key over its share)
+            self.gw.count_refused(key, "key_share", for_capacity=False)
             raise ApiError(
                 "SERVICE_OVERLOADED",
                 f"this key already has its share of the {key.tier} tier waiting: "
@@ -408,9 +378,12 @@ class Inference:
             raise error_from_result(result.error)
         return result
 
-    async def _enqueue(self, envelope: wire.Envelope) -> None:
+    async def _enqueue(self, envelope: wire.Envelope, key: KeyEntry, chars: int) -> None:
+        """Queue the envelope of a request whose quota is charged already
+        (an identical request's follower that runs on its own)."""
+        place = Place(key.id, max(1, chars), key.weight)
         try:
-            await self.gw.queue.enqueue(envelope.tier, *self.gw.queue.stored(envelope))
+            await self.gw.queue.enqueue(envelope.tier, *self.gw.queue.stored(envelope), place)
         except STORE_ERRORS as exc:
             logs.limited(log, "request.enqueue_failed", level="warning", error=type(exc).__name__)
             raise self.gw.store_failed(exc) from exc
@@ -469,3 +442,33 @@ def check_input(text: str, tier_name: str, tier: Tier) -> None:
             "INVALID_INPUT",
             f"input is {len(text)} characters; the {tier_name} tier allows {tier.max_input_chars}",
         )
+
+
+def check_capacity(gw: Gateway, policy: Policy, key: KeyEntry) -> float:
+    """Redis and a worker are there, and the tier has room within its
+    budget: how many of its requests may wait (its allowance; a key's
+    share of it is checked with the charge, ``admit.lua``). A local
+    estimate with no Redis round trip, made before the quota is charged,
+    so under overload a refusal costs next to nothing."""
+    tier_name = key.tier
+    if gw.store.full:
+        gw.count_refused(key, "redis_full", for_capacity=False)
+        raise redis_full()
+    if not gw.ready_for_replies():
+        gw.count_refused(key, "redis", for_capacity=False)
+        raise redis_unreachable()
+    if gw.fleet.workers_alive == 0:
+        gw.count_refused(key, "no_worker")
+        raise ApiError("SERVICE_OVERLOADED", "no healthy worker is available", RETRY_NO_WORKER_MS)
+    decision = gw.admission.decide(policy, tier_name)
+    if not decision.admitted:
+        gw.count_refused(key, "capacity")
+        budget_ms = policy.tiers[tier_name].latency_budget_ms
+        raise ApiError(
+            "SERVICE_OVERLOADED",
+            f"the {tier_name} tier is at capacity: about {decision.wait_ms:.0f} ms of work is "
+            f"queued ahead, over its {budget_ms} ms budget",
+            decision.retry_after_ms,
+        )
+    gw.admission.admitted(tier_name)
+    return decision.allowance

@@ -88,10 +88,11 @@ class Operators:
         now_ms = clock.now_ms()
         kept_ms = round(self.gw.policy.current.document.usage.retention_days * DAY_MS)
         since_ms = max(now_ms - DAY_MS if since is None else _epoch_ms(since), now_ms - kept_ms)
+        since_ms = min(since_ms, now_ms)
         if sort not in USAGE_ORDER:
             raise ApiError("INVALID_INPUT", f"sort must be one of {', '.join(USAGE_ORDER)}")
         try:
-            rows = await usage.read(self.gw.store, min(since_ms, now_ms), now_ms, key_id)
+            rows = await usage.read(self.gw.store, since_ms, now_ms, key_id)
         except STORE_ERRORS as exc:
             raise self.gw.store_failed(exc) from exc
         rows.sort(key=lambda r: (-getattr(r, sort), r.key_id))
@@ -150,8 +151,8 @@ class Operators:
 def _epoch_ms(text: str) -> int:
     """``since`` as epoch ms: epoch seconds, or an ISO 8601 time (UTC if no zone)."""
     try:
-        if text.isdigit() and len(text) <= 12:
-            return int(text) * 1000
+        if text.isdigit():
+            return int(text[:12]) * 1000 if len(text) <= 12 else 10**15
         at = datetime.fromisoformat(text)
         return round((at if at.tzinfo else at.replace(tzinfo=UTC)).timestamp() * 1000)
     except (ValueError, OverflowError):

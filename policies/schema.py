@@ -9,7 +9,8 @@ class Tier(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     deadline_ms: int = 10_000
     # Longest input, in characters; longer is 400 INVALID_INPUT.
     max_input_chars: int = 4_096
-    # Admission: the queueing delay this tier tolerates before 503.
+    # Admission: the latency this tier promises (its wait and its own batch);
+    # a request that cannot be answered within it is refused with 503.
     latency_budget_ms: int = 1_000
     # Rate limits in the `limits` notation, e.g. ["100/second", "5000/minute"].
     rate_limits: list[str] = msgspec.field(default_factory=list)

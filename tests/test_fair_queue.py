@@ -193,9 +193,13 @@ async def test_a_key_is_refused_past_its_share_of_the_allowance_and_others_are_n
     assert not await admit(30, "a", 10)
     # A heavier key's share: 3 / (1 + 1 + 3) of 10 = 6.
     assert [await admit(40 + i, "c", 10, weight=3.0) for i in range(7)] == [True] * 6 + [False]
-    # Every key may hold one, however small its share; no allowance, no check.
-    assert await admit(50, "d", 1)
-    assert await admit(51, "a", 0)
+    # A share under one request: one while the tier holds less than the
+    # allowance (21 + 1 <= 25), never two; none once the tier is full.
+    assert await admit(50, "d", 25, weight=0.1)
+    assert not await admit(51, "d", 25, weight=0.1)
+    assert not await admit(52, "e", 21, weight=0.1)
+    # No allowance, no check.
+    assert await admit(53, "a", 0)
     assert await queued(store, "paid") == 10 + 5 + 6 + 1 + 1
     # Once its requests are taken, a key has room again.
     await take_ids(store, 30)
@@ -240,3 +244,20 @@ def test_the_gateway_remembers_the_keys_of_the_last_second() -> None:
     assert shares.recent_weight("free", lambda: now) == 1.0
     assert shares.recent_weight("paid", lambda: now + 0.05) == 3.0  # (at most every 100 ms)
     assert shares.recent_weight("paid", lambda: now + 1.5) == 0.0
+
+
+async def test_a_state_that_is_stale_or_not_finite_starts_over(store: Store) -> None:
+    """Redis contents are not trusted: counts left without their queue (it
+    was deleted, or evicted) do not hold a key at its share on an idle tier;
+    a virtual time of 'nan' or 'inf' does not fail every admit to the tier."""
+    gateway = GatewayQueue(store, "gw")
+    state = store.keys.fair_state("paid")
+    await store.redis.hset(state, mapping={"n:a": 5, "w:a": 1000, "w": 1000})
+    assert (await gateway.admit([], "paid", envelope(1, "a"), place=Place("a", 5, 1, 1))).admitted
+    assert await store.redis.hget(state, "n:a") == b"1"
+    for planted in ("nan", "inf", "-inf"):
+        await store.redis.hset(state, mapping={"v": planted, "f:a": planted, "w": planted})
+        result = await gateway.admit([], "paid", envelope(2, "a"), place=Place("a", 5, 1, 10))
+        assert result.admitted, planted
+        await store.redis.zrem(store.keys.fair_queue("paid"), envelope(2, "a"))
+    assert await take_ids(store, 10) == ["a:r0001"]

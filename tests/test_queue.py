@@ -1042,3 +1042,26 @@ async def _blocked(q: Faces, clients: int) -> None:
             return
         await asyncio.sleep(0.005)
     raise AssertionError(f"{clients} pulls never blocked")
+
+
+async def test_a_window_moves_on_when_its_request_is_refused_by_another(q: Faces) -> None:
+    """The buckets that left a window are taken off its sum whenever they
+    are found gone, not only when a request is admitted: a key refused by
+    another limit (or its share) is not held by charges long out of its window."""
+    fast = Counter(q.gateway.counter_key("fast"), 1, 100, 1)
+    slow = Counter(q.gateway.counter_key("slow"), 1, 1, 60)
+    assert (await q.gateway.admit([fast, slow])).admitted
+    start_s = float((await q.redis.time())[0])
+
+    async def past_the_window() -> bool:
+        secs, micros = await q.redis.time()
+        return secs + micros / 1e6 > start_s + 2.2
+
+    deadline = time.monotonic() + 5
+    while not await past_the_window():  # (Redis's clock, the one windows follow)
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    refused = await q.gateway.admit([fast, slow])
+    assert (refused.admitted, refused.refused_by) == (False, 1)
+    assert await charged(q, fast.key) == 0
+    assert refused.counts[0] == 0

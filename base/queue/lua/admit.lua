@@ -23,8 +23,10 @@
 -- with requests waiting (itself included), or those the gateway admitted in
 -- the last second if more (a key with nothing waiting now still takes its
 -- share of the slots: counting only the waiting ones would let a flooding key
--- queue what the others' arrivals then delay past the budget), and at least
--- one. A key that floods its tier is refused there while the others are not.
+-- queue what the others' arrivals then delay past the budget); a key whose
+-- share is under one request may have one waiting while the tier holds less
+-- than the allowance. A key that floods its tier is refused there while the
+-- others are not.
 -- Queued in fair order (take.lua): the request's start tag is the later of
 -- the tier's virtual time and its key's last finish tag; its finish tag is
 -- the start plus its cost over its key's weight.
@@ -80,12 +82,13 @@ local function number(raw)
   return tonumber(raw)
 end
 
-local function window(key, current)
-  -- the eleven buckets' sum as of bucket `current`, and what the oldest of
-  -- them holds (so the last ten's is the difference). The buckets that left
-  -- since the sum was last moved on are deleted and taken off it (with
-  -- the window's expiry set again); a hash that cannot be read, or holds
-  -- anything but counts there, starts over, empty.
+local function window(key, current, window_ms)
+  -- the eleven buckets' sum as of bucket `current`, what the oldest of them
+  -- holds (so the last ten's is the difference), and whether the window is
+  -- new. The buckets that left since the sum was last moved on are deleted
+  -- and taken off it, then and there (refused or not), and its expiry set
+  -- again; a hash that cannot be read, or holds anything but counts there,
+  -- starts over, empty.
   local raw = redis.pcall('HMGET', key, 'l', 's', tostring(current - 10))
   if type(raw) ~= 'table' or raw.err then
     redis.call('DEL', key)
@@ -104,6 +107,9 @@ local function window(key, current)
     return 0, 0, true
   end
   if last == current then return sum, oldest, false end
+  -- (a charge in bucket b leaves the window at (b + 11) tenths: 1.1
+  -- windows from the start of b at most)
+  local expiry = math.ceil(window_ms * 11 / 10) + 1000
   -- buckets last - 10 .. current - 11 left the window (those past last are empty)
   local left = {}
   for index = last - 10, math.min(current - 11, last) do left[#left + 1] = tostring(index) end
@@ -119,7 +125,9 @@ local function window(key, current)
     end
     redis.call('HDEL', key, unpack(left))
   end
-  return sum, oldest, true
+  redis.call('HSET', key, 's', sum, 'l', tostring(current))
+  redis.call('PEXPIRE', key, expiry)
+  return sum, oldest, false
 end
 
 local function room(key, current, cost, amount, eleven, ten, window_ms)
@@ -149,9 +157,9 @@ for i = 1, n do
   local key, cost = KEYS[i], tonumber(ARGV[3 * i])
   local amount, window_ms = tonumber(ARGV[3 * i + 1]), tonumber(ARGV[3 * i + 2]) * 1000
   local current = math.floor(now * 10 / window_ms)
-  local eleven, oldest, moved = window(key, current)
+  local eleven, oldest, new = window(key, current, window_ms)
   local ten = eleven - oldest
-  windows[i] = {eleven, moved, window_ms}
+  windows[i] = {eleven, new, window_ms}
   sums[i], buckets[i] = ten, current
   -- until the window is as it was before any charge: the current bucket
   -- leaves the last ten (the x-ratelimit-reset-requests header)
@@ -171,19 +179,41 @@ local fq, state = KEYS[n + 1], KEYS[n + 3]
 local key_id = ARGV[fa]
 local cost, weight, allowance = 0, 1000, 0
 local tier_time, finish, waiting, weights = 0, 0, 0, 0
+
+local function finite(raw)
+  -- a number, or nil if it is none, or not finite (a planted 'nan' or 'inf')
+  local value = tonumber(raw)
+  if value == nil or value ~= value or value == math.huge or value == -math.huge then
+    return nil
+  end
+  return value
+end
+
 if queued and admitted == 1 then
   cost, weight = tonumber(ARGV[fa + 1]) or 0, tonumber(ARGV[fa + 2]) or 1000
   allowance = tonumber(ARGV[fa + 3]) or 0
   -- (a state of another type is not this script's: it starts over)
-  local fair = redis.pcall('HMGET', state, 'v', 'f:' .. key_id, 'n:' .. key_id, 'w')
+  local fair = redis.pcall(
+    'HMGET', state, 'v', 'f:' .. key_id, 'n:' .. key_id, 'w', 'w:' .. key_id)
   if type(fair) ~= 'table' or fair.err then redis.call('DEL', state) fair = {} end
-  tier_time, finish = tonumber(fair[1]) or 0, tonumber(fair[2]) or 0
-  waiting, weights = tonumber(fair[3]) or 0, tonumber(fair[4]) or 0
+  tier_time, finish = finite(fair[1]) or 0, finite(fair[2]) or 0
+  waiting, weights = math.max(finite(fair[3]) or 0, 0), math.max(finite(fair[4]) or 0, 0)
+  if (waiting > 0 or weights > 0) and redis.call('EXISTS', fq) == 0 then
+    -- a state whose queue is gone (deleted, or evicted): stale, it goes
+    redis.call('DEL', state)
+    tier_time, finish, waiting, weights = 0, 0, 0, 0
+  end
   if allowance > 0 then
-    local others = weights - (waiting > 0 and weight or 0)
+    -- (the weight it waits with: the policy may have changed it since)
+    local others = weights - (waiting > 0 and (finite(fair[5]) or weight) or 0)
     local sharing = math.max(math.max(others, 0) + weight, tonumber(ARGV[fa + 4]) or 0)
-    local share = math.max(1, math.floor(allowance * weight / sharing))
-    if waiting + 1 > share then admitted = 2 end
+    local share = math.floor(allowance * weight / sharing)
+    if share < 1 then
+      -- a share under one request: one while the tier has room, no more
+      if waiting >= 1 or redis.call('ZCARD', fq) + 1 > allowance then admitted = 2 end
+    elseif waiting + 1 > share then
+      admitted = 2
+    end
   end
 end
 
@@ -250,18 +280,16 @@ local reply = {admitted, 0, 0}
 if admitted == 1 then
   for i = 1, n do
     local key, cost_i = KEYS[i], tonumber(ARGV[3 * i])
-    local eleven, moved, window_ms = windows[i][1], windows[i][2], windows[i][3]
+    local eleven, new, window_ms = windows[i][1], windows[i][2], windows[i][3]
     local bucket = tostring(buckets[i])
     -- (a value HINCRBY cannot add to, planted: the window starts over)
     if type(redis.pcall('HINCRBY', key, bucket, cost_i)) ~= 'number' then
       redis.call('DEL', key)
       redis.call('HINCRBY', key, bucket, cost_i)
-      eleven, moved = 0, true
+      eleven, new = 0, true
     end
-    if moved then
+    if new then
       redis.call('HSET', key, 's', eleven + cost_i, 'l', bucket)
-      -- (a charge in bucket b leaves the window at (b + 11) tenths: 1.1
-      -- windows from the start of b at most)
       redis.call('PEXPIRE', key, math.ceil(window_ms * 11 / 10) + 1000)
     else
       redis.call('HINCRBY', key, 's', cost_i)

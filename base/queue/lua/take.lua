@@ -309,15 +309,21 @@ end
 local function left_fair_queue(state, left)
   -- the keys whose requests left a tier's fair queue: their waiting counts
   -- down; a key with none left waiting leaves the tier's active weight
-  -- (read and written whole: a planted value that is no number counts as none)
+  -- (read and written whole: a planted value that is no finite number
+  -- counts as none)
+  local function count_of(raw)
+    local value = tonumber(raw)
+    if value == nil or value ~= value or math.abs(value) == math.huge then return 0 end
+    return value
+  end
   for key, count in pairs(left) do
     local name = 'n:' .. key
-    local waiting = (tonumber(redis.call('HGET', state, name)) or 0) - count
+    local waiting = count_of(redis.call('HGET', state, name)) - count
     if waiting > 0 then
       redis.call('HSET', state, name, waiting)
     else
-      local weight = tonumber(redis.call('HGET', state, 'w:' .. key)) or 0
-      local total = tonumber(redis.call('HGET', state, 'w')) or 0
+      local weight = count_of(redis.call('HGET', state, 'w:' .. key))
+      local total = count_of(redis.call('HGET', state, 'w'))
       redis.call('HDEL', state, name, 'w:' .. key, 'f:' .. key)
       redis.call('HSET', state, 'w', math.max(total - weight, 0))
     end
