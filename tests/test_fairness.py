@@ -7,37 +7,14 @@ estimate (docs/performance.md has the numbers before and after)."""
 import asyncio
 import random
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import aiohttp
-import pytest
 from infergate.gpu.simulated import sim_output
-from infergate.redis_server import RedisServer
 
 from tests.helpers import SECRETS, Cluster, http, key_entry, policy_yaml
 
 BUDGETS = {"enterprise": {"latency_budget_ms": 2000}, "paid": {"latency_budget_ms": 1000}}
 FREE = {"latency_budget_ms": 500, "min_batch_share": 0.05}
-
-
-@pytest.fixture
-def cluster_factory(tmp_path: Path, module_redis: RedisServer) -> Iterator:
-    made: list[Cluster] = []
-
-    def make(policy: str, **kw) -> Cluster:
-        import redis
-
-        client = redis.Redis.from_url(module_redis.url)
-        client.flushall()
-        client.close()
-        c = Cluster(tmp_path, module_redis.url, policy, **kw)
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        c.stop()
 
 
 class Sent:

@@ -7,17 +7,13 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import aiohttp
 import pytest
 import yaml
-from infergate.redis_server import RedisServer
 
 from tests.helpers import (
     SECRETS,
-    Cluster,
     auth,
     http,
     key_entry,
@@ -26,25 +22,6 @@ from tests.helpers import (
     wait_for,
     write_policy,
 )
-
-
-@pytest.fixture
-def cluster_factory(tmp_path: Path, module_redis: RedisServer) -> Iterator:
-    made: list[Cluster] = []
-
-    def make(policy: str, **kw) -> Cluster:
-        import redis
-
-        client = redis.Redis.from_url(module_redis.url)
-        client.flushall()
-        client.close()
-        c = Cluster(tmp_path, module_redis.url, policy, **kw)
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        c.stop()
 
 
 async def test_two_gateways_admit_exactly_the_quota_under_a_race(cluster_factory) -> None:

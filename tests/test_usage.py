@@ -62,6 +62,16 @@ def cluster(tmp_path: Path, redis_url: str):
     c.stop()
 
 
+def _usage_command(url: str, env: dict[str, str]) -> "subprocess.CompletedProcess[str]":
+    return subprocess.run(
+        [sys.executable, "-m", "infergate", "usage", "--url", url],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
 def _gpu_ms_logged(c: Cluster) -> float:
     """The workers' backend time, from their batch.done lines."""
     total = 0
@@ -128,26 +138,12 @@ async def test_every_answered_request_is_charged_to_its_key(cluster: Cluster) ->
     assert http("GET", c.urls[0] + "/v1/admin/usage?sort=x", headers=auth("admin"))[0] == 400
     # The command prints the same as a table; without an admin key it says so.
     env = {**os.environ, "INFERGATE_ADMIN_KEY": SECRETS["admin"]}
-    out = await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "infergate", "usage", "--url", c.urls[0]],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    out = await asyncio.to_thread(_usage_command, c.urls[0], env)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[1].split() == ["KEY", "TIER", "REQUESTS", "INPUT", "CHARS", "GPU", "MS", "REFUSED"]
     assert [line.split()[0] for line in lines[2:]] == [r["key_id"] for r in body["keys"]]
     env.pop("INFERGATE_ADMIN_KEY")
-    bare = await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "infergate", "usage", "--url", c.urls[0]],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    bare = await asyncio.to_thread(_usage_command, c.urls[0], env)
     assert bare.returncode == 2
     assert "admin key" in bare.stderr
