@@ -257,7 +257,28 @@ async def test_a_state_that_is_stale_or_not_finite_starts_over(store: Store) -> 
     assert await store.redis.hget(state, "n:a") == b"1"
     for planted in ("nan", "inf", "-inf"):
         await store.redis.hset(state, mapping={"v": planted, "f:a": planted, "w": planted})
-        result = await gateway.admit([], "paid", envelope(2, "a"), place=Place("a", 5, 1, 10))
+        data = envelope(2, "a")
+        result = await gateway.admit([], "paid", data, place=Place("a", 5, 1, 10))
         assert result.admitted, planted
-        await store.redis.zrem(store.keys.fair_queue("paid"), envelope(2, "a"))
+        await store.redis.zrem(store.keys.fair_queue("paid"), data)
     assert await take_ids(store, 10) == ["a:r0001"]
+
+
+async def test_a_fair_queue_of_another_type_blinds_nothing_and_stops_nothing(
+    store: Store,
+) -> None:
+    """Redis contents are not trusted: a list planted where a tier's sorted
+    set goes neither fails the fleet view (every gateway's, every tier's),
+    nor the admits to that tier, nor every batch."""
+    gateway = GatewayQueue(store, "gw")
+    fq = store.keys.fair_queue("paid")
+    await store.redis.rpush(fq, "junk")
+    snapshot = await store.fleet_snapshot(0)
+    assert snapshot.queue_depth == {"enterprise": 0, "paid": 0, "free": 0}
+    assert (await store.fleet_status()).queue_depth["paid"] == 0
+    await gateway.enqueue("enterprise", envelope(1, "e", "enterprise"), place=Place("e", 5))
+    assert await take_ids(store, 10) == ["e:r0001"]  # (the planted list goes)
+    assert not await store.redis.exists(fq)
+    await store.redis.rpush(fq, "junk")
+    assert (await gateway.admit([], "paid", envelope(2, "a"), place=Place("a", 5, 1, 10))).admitted
+    assert await take_ids(store, 10) == ["a:r0002"]

@@ -31,10 +31,8 @@ async def test_read_skips_what_it_cannot_read(redis_url: str) -> None:
     try:
         now_ms = 10 * usage.HOUR_MS + 5
         charges = [usage.Charge("k|1", "paid", 2, 20, 1500), usage.Charge("k2", "free", refused=4)]
-        async with store.redis.pipeline(transaction=True) as pipe:
-            for command in usage.charge_commands(store.keys, charges, now_ms, 3600):
-                pipe.execute_command(*command)
-            await pipe.execute()
+        commands = usage.charge_commands(store, charges, now_ms, 3600)
+        await store.pipelined.transaction(commands, (store.scripts.charge_usage,))
         hour = store.keys.usage(10)
         await store.redis.hset(hour, mapping={"junk": 1, "paid\nk|1\nrequests2": 1})
         await store.redis.hset(hour, "paid\nk|1\ngpu_us", "NaN")  # (replaces the real one)
@@ -147,3 +145,26 @@ async def test_every_answered_request_is_charged_to_its_key(cluster: Cluster) ->
     bare = await asyncio.to_thread(_usage_command, c.urls[0], env)
     assert bare.returncode == 2
     assert "admin key" in bare.stderr
+
+
+async def test_nothing_planted_in_usage_stops_an_answer(redis_url: str) -> None:
+    """The charge runs in the transaction that answers a batch: a usage hash
+    of another type, or a field HINCRBY cannot add to, starts over; the
+    transaction never fails on it."""
+    store = Store.connect(redis_url, "u", name="test")
+    try:
+        now_ms = 10 * usage.HOUR_MS
+        hour = store.keys.usage(10)
+        charges = [usage.Charge("k", "paid", 1, 10, 100)]
+        for planted in ("a string", "abc", str(2**63 - 1)):
+            await store.redis.delete(hour)
+            if planted == "a string":
+                await store.redis.set(hour, planted)
+            else:
+                await store.redis.hset(hour, "paid\nk\nrequests", planted)
+            commands = usage.charge_commands(store, charges, now_ms, 3600)
+            await store.pipelined.transaction(commands, (store.scripts.charge_usage,))
+            rows = await usage.read(store, now_ms, now_ms)
+            assert rows == [usage.KeyUsage("k", "paid", 1, 10, 0.1, 0)], planted
+    finally:
+        await store.close()

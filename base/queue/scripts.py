@@ -44,6 +44,7 @@ class Scripts:
         self.reaper_lock = load("reaper_lock")
         self.enqueue_job = load("enqueue_job")
         self.finish_jobs = load("finish_jobs")
+        self.charge_usage = load("charge_usage")
         self.cancel_job = load("cancel_job")
         self.hand_back = load("hand_back")
         self.pull_waiting = load("pull_waiting")

@@ -24,7 +24,7 @@ from infergate.base.tiers import ROLES, TIERS
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 log = logs.get(__name__)
 
@@ -160,7 +160,13 @@ class Store:
                     pipe.zcard(q)
             if with_counters:
                 pipe.hgetall(self.keys.stats)
-            results = await pipe.execute()
+            results = await pipe.execute(raise_on_error=False)
+        depths = range(len(roles), len(roles) + (2 * len(TIERS) if with_depths else 0))
+        for i, result in enumerate(results):
+            if isinstance(result, ResponseError):
+                if i not in depths:
+                    raise result
+                results[i] = 0  # (a queue of another type, planted: take.lua drops it)
         member_sets, extras = results[: len(roles)], results[len(roles) :]
         ids = {}
         for role, members in zip(roles, member_sets, strict=True):

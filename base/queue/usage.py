@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import msgspec
-from infergate.base.keys import Keys
+from infergate.base.queue.scripts import evalsha
 from infergate.base.queue.store import Store
 
 HOUR_MS = 3_600_000
@@ -52,30 +52,27 @@ def shares(total_us: int, count: int) -> list[int]:
 
 
 def charge_commands(
-    keys: Keys, charges: Iterable[Charge], now_ms: int, retention_s: int
+    store: Store, charges: Iterable[Charge], now_ms: int, retention_s: int
 ) -> list[tuple[Any, ...]]:
-    """HINCRBYs on this hour's hash, and its expiry: for a transaction."""
-    key = keys.usage(now_ms // HOUR_MS)
-    commands: list[tuple[Any, ...]] = []
+    """The script that adds ``charges`` to this hour's hash (and keeps it for
+    ``retention_s``), for a transaction: ``charge_usage.lua``, which never
+    fails it (nothing planted there stops a batch's answer)."""
+    args: list[Any] = [retention_s]
     for c in charges:
         head = f"{c.tier}\n{c.key_id}\n"
         for what, amount in zip(WHAT, c[2:], strict=True):
             if amount:
-                commands.append(("HINCRBY", key, head + what, amount))
-    if commands:
-        commands.append(("EXPIRE", key, retention_s))
-    return commands
+                args += (head + what, amount)
+    if len(args) == 1:
+        return []
+    return [evalsha(store.scripts.charge_usage, [store.keys.usage(now_ms // HOUR_MS)], args)]
 
 
 async def charge(store: Store, charges: Sequence[Charge], now_ms: int, retention_s: int) -> None:
     """Add ``charges`` now, in one transaction (a gateway's refusals)."""
-    commands = charge_commands(store.keys, charges, now_ms, retention_s)
-    if not commands:
-        return
-    async with store.redis.pipeline(transaction=True) as pipe:
-        for command in commands:
-            pipe.execute_command(*command)
-        await pipe.execute()
+    commands = charge_commands(store, charges, now_ms, retention_s)
+    if commands:
+        await store.pipelined.transaction(commands, (store.scripts.charge_usage,))
 
 
 async def read(

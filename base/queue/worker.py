@@ -215,7 +215,7 @@ class WorkerQueue:
     def _scripts(self) -> tuple[AsyncScript, ...]:
         """The scripts a worker's transactions run."""
         scripts = self.store.scripts
-        return (scripts.take, scripts.finish_jobs, scripts.ack_batch)
+        return (scripts.take, scripts.finish_jobs, scripts.ack_batch, scripts.charge_usage)
 
     def _answer_commands(
         self,
@@ -229,7 +229,7 @@ class WorkerQueue:
         to keep, the deleting of the long inputs answered, and what each
         key's requests cost (``usage.py``)."""
         commands = reply_commands(self.store, replies, now_ms)
-        commands += charge_commands(self.keys, usage, now_ms, self.usage_retention_s)
+        commands += charge_commands(self.store, usage, now_ms, self.usage_retention_s)
         for answer in keep:
             key = self.keys.cache(answer.digest, answer.fingerprint)
             commands.append(("SET", key, answer.output, "PX", answer.ttl_ms))

@@ -263,7 +263,11 @@ end
 local function queue_fairly()
   -- onto the tier's fair queue at its start tag; its key's state after it
   local start = math.max(tier_time, finish)
-  redis.call('ZADD', fq, start, ARGV[2])
+  if type(redis.pcall('ZADD', fq, start, ARGV[2])) ~= 'number' then
+    -- a key of another type (planted) is no tier's queue: it goes
+    redis.call('DEL', fq)
+    redis.call('ZADD', fq, start, ARGV[2])
+  end
   local ends = string.format('%.17g', start + cost * 1000 / math.max(weight, 1))
   -- (written from what was read, so a planted value that is no number
   -- counts as none, instead of failing the step)

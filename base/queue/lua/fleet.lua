@@ -23,8 +23,14 @@ end
 local ids, beats = beats_of(KEYS[1], ARGV[1])
 local gateway_ids, gateway_beats = beats_of(KEYS[2], ARGV[2])
 local ntiers = (#KEYS - 2) / 2
+local function size(command, key)
+  -- (a key of another type, planted, holds nothing of a tier's: 0, so one
+  -- key does not blind every gateway's view; take.lua and admit.lua drop it)
+  local n = redis.pcall(command, key)
+  return type(n) == 'number' and n or 0
+end
 local depths = {}
 for i = 1, ntiers do
-  depths[i] = redis.call('LLEN', KEYS[2 + i]) + redis.call('ZCARD', KEYS[2 + ntiers + i])
+  depths[i] = size('LLEN', KEYS[2 + i]) + size('ZCARD', KEYS[2 + ntiers + i])
 end
 return {ids, beats, depths, gateway_ids, gateway_beats}

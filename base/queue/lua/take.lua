@@ -199,8 +199,9 @@ if min_interval > 0 then
   if wait > 0 then
     local queued = 0
     for i = 1, ntiers do
+      local fair = redis.pcall('ZCARD', KEYS[first_fair + i - 1])
       queued = queued + redis.call('LLEN', KEYS[first_queue + i - 1])
-        + redis.call('ZCARD', KEYS[first_fair + i - 1])
+        + (type(fair) == 'number' and fair or 0)
     end
     if queued > 0 and queued < n then
       if for_worker then offer_credit() return result(0, 0, 0, 0, false) end
@@ -336,7 +337,14 @@ local function pop_fair(i, limit)
   local queue, state = KEYS[first_fair + i - 1], KEYS[first_state + i - 1]
   local got, tag, left = 0, nil, {}
   while got < limit and #taken < n do
-    local chunk = redis.call('ZRANGE', queue, 0, math.min(limit - got, n - #taken) - 1, 'WITHSCORES')
+    local chunk = redis.pcall('ZRANGE', queue, 0, math.min(limit - got, n - #taken) - 1, 'WITHSCORES')
+    if chunk.err then
+      -- a key of another type (planted) is no tier's queue: it goes, and
+      -- is counted, so it does not stop every batch
+      redis.call('DEL', queue)
+      malformed = malformed + 1
+      break
+    end
     if #chunk == 0 then break end
     for j = 1, #chunk, 2 do
       got = got + consider(chunk[j])
