@@ -7,11 +7,16 @@ process list), and prints one line per key, most first.
 
 import json
 import os
+import signal
 import sys
 import urllib.error
 import urllib.parse
 import urllib.request
 from typing import Any
+
+# The whole call, however slowly a server answers; and the most it may send.
+DEADLINE_S = 30
+MAX_BYTES = 16 * 1024 * 1024
 
 COLUMNS = (
     ("key_id", "KEY"),
@@ -51,17 +56,40 @@ def run(args: Any) -> int:
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {secret}"})
     # (a redirect is not followed: it would carry the admin key to wherever it points)
     opener = urllib.request.build_opener(_NoRedirect)
+    signal.signal(signal.SIGALRM, _too_slow)
+    signal.alarm(DEADLINE_S)
     try:
         with opener.open(request, timeout=10) as response:
-            report = json.load(response)
+            body = response.read(MAX_BYTES + 1)
+        if len(body) > MAX_BYTES:
+            raise ValueError(f"the answer is over {MAX_BYTES} bytes")
+        report = _report(json.loads(body))
     except urllib.error.HTTPError as exc:
-        print(f"infergate usage: {exc.code} {_message(exc.read())}", file=sys.stderr)
+        where = (
+            f" (to {exc.headers.get('Location')!r}, not followed)" if 300 <= exc.code < 400 else ""
+        )
+        print(f"infergate usage: {exc.code} {_message(exc.read(4096))}{where}", file=sys.stderr)
         return 1
-    except (urllib.error.URLError, OSError, ValueError) as exc:
+    except (urllib.error.URLError, OSError, ValueError, RecursionError) as exc:
         print(f"infergate usage: cannot read {args.url}: {exc}", file=sys.stderr)
         return 1
+    finally:
+        signal.alarm(0)
     print(json.dumps(report, indent=2) if args.json else table(report))
     return 0
+
+
+def _too_slow(signum: int, frame: object) -> None:
+    raise TimeoutError(f"no whole answer within {DEADLINE_S} s")
+
+
+def _report(value: Any) -> dict[str, Any]:
+    """The endpoint's answer, or ValueError if it is not one."""
+    if not (isinstance(value, dict) and isinstance(value.get("keys"), list)):
+        raise ValueError("not a usage report")
+    if not all(isinstance(row, dict) for row in value["keys"]):
+        raise ValueError("not a usage report")
+    return value
 
 
 class _NoRedirect(urllib.request.HTTPRedirectHandler):
@@ -91,7 +119,8 @@ def _cell(value: Any) -> str:
         return f"{value:,.1f}"
     if isinstance(value, int):
         return f"{value:,}"
-    return str(value)
+    # (never a control character to the terminal: a key id is anyone's text)
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(value))
 
 
 def _message(body: bytes) -> str:

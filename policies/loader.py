@@ -183,10 +183,24 @@ def _compose(text: str, filename: str) -> yaml.Node | None:
             )
         seen.add(id(node))
         if isinstance(node, yaml.MappingNode):
+            _refuse_repeated_keys(node, filename)
             stack.extend(part for pair in node.value for part in pair)
         elif isinstance(node, yaml.SequenceNode):
             stack.extend(node.value)
     return root
+
+
+def _refuse_repeated_keys(node: yaml.MappingNode, filename: str) -> None:
+    """A key written twice in one mapping (YAML keeps the last, silently: a
+    `disabled: true` above a `disabled: false` would not disable)."""
+    names: set[str] = set()
+    for key, _ in node.value:
+        if not isinstance(key, yaml.ScalarNode):
+            continue
+        if key.value in names:
+            line, what = key.start_mark.line + 1, f"{key.value[:64]!r} is written twice; keep one"
+            raise PolicyError([Problem(filename, line, "", what)])
+        names.add(key.value)
 
 
 def _construct(root: yaml.Node | None, filename: str) -> Any:
@@ -321,10 +335,10 @@ def _check_keys(doc: Document, at: "_Locator") -> list[Problem]:
 
 def _check_settings(doc: Document, at: "_Locator") -> list[Problem]:
     out: list[Problem] = []
-    if not 1 / 24 <= doc.usage.retention_days <= 3660:  # (NaN fails too)
+    if not 1 / 24 <= doc.usage.retention_days <= 400:  # (NaN fails too)
         out.append(
             at.problem(
-                ["usage", "retention_days"], "must be between 1/24 (an hour) and 3660, e.g. 35"
+                ["usage", "retention_days"], "must be between 1/24 (an hour) and 400, e.g. 35"
             )
         )
     if not 1 <= doc.batching.max_batch_size <= 100:

@@ -116,3 +116,23 @@ def test_a_tier_whose_longest_input_cannot_fit_a_body_is_refused() -> None:
     assert "at least 66560" in problem
     doc["limits"]["max_body_bytes"] = 66_560
     parse_policy(as_yaml(doc), "p.yaml")
+
+
+def test_a_key_written_twice_in_one_mapping_is_refused() -> None:
+    """YAML keeps the last of two, silently: `disabled: true` above a
+    `disabled: false` would leave the key working."""
+    text = policy_yaml().replace("  disabled: true\n", "  disabled: true\n  disabled: false\n")
+    assert "disabled: false" in text
+    [problem] = _problems(text)
+    line = text.splitlines().index("  disabled: false") + 1
+    assert problem.startswith(f"p.yaml:{line}: ")
+    assert "'disabled' is written twice; keep one" in problem
+
+
+def test_weights_and_usage_retention_are_checked() -> None:
+    doc = policy()
+    doc["keys"][0]["weight"] = 0
+    doc["usage"] = {"retention_days": 401}
+    problems = _problems(as_yaml(doc))
+    assert any("keys[0].weight: must be between 0.01 and 1000" in p for p in problems)
+    assert any("usage.retention_days: must be between 1/24" in p for p in problems)

@@ -168,3 +168,52 @@ async def test_nothing_planted_in_usage_stops_an_answer(redis_url: str) -> None:
             assert rows == [usage.KeyUsage("k", "paid", 1, 10, 0.1, 0)], planted
     finally:
         await store.close()
+
+
+def test_the_command_reads_only_a_usage_report_and_follows_no_redirect() -> None:
+    """`infergate usage` against a server that is not a gateway: a message,
+    never a traceback; a redirect is not followed (it would carry the admin
+    key); a key id's control characters never reach the terminal."""
+    import http.server
+    import threading
+
+    answers = {
+        "/list": (200, b"[1, 2]"),
+        "/deep": (200, b"[" * 100_000),
+        "/moved": (302, b""),
+        "/report": (
+            200,
+            json.dumps({"keys": [{"key_id": "\x1b]0;x\x07", "tier": "paid"}]}).encode(),
+        ),
+    }
+
+    class Fake(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            status, body = answers["/" + self.path.split("/")[1]]  # (+ /v1/admin/usage?...)
+            self.send_response(status)
+            if status == 302:
+                self.send_header("Location", "http://127.0.0.1:9/steal")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Fake)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    env = {**os.environ, "INFERGATE_ADMIN_KEY": "x"}
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        for path in ("/list", "/deep", "/moved"):
+            out = _usage_command(url + path, env)
+            assert out.returncode == 1, path
+            assert "Traceback" not in out.stderr, path
+        assert "not followed" in _usage_command(url + "/moved", env).stderr
+        report = _usage_command(url + "/report", env)
+        assert report.returncode == 0
+        assert "\x1b" not in report.stdout
+        assert "\\x1b]0;x\\x07" in report.stdout
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -83,11 +83,22 @@ async def read(
     first. A field that does not read as a count is skipped (Redis contents
     are not trusted)."""
     hours = range(since_ms // HOUR_MS, until_ms // HOUR_MS + 1)
-    async with store.redis.pipeline(transaction=False) as pipe:
-        for hour in hours:
-            pipe.hgetall(store.keys.usage(hour))
-        hashes = await pipe.execute(raise_on_error=False)
     totals: dict[tuple[str, str], list[int]] = {}
+    # A day at a time: between two round trips the gateway serves requests
+    # (a long read is up to 400 days of hours).
+    for first in range(0, len(hours), 24):
+        async with store.redis.pipeline(transaction=False) as pipe:
+            for hour in hours[first : first + 24]:
+                pipe.hgetall(store.keys.usage(hour))
+            _add(totals, await pipe.execute(raise_on_error=False), key_id)
+    rows = [
+        KeyUsage(key, tier, counts[0], counts[1], counts[2] / 1000.0, counts[3])
+        for (key, tier), counts in totals.items()
+    ]
+    return sorted(rows, key=lambda r: (-r.gpu_ms, -r.requests, r.key_id))
+
+
+def _add(totals: dict[tuple[str, str], list[int]], hashes: list[Any], key_id: str | None) -> None:
     for raw in hashes:
         if not isinstance(raw, dict):
             continue  # (a key of another type)
@@ -97,11 +108,6 @@ async def read(
                 continue
             tier, key, what, amount = parsed
             totals.setdefault((key, tier), [0] * len(WHAT))[WHAT.index(what)] += amount
-    rows = [
-        KeyUsage(key, tier, counts[0], counts[1], counts[2] / 1000.0, counts[3])
-        for (key, tier), counts in totals.items()
-    ]
-    return sorted(rows, key=lambda r: (-r.gpu_ms, -r.requests, r.key_id))
 
 
 def _parse(field: bytes, value: bytes) -> tuple[str, str, str, int] | None:
