@@ -37,7 +37,7 @@ def add_parser(sub: Any) -> None:
         "--since", default=None, help="epoch seconds or ISO 8601 (default: a day ago)"
     )
     usage.add_argument(
-        "--sort", default="gpu_ms", choices=("gpu_ms", "requests", "input_chars", "refused")
+        "--sort", default="gpu_ms", help="gpu_ms, requests, input_chars or refused (most first)"
     )
     usage.add_argument("--json", action="store_true", help="the endpoint's JSON as it is")
 

@@ -29,6 +29,7 @@ heartbeat TTL and every allowance with it.
 """
 
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from infergate.base import clock
@@ -47,14 +48,19 @@ class Decision:
 
 
 class Admission:
-    def __init__(self, fleet: FleetView) -> None:
+    def __init__(
+        self,
+        fleet: FleetView,
+        admitted_here: Callable[[], Sequence[int]] = lambda: (0,) * len(TIERS),
+    ) -> None:
         self.fleet = fleet
         self._snapshot_seen: object = None
         self._admitted_since: dict[str, int] = dict.fromkeys(TIERS, 0)
-        # What this gateway let in per tier, running, sampled at each new view
-        # (monotonic s, counts) for its own arrival rates.
-        self._counted = dict.fromkeys(TIERS, 0)
-        self._samples: deque[tuple[float, dict[str, int]]] = deque()
+        # What this gateway let in per tier, running (tiers.TIERS order; the
+        # counts its heartbeat carries), sampled at each new view (monotonic
+        # s, counts) for its own arrival rates.
+        self._admitted_here = admitted_here
+        self._samples: deque[tuple[float, Sequence[int]]] = deque()
         self._local_rps = dict.fromkeys(TIERS, 0.0)
 
     def capacity_rps(self, policy: Policy) -> float:
@@ -74,14 +80,15 @@ class Admission:
         """This gateway's arrival rates over the last half second, times the
         gateways alive (requests spread over them)."""
         now = clock.monotonic_s()
-        self._samples.append((now, dict(self._counted)))
+        counted = tuple(self._admitted_here())
+        self._samples.append((now, counted))
         while now - self._samples[0][0] > 0.5:
             self._samples.popleft()
         first = self._samples[0][1]
-        for t in TIERS:
+        for i, t in enumerate(TIERS):
             # (over the whole half second, however short the span sampled: a
             # burst let in at once is a burst, queued above, not a rate)
-            self._local_rps[t] = (self._counted[t] - first[t]) / 0.5 * gateways
+            self._local_rps[t] = (counted[i] - first[i]) / 0.5 * gateways
 
     def _queued(self, tier: str) -> tuple[int, int]:
         """(requests queued in the tiers above ``tier``, in ``tier``): the
@@ -98,6 +105,7 @@ class Admission:
 
     def _rates(self, policy: Policy, tier: str) -> tuple[float, float]:
         """(the rate the tiers above leave this tier, the rate of its reserved slots)."""
+        self._sync()  # (this gateway's own rates are sampled at each new view)
         capacity = self.capacity_rps(policy)
         above = 0.0
         for t in TIERS:
@@ -142,14 +150,12 @@ class Admission:
         one go counts the ones decided before it."""
         self._sync()
         self._admitted_since[tier] += 1
-        self._counted[tier] += 1
 
     def released(self, tier: str) -> None:
         """A request counted by ``admitted`` was not queued after all (its
         quota refused it, or Redis failed)."""
         self._sync()
         self._admitted_since[tier] = max(0, self._admitted_since[tier] - 1)
-        self._counted[tier] -= 1
 
     def decide(self, policy: Policy, tier: str) -> Decision:
         """May a request of ``tier`` wait now? (Counts nothing.)"""

@@ -3,12 +3,13 @@ the OpenAPI document."""
 
 from dataclasses import dataclass
 from importlib.metadata import version
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import msgspec
 from infergate.base import logs
 from infergate.base.metrics import NO_TIER
 from infergate.base.queue.dead_letters import MAX_LISTED
+from infergate.base.queue.usage import Order as UsageOrder
 from infergate.gateway.api import (
     AdminPolicy,
     DeadLetters,
@@ -311,9 +312,7 @@ async def admin_usage(
         str | None,
         Parameter(max_length=64, description="epoch seconds or ISO 8601; default: a day ago"),
     ] = None,
-    sort: Annotated[
-        Literal["gpu_ms", "requests", "input_chars", "refused"], Parameter(description="most first")
-    ] = "gpu_ms",
+    sort: Annotated[UsageOrder, Parameter(description="most first")] = "gpu_ms",
 ) -> UsageReport:
     return await _operators(request).usage(key_id, since, sort)
 

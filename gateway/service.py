@@ -86,7 +86,7 @@ class Gateway:
         self.quota = Quota(self.queue)
         self.collapsing = Collapsing()
         self.cache = Cache(self.queue, self.metrics.cache_bypassed.inc)
-        self.admission = Admission(self.fleet)
+        self.admission = Admission(self.fleet, lambda: self.admitted_by_tier)
         policy.keep_with(self._keep_policy)
         watch_policy_and_redis(self.metrics, policy, lambda: self.fleet.redis_ok)
         # Read on the event loop once a second; the scrape thread only reads the result.

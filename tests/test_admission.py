@@ -289,14 +289,14 @@ def test_this_gateways_own_arrivals_count_at_once(monkeypatch: pytest.MonkeyPatc
     pol = admission_policy(max_batch=10, utilization=0.85, free_share=0.05, budgets={"free": 500})
     beats = [gateway(1, 0), gateway(2, 0)]
     view = fleet(snapshot([worker(1, 100.0)], gateways=beats))
-    admission = Admission(view)
+    here = [0, 0, 0]  # (what the gateway admitted per tier: its heartbeat's counts)
+    admission = Admission(view, lambda: here)
     reserved_only = 0.4 * 85 * 1 / 10
     assert admission.allowance(pol, "free") == pytest.approx(0.4 * 85)
     # 10 enterprise requests every 50 ms here (200 rps), 400 with two gateways.
     for _ in range(6):
         now[0] += 0.05
-        for _ in range(10):
-            admission.admitted("enterprise")
+        here[0] += 10
         view.snapshot = snapshot([worker(1, 100.0)], gateways=beats)
     assert view.arrival_rps("enterprise") == 0.0  # (the heartbeats say nothing yet)
     assert admission.allowance(pol, "free") == pytest.approx(reserved_only)

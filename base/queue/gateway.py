@@ -47,8 +47,9 @@ class Admitted(NamedTuple):
     admitted: bool
     queued: bool  # onto its tier's fair queue (not when refused, or handed straight)
     counts: list[int]  # each window's sum (after the charge, if admitted)
-    # ms until each window has room again (refused), or until its oldest
-    # charge leaves it; negative: nothing charged in it
+    # ms until each window has room again (refused), or until it is as it
+    # was before any charge (its current bucket leaves its last ten);
+    # negative: nothing charged in it
     ttls_ms: list[int]
     handed: bool = False  # handed straight to an idle worker, not queued
     over_share: bool = False  # refused: its key already holds its share of the tier

@@ -11,7 +11,7 @@ times a minute. Operators read it with ``GET /v1/admin/usage``.
 """
 
 from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import msgspec
 from infergate.base.queue.scripts import evalsha
@@ -20,6 +20,8 @@ from infergate.base.queue.store import Store
 HOUR_MS = 3_600_000
 # What is counted per key and hour (a field's last part).
 WHAT = ("requests", "input_chars", "gpu_us", "refused")
+# What a report can be sorted by, most first.
+Order = Literal["gpu_ms", "requests", "input_chars", "refused"]
 
 
 class Charge(NamedTuple):

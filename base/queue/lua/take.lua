@@ -235,15 +235,14 @@ local function drop_input(env)
   end
 end
 
-local considered = nil  -- the envelope consider() last read, if it read one
-
 local function consider(raw)
-  -- one envelope off a queue: taken, or dropped and counted. (cjson stops
+  -- one envelope off a queue: taken (1), or dropped and counted (0); and
+  -- what it read of it, if it was an object (its key's count goes down in
+  -- a fair queue, taken or dropped: pop_fair). (cjson stops
   -- reading at a NUL byte: what followed one, anything at all, would go
   -- into the batch unread. JSON escapes a NUL, so none is in an envelope.)
   local ok, env = false, nil
   if not string.find(raw, '\0', 1, true) then ok, env = pcall(cjson.decode, raw) end
-  considered = ok and type(env) == 'table' and env or nil
   if not ok or type(env) ~= 'table' or type(env.deadline_ms) ~= 'number'
       or type(env.id) ~= 'string' or type(env.gateway) ~= 'string'
       or not (type(env.input) == 'string'
@@ -263,9 +262,9 @@ local function consider(raw)
       jobs_taken = jobs_taken + 1
       left_queue(env, 'running')
     end
-    return 1
+    return 1, env
   end
-  return 0
+  return 0, ok and type(env) == 'table' and env or nil
 end
 
 local function joined16(list, i, j)
@@ -307,16 +306,18 @@ local function pop_from(queue, limit)
   return got
 end
 
+local function count_of(raw)
+  -- a count in a fair state, or 0 if it is no finite number (planted)
+  local value = tonumber(raw)
+  if value == nil or value ~= value or math.abs(value) == math.huge then return 0 end
+  return value
+end
+
 local function left_fair_queue(state, left)
   -- the keys whose requests left a tier's fair queue: their waiting counts
   -- down; a key with none left waiting leaves the tier's active weight
   -- (read and written whole: a planted value that is no finite number
   -- counts as none)
-  local function count_of(raw)
-    local value = tonumber(raw)
-    if value == nil or value ~= value or math.abs(value) == math.huge then return 0 end
-    return value
-  end
   for key, count in pairs(left) do
     local name = 'n:' .. key
     local waiting = count_of(redis.call('HGET', state, name)) - count
@@ -347,9 +348,9 @@ local function pop_fair(i, limit)
     end
     if #chunk == 0 then break end
     for j = 1, #chunk, 2 do
-      got = got + consider(chunk[j])
-      tag = chunk[j + 1]
-      local key = considered and considered.key_id
+      local took, env = consider(chunk[j])
+      got, tag = got + took, chunk[j + 1]
+      local key = env and env.key_id
       if type(key) == 'string' then left[key] = (left[key] or 0) + 1 end
     end
     redis.call('ZREMRANGEBYRANK', queue, 0, #chunk / 2 - 1)
