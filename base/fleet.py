@@ -66,6 +66,7 @@ class FleetView:
         self._serving: list[wire.Heartbeat] = []
         self._batch_ms = 0.0
         self._capacity: dict[int, float] = {}
+        self._models: dict[str, str] = {}  # each worker's fingerprint
         self.arrivals = ArrivalRates(len(TIERS))
         self.refreshed = asyncio.Event()
         refresh_s = refresh_ms / 1000.0
@@ -88,6 +89,7 @@ class FleetView:
         self._serving = [] if snapshot is None else [w for w in snapshot.workers if not w.draining]
         if snapshot is not None:
             self.arrivals.update(snapshot.gateways)
+        self._models = {} if snapshot is None else {w.id: w.model for w in snapshot.workers}
         times = [w.batch_ms for w in self._serving if w.batch_ms > 0]
         self._batch_ms = sum(times) / len(times) if times else 0.0
         self._capacity = {}
@@ -97,6 +99,10 @@ class FleetView:
         serves): the result cache is read only for a fleet of one model."""
         models = {w.model for w in self._serving}
         return models.pop() if len(models) == 1 and "" not in models else None
+
+    def fingerprint_of(self, worker_id: str) -> str | None:
+        """The model a worker runs (None if it is not in the view)."""
+        return self._models.get(worker_id)
 
     def serving(self) -> list[wire.Heartbeat]:
         """The workers that take work: alive and not draining."""

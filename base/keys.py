@@ -3,34 +3,63 @@
 All names share one Redis Cluster hash tag, ``{ns}``, so every multi-key
 script runs on one shard, and the same code runs on a single Redis, Sentinel
 or Cluster.
+
+Each model a deployment serves has its own key space (``{ns}:m:{model}:``):
+its queues, fair state, batches, workers and dispatchers, jobs queues, cache
+and usage, so a flood on one model never touches another's. The model named
+``default`` (the one model of a policy without ``models``) keeps the bare
+prefix, so a single-model deployment's keys are those of earlier versions.
+What is the deployment's own stays under the bare prefix whatever the model:
+a key's quotas (one allowance across models), the policy's copy, each
+gateway's reply channel, the jobs' records, notices and counts per key, and
+the requests cancelled (ids are unique across models; a gateway serves every
+model and reads one channel).
 """
 
 import hashlib
 
 from infergate.base.tiers import TIERS
 
+DEFAULT_MODEL = "default"
+MODEL_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+MODEL_NAME_MAX = 64
+
+
+def check_model_name(name: str) -> str:
+    """A model's name: 1-64 of letters, digits, ``.``, ``_`` and ``-`` (it is
+    part of Redis key names and of metric labels)."""
+    if not 1 <= len(name) <= MODEL_NAME_MAX or not set(name) <= MODEL_NAME_CHARS:
+        raise ValueError(
+            f"model name {name[:80]!r} must be 1-{MODEL_NAME_MAX} letters, digits, '.', '_' or '-'"
+        )
+    return name
+
 
 class Keys:
-    """Key names under one namespace, e.g. ``{infergate}:queue:free``."""
+    """Key names under one namespace and model, e.g. ``{infergate}:queue:free``
+    or ``{infergate}:m:large:queue:free``."""
 
-    def __init__(self, namespace: str = "infergate") -> None:
+    def __init__(self, namespace: str = "infergate", model: str = DEFAULT_MODEL) -> None:
         if not namespace or any(c in namespace for c in "{}: "):
             raise ValueError(
                 f"namespace {namespace!r} must be non-empty without '{{', '}}', ':' or spaces"
             )
         self.namespace = namespace
-        self.prefix = "{" + namespace + "}:"
+        self.model = check_model_name(model)
+        # The deployment's own names (``root``), and the model's.
+        self.root = "{" + namespace + "}:"
+        self.prefix = self.root if model == DEFAULT_MODEL else self.root + "m:" + model + ":"
         self.batches = self.prefix + "batches"
         self.ready = self.prefix + "ready"
         self.doorbell = self.prefix + "doorbell"
         self.last_dispatch = self.prefix + "last-dispatch"
         self.batch_rule = self.prefix + "batch-rule"
         self.stats = self.prefix + "stats"
-        self.cancelled = self.prefix + "cancelled"
+        self.cancelled = self.root + "cancelled"
         self.dead_letter = self.prefix + "dead-letter"
         self.reaper_lock = self.prefix + "reaper-lock"
-        self.quota_prefix = self.prefix + "quota"
-        self.policy = self.prefix + "policy"
+        self.quota_prefix = self.root + "quota"
+        self.policy = self.root + "policy"
         self.scale_signal = self.prefix + "scale-signal"
         self.scale_history = self.prefix + "scale-history"
         self.queues = tuple(self.queue(t) for t in TIERS)
@@ -45,9 +74,9 @@ class Keys:
         # record per job, the queued count per key, and the channel that says
         # which jobs just finished (for long polls on any gateway).
         self.job_queues = tuple(self.job_queue(t) for t in TIERS)
-        self.job_prefix = self.prefix + "job:"
-        self.jobs_queued = self.prefix + "jobs-queued"
-        self.jobs_done = self.prefix + "jobs-done"
+        self.job_prefix = self.root + "job:"
+        self.jobs_queued = self.root + "jobs-queued"
+        self.jobs_done = self.root + "jobs-done"
         self.input_prefix = self.prefix + "input:"
 
     def queue(self, tier: str) -> str:
@@ -105,4 +134,8 @@ class Keys:
         return self.prefix + "members:" + role
 
     def reply_channel(self, gateway_id: str) -> str:
-        return self.prefix + "reply:" + gateway_id
+        return self.root + "reply:" + gateway_id
+
+    def of_model(self, model: str) -> "Keys":
+        """The same deployment's names for another model."""
+        return self if model == self.model else Keys(self.namespace, model)

@@ -266,21 +266,25 @@ class DispatcherMetrics(PolicyWatching):
             "Envelopes of dead dispatchers returned to their queues",
             registry=registry,
         )
-        # The autoscaling signal (base/autoscale.py): what an HPA or KEDA scales on.
+        # The autoscaling signal (base/autoscale.py): what an HPA or KEDA scales
+        # on, for the model the dispatcher batches (each model scales on its own).
         self.desired_workers = Gauge(
             "infergate_autoscale_desired_workers",
             "Workers the fleet needs: demand / (per-worker capacity x target utilization), "
             "held at its peak over autoscale.scale_down_after_s",
+            ["model"],
             registry=registry,
         )
         self.demand_rps = Gauge(
             "infergate_autoscale_demand_rps",
             "Requests per second asked of the gateways (admitted + refused for capacity)",
+            ["model"],
             registry=registry,
         )
         self.worker_capacity_rps = Gauge(
             "infergate_autoscale_worker_capacity_rps",
             "Measured requests per second one worker can serve at the policy's batch size",
+            ["model"],
             registry=registry,
         )
 
@@ -348,33 +352,38 @@ class FleetReading:
 class FleetCollector(Collector):
     """Gauges computed when scraped, from a process's fleet view."""
 
-    def __init__(self, read: Callable[[], FleetReading | None]) -> None:
-        self.read = read
+    def __init__(self, read: Callable[[], dict[str, FleetReading]]) -> None:
+        self.read = read  # each model's reading, by model name
 
     def collect(self) -> Iterable[Metric]:
-        reading = self.read()
-        if reading is None:
+        readings = self.read()
+        if not readings:
             return
         depth = GaugeMetricFamily(
-            "infergate_queue_depth", "Requests queued, by tier", labels=["tier"]
+            "infergate_queue_depth", "Requests queued, by model and tier", labels=["model", "tier"]
         )
-        for tier, n in reading.queue_depth.items():
-            depth.add_metric([tier], n)
-        workers = GaugeMetricFamily("infergate_workers", "Live workers, by state", labels=["state"])
-        for state in WORKER_STATES:
-            workers.add_metric([state], reading.workers.get(state, 0))
+        workers = GaugeMetricFamily(
+            "infergate_workers", "Live workers, by model and state", labels=["model", "state"]
+        )
         capacity = GaugeMetricFamily(
             "infergate_capacity_requests_per_second",
-            "Planned capacity: the serving workers' measured rate x target utilization",
-            value=reading.capacity_rps,
+            "Planned capacity, by model: the serving workers' measured rate x target utilization",
+            labels=["model"],
         )
         wait = GaugeMetricFamily(
             "infergate_estimated_wait_seconds",
-            "Admission's estimate of the queueing delay a new request would see, by tier",
-            labels=["tier"],
+            "Admission's estimate of the queueing delay a new request would see, by model and tier",
+            labels=["model", "tier"],
         )
-        for tier, seconds in reading.estimated_wait_s.items():
-            wait.add_metric([tier], seconds)
+        for model, reading in readings.items():
+            for tier, n in reading.queue_depth.items():
+                depth.add_metric([model, tier], n)
+            for state in WORKER_STATES:
+                workers.add_metric([model, state], reading.workers.get(state, 0))
+            capacity.add_metric([model], reading.capacity_rps)
+            for tier, seconds in reading.estimated_wait_s.items():
+                wait.add_metric([model, tier], seconds)
+        reading = next(iter(readings.values()))
         info = GaugeMetricFamily(
             "infergate_policy_info", "The policy in force (its version)", labels=["version"]
         )

@@ -35,6 +35,11 @@ class Envelope(msgspec.Struct, frozen=True, omit_defaults=True):
     # None: no script copies it on its way to a worker (``queue/inputs.py``).
     input_key: str | None = None
     input_chars: int = 0  # (its length, when it is kept beside)
+    # The request's parameters (``parameters`` in its body): the most tokens
+    # of its output (0: the model's own bound), and its sampling temperature
+    # (0: the model's greedy decoding; above 0 it takes a slot of its own).
+    max_tokens: int = 0
+    temperature: float = 0.0
 
 
 class Batch(msgspec.Struct, frozen=True):
@@ -101,6 +106,8 @@ class Result(msgspec.Struct, frozen=True, omit_defaults=True):
     # How it was served: "model" (its own slot of a backend call), "collapsed"
     # (an identical input's slot), or "cache" (set by the gateway).
     served_by: str = "model"
+    # The output's length in the backend's tokens (its tokenizer's, or words).
+    tokens: int = 0
 
 
 def new_job_id() -> str:

@@ -24,7 +24,6 @@ from infergate import __version__, usage
 
 if TYPE_CHECKING:
     from infergate.base.probes import Probes
-    from infergate.gpu.backend import Backend
     from infergate.policies.live import LivePolicy
     from prometheus_client import CollectorRegistry
 
@@ -101,6 +100,7 @@ def _process(args: argparse.Namespace, role: str) -> dict[str, Any]:
         "namespace": args.namespace,
         "heartbeat_interval_ms": args.heartbeat_interval_ms,
         "heartbeat_ttl_ms": args.heartbeat_ttl_ms,
+        **({"model": args.model_name} if role != "gateway" else {}),
     }
 
 
@@ -136,6 +136,19 @@ def _up_parser(sub: Any) -> None:
     _add(up, "--namespace", "infergate", "key namespace of this deployment")
     _add(up, "--backend", "simulated", "worker backend: simulated or transformers")
     _add(up, "--model", None, "model path for the transformers backend")
+    _add(up, "--gguf-file", None, "the GGUF file in the model's folder (transformers)")
+    _add(up, "--max-new-tokens", None, "most tokens generated per input (transformers)", int)
+    _add(up, "--device", None, "torch device of every worker, e.g. cpu (default: one GPU each)")
+    _add(up, "--hang-timeout-ms", None, "the floor of the workers' hang timeout", int)
+    from infergate.scaling import model_counts
+
+    _add(
+        up,
+        "--models",
+        None,
+        "simulated worker groups per model, e.g. small=2,large=1 (each its own dispatcher)",
+        model_counts,
+    )
     _add(
         up,
         "--gpus",
@@ -188,13 +201,15 @@ def _dispatcher_parser(sub: Any) -> None:
     dp = sub.add_parser("dispatcher", help="run one dispatcher process")
     _common(dp, "dispatcher")
     _add(dp, "--policy", None, "policy file for the batching settings (default: built-in)")
+    _add(dp, "--model-name", "default", "the policy's model whose requests it batches")
 
 
 def _worker_parser(sub: Any) -> None:
     wk = sub.add_parser("worker", help="run one GPU worker process")
     _common(wk, "worker")
-    _add(wk, "--backend", "simulated", "simulated or transformers")
-    _add(wk, "--sim-latency-ms", 100, "simulated backend: time per batch", float)
+    _add(wk, "--model-name", "default", "the policy's model it serves (its entry's settings)")
+    _add(wk, "--backend", None, "simulated or transformers (default: the model's, or simulated)")
+    _add(wk, "--sim-latency-ms", None, "simulated backend: time per batch (default 100)", float)
     _add(
         wk,
         "--sim-fail-marker",
@@ -209,7 +224,13 @@ def _worker_parser(sub: Any) -> None:
     )
     _add(wk, "--model", None, "transformers backend: model directory")
     _add(wk, "--gguf-file", None, "transformers backend: GGUF file inside the model directory")
-    _add(wk, "--max-new-tokens", 16, "transformers backend: tokens to generate per input", int)
+    _add(
+        wk,
+        "--max-new-tokens",
+        None,
+        "transformers backend: most tokens generated per input (default 16)",
+        int,
+    )
     _add(
         wk,
         "--device",
@@ -221,7 +242,8 @@ def _worker_parser(sub: Any) -> None:
         wk,
         "--hang-timeout-ms",
         None,
-        "a backend call longer than this ends the worker (default: the policy's)",
+        "the floor of the hang timeout: a call past it and 4x the slowest call "
+        "(warm-up included) ends the worker (default: the policy's)",
         int,
     )
 
@@ -360,9 +382,13 @@ def _gateway(args: argparse.Namespace) -> int:
 def _dispatcher(args: argparse.Namespace) -> int:
     from infergate.base import runtime
     from infergate.dispatcher.service import Dispatcher, DispatcherSettings
+    from infergate.serving import serve_model
 
     settings = DispatcherSettings(**_process(args, "dispatcher"))
-    dispatcher = Dispatcher(settings, _live_policy(args, required=False))
+    live = _live_policy(args, required=False)
+    if serve_model(args, live, "dispatcher") is None:
+        return 2
+    dispatcher = Dispatcher(settings, live)
     with _side_port(args, dispatcher.registry, dispatcher.probes()):
         return runtime.run(dispatcher.serve)
 
@@ -370,49 +396,26 @@ def _dispatcher(args: argparse.Namespace) -> int:
 def _worker(args: argparse.Namespace) -> int:
     from infergate.base import runtime
     from infergate.gpu.worker import Worker, WorkerSettings
+    from infergate.serving import backend_for, serve_model
 
     common = _process(args, "worker")
-    backend = _backend(args)
+    live = _live_policy(args, required=False)
+    model = serve_model(args, live, "worker")
+    backend = None if model is None else backend_for(args, model)
     if backend is None:
         return 2
-    document = _live_policy(args, required=False).current.document
+    document = live.current.document
     workers = document.workers
     settings = WorkerSettings(
         **common,
         hang_timeout_ms=args.hang_timeout_ms or workers.hang_timeout_ms,
         max_attempts=workers.max_attempts,
         usage_retention_s=round(document.usage.retention_days * 86_400),
+        max_batch=document.batching.max_batch_size,
     )
     worker = Worker(settings, backend)
     with _side_port(args, worker.registry, worker.probes()):
         return runtime.run(worker.serve, shutdown_grace_s=settings.hang_timeout_ms / 1000.0 + 10.0)
-
-
-def _backend(args: argparse.Namespace) -> "Backend | None":
-    """The backend the flags ask for, or None (and a message) if they cannot."""
-    if args.backend == "simulated":
-        from infergate.gpu.simulated import SimulatedBackend
-
-        return SimulatedBackend(args.sim_latency_ms, args.sim_fail_marker, args.sim_hang_marker)
-    if args.backend == "transformers":
-        if not args.model:
-            print(
-                "infergate worker: --model is required with --backend transformers", file=sys.stderr
-            )
-            return None
-        from infergate.gpu.transformers_backend import TransformersBackend
-
-        return TransformersBackend(
-            args.model,
-            gguf_file=args.gguf_file,
-            max_new_tokens=args.max_new_tokens,
-            device=args.device,
-        )
-    print(
-        f"infergate worker: unknown backend {args.backend!r}; use simulated or transformers",
-        file=sys.stderr,
-    )
-    return None
 
 
 def _policy_check(path: str) -> int:

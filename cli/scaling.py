@@ -34,6 +34,28 @@ def worker_range(text: str) -> tuple[int, int]:
     return bounds
 
 
+def model_counts(text: str) -> list[tuple[str, int]]:
+    """``NAME=COUNT,...`` for ``up --models``: each model and its workers."""
+    from infergate.base.keys import check_model_name
+
+    out: list[tuple[str, int]] = []
+    for part in str(text).split(","):
+        name, sep, count = part.strip().partition("=")
+        try:
+            check_model_name(name)
+            workers = int(count) if sep else 1
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(
+                f"{text[:200]!r}: {exc}; e.g. small=2,large=1"
+            ) from None
+        if not 1 <= workers <= 64 or name in dict(out):
+            raise argparse.ArgumentTypeError(
+                f"{text[:200]!r}: each model once, with 1-64 workers; e.g. small=2,large=1"
+            )
+        out.append((name, workers))
+    return out
+
+
 class WorkerScaler:
     """Keeps the number of workers at the signal, within ``low``..``high``.
 

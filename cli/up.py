@@ -154,17 +154,35 @@ def _policy_path(args: argparse.Namespace, tmp: Path) -> str | None:
     given one is invalid or the demo keys cannot be written where asked."""
     if args.policy:
         try:
-            load_policy(args.policy)
+            policy = load_policy(args.policy)
         except PolicyError as exc:
             print(f"infergate up: the policy is not valid:\n{public_error(exc)}", file=sys.stderr)
             return None
-        if args.keys_out:
+        unlisted = [name for name, _ in args.models or [] if name not in policy.models]
+        if unlisted:
             print(
-                "infergate up: --keys-out writes demo keys, and only without --policy; ignored",
+                f"infergate up: --models names {', '.join(unlisted)}, which the policy does not "
+                f"list (its models: {', '.join(policy.models)})",
                 file=sys.stderr,
             )
-        return str(Path(args.policy).resolve())
-    text, keys = demo_policy()
+            return None
+        if policy.document.keys:
+            if args.keys_out:
+                print(
+                    "infergate up: --keys-out writes demo keys, and only for a policy without "
+                    "keys; ignored",
+                    file=sys.stderr,
+                )
+            return str(Path(args.policy).resolve())
+        # A policy without keys (its tiers and models to try): demo keys are added.
+        text, keys = demo_policy(Path(args.policy).read_text("utf-8"))
+    else:
+        text, keys = demo_policy()
+    if args.models and not args.policy:
+        text += (
+            "\n# The models of `infergate up --models`: simulated, each naming itself.\nmodels:\n"
+        )
+        text += "".join(f"  {name}: {{backend: simulated}}\n" for name, _ in args.models)
     path = tmp / "demo-policy.yaml"
     path.write_text(text, "utf-8")
     print("infergate up: demo API keys (one per tier):", file=sys.stderr)
@@ -182,6 +200,8 @@ def _policy_path(args: argparse.Namespace, tmp: Path) -> str | None:
 
 def _children(args: argparse.Namespace, policy_path: str, gpus: list[str]) -> list[Child]:
     """The stack at start: the fewest workers asked for, the dispatchers and gateways."""
+    if args.models:
+        return _model_children(args, policy_path, gpus)
     low, high = args.workers
     gateway_args = ["--policy", policy_path, "--host", args.host, "--port", str(args.port)]
     others = [
@@ -204,15 +224,51 @@ def _children(args: argparse.Namespace, policy_path: str, gpus: list[str]) -> li
     return [*(worker_child(args, policy_path, slot, gpus) for slot in range(low)), *others]
 
 
-def worker_child(args: argparse.Namespace, policy_path: str, slot: int, gpus: list[str]) -> Child:
-    """The worker in ``slot``: its name, its GPU and its metrics port follow from the slot."""
+def _model_children(args: argparse.Namespace, policy_path: str, gpus: list[str]) -> list[Child]:
+    """``--models``: each model's workers and dispatchers, then the gateways
+    (which serve them all); metrics ports one after another in that order."""
+    children: list[Child] = []
+    slot = 0
+    for name, count in args.models:
+        for _ in range(count):
+            children.append(worker_child(args, policy_path, slot, gpus, name))
+            slot += 1
+        argv = ["--policy", policy_path, "--model-name", name]
+        children += [
+            Child(f"dispatcher-{name}-{i + 1}", "dispatcher", list(argv))
+            for i in range(args.dispatchers)
+        ]
+    gateway_args = ["--policy", policy_path, "--host", args.host, "--port", str(args.port)]
+    children += [
+        Child(f"gateway-{i + 1}", "gateway", list(gateway_args)) for i in range(args.gateways)
+    ]
+    if args.metrics_port:
+        for i, child in enumerate(children):
+            if child.role != "worker":
+                child.argv += ["--metrics-port", str(args.metrics_port + i)]
+    return children
+
+
+# The worker's flags ``up`` passes on when given (a real model's settings).
+WORKER_FLAGS = ("model", "gguf_file", "max_new_tokens", "device", "hang_timeout_ms")
+
+
+def worker_child(
+    args: argparse.Namespace, policy_path: str, slot: int, gpus: list[str], model: str = ""
+) -> Child:
+    """The worker in ``slot``: its name, its GPU and its metrics port follow
+    from the slot; ``model``: the policy's model it serves (``--models``)."""
     argv = ["--backend", args.backend, "--sim-latency-ms", str(args.sim_latency_ms)]
     argv += ["--policy", policy_path]
-    if args.model:
-        argv += ["--model", args.model]
+    for flag in WORKER_FLAGS:
+        if getattr(args, flag) is not None:
+            argv += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
+    if model:
+        argv += ["--model-name", model]
     if args.metrics_port:
         argv += ["--metrics-port", str(args.metrics_port + slot)]
-    child = Child(f"worker-{slot + 1}", "worker", argv, slot=slot)
+    name = f"worker-{model}-{slot + 1}" if model else f"worker-{slot + 1}"
+    child = Child(name, "worker", argv, slot=slot)
     if args.backend == "transformers":
         # One GPU per worker (each sees it as cuda:0); CPU when there are none.
         child.env["CUDA_VISIBLE_DEVICES"] = gpus[slot % len(gpus)] if gpus else ""
@@ -276,6 +332,12 @@ def _metrics_ports_fit(args: argparse.Namespace) -> bool:
 def run_stack(args: argparse.Namespace) -> int:
     logs.configure("up", "up")
     if not _metrics_ports_fit(args):
+        return 2
+    if args.models and args.workers[0] != args.workers[1]:
+        print(
+            "infergate up: --models gives each model's workers; not with --workers MIN:MAX",
+            file=sys.stderr,
+        )
         return 2
     stop_requested: list[int] = []
 
@@ -343,7 +405,7 @@ def _scaler(
 ) -> WorkerScaler | None:
     """With ``--workers MIN:MAX``, what keeps the workers at the signal."""
     low, high = args.workers
-    if low == high:
+    if low == high or args.models:
         return None
 
     def add() -> None:
@@ -364,6 +426,8 @@ def _scaler(
 def _say_ready(args: argparse.Namespace, url: str) -> None:
     low, high = args.workers
     workers = f"{low} workers" if low == high else f"{low}-{high} workers (autoscaled)"
+    if args.models:
+        workers = "models " + ", ".join(f"{name} ({n} workers)" for name, n in args.models)
     if args.metrics_port:
         first_other = args.metrics_port + high
         print(

@@ -48,9 +48,10 @@ class ScaleSignalLoop:
             round(doc.autoscale.scale_down_after_s * 1000),
         )
         signal = msgspec.structs.replace(signal, desired_workers=peak)
-        self.metrics.desired_workers.set(signal.desired_workers)
-        self.metrics.demand_rps.set(signal.demand_rps)
-        self.metrics.worker_capacity_rps.set(signal.worker_capacity_rps)
+        model = self.store.keys.model
+        self.metrics.desired_workers.labels(model).set(signal.desired_workers)
+        self.metrics.demand_rps.labels(model).set(signal.demand_rps)
+        self.metrics.worker_capacity_rps.labels(model).set(signal.worker_capacity_rps)
         await scale_signal.publish(self.store, signal)
 
     def start(self) -> None:

@@ -102,6 +102,7 @@ class Dispatcher:
             settings.namespace,
             block_s=settings.block_timeout_s,
             name="dispatcher:" + self.id,
+            model=settings.model,
         )
         self.queue = DispatcherQueue(self.store, self.id)
         self.registry = CollectorRegistry()
@@ -117,7 +118,7 @@ class Dispatcher:
         watch_policy_and_redis(self.metrics, policy, lambda: self.fleet.redis_ok)
         # Read on the event loop once a second; the scrape thread only reads the result.
         self._reading: FleetReading | None = None
-        self.registry.register(FleetCollector(lambda: self._reading))
+        self.registry.register(FleetCollector(self._readings))
         self.metrics_reading = Supervised("metrics-reading", self._refresh_reading, 1.0)
         self.heartbeat = Heartbeater(
             self.store, self.status, settings.heartbeat_interval_ms, settings.heartbeat_ttl_ms
@@ -142,6 +143,10 @@ class Dispatcher:
             alive=self.heartbeat.alive,
             ready=lambda: self.heartbeat.healthy and self.fleet.redis_ok,
         )
+
+    def _readings(self) -> dict[str, FleetReading]:
+        reading = self._reading
+        return {} if reading is None else {self.settings.model: reading}
 
     async def _refresh_reading(self) -> None:
         self._reading = self._fleet_reading()

@@ -8,6 +8,38 @@ from infergate.base.queue.usage import KeyUsage
 from infergate.gateway.errors import ErrorDetail
 from litestar.openapi.spec import OpenAPIMediaType, OpenAPIType, RequestBody, Schema
 
+MAX_TOKENS = 4_096
+
+
+class Parameters(msgspec.Struct, forbid_unknown_fields=True):
+    """What a request may ask of the model. Every backend honours both, per
+    request; any other is refused (400, naming it), never ignored."""
+
+    max_tokens: (
+        Annotated[
+            int,
+            msgspec.Meta(
+                ge=1,
+                le=MAX_TOKENS,
+                description="The most tokens of the output (the backend's tokenizer's, "
+                "or words); at most the model's own bound.",
+            ),
+        ]
+        | None
+    ) = None
+    temperature: (
+        Annotated[
+            float,
+            msgspec.Meta(
+                ge=0,
+                le=2,
+                description="Sampling temperature; 0 (the default) is greedy. Above 0 "
+                "a request is never collapsed with another nor served from the cache.",
+            ),
+        ]
+        | None
+    ) = None
+
 
 class InferenceRequest(msgspec.Struct, forbid_unknown_fields=True):
     input: Annotated[
@@ -26,6 +58,18 @@ class InferenceRequest(msgspec.Struct, forbid_unknown_fields=True):
         ]
         | None
     ) = None
+    model: (
+        Annotated[
+            str,
+            msgspec.Meta(
+                min_length=1,
+                max_length=200,
+                description="The model to run (GET /v1/models); default: the policy's.",
+            ),
+        ]
+        | None
+    ) = None
+    parameters: Parameters | None = None
 
 
 _request_decoder = msgspec.json.Decoder(InferenceRequest)
@@ -48,10 +92,14 @@ def decode_inference_request(body: bytes) -> InferenceRequest:
         raise BadRequestBody("the request body is not valid JSON in UTF-8") from None
 
 
-def _openapi_schema(js: dict[str, Any]) -> Schema:
-    """msgspec's JSON schema of a struct, as Litestar's OpenAPI ``Schema``."""
+def _openapi_schema(js: dict[str, Any], defs: dict[str, Any]) -> Schema:
+    """msgspec's JSON schema of a struct, as Litestar's OpenAPI ``Schema``
+    (the structs it refers to written in place)."""
+    if "$ref" in js:
+        return _openapi_schema(defs[js["$ref"].rsplit("/", 1)[-1]], defs)
     renames = {
         "minLength": "min_length",
+        "maxLength": "max_length",
         "additionalProperties": "additional_properties",
         "minimum": "minimum",
         "maximum": "maximum",
@@ -63,9 +111,9 @@ def _openapi_schema(js: dict[str, Any]) -> Schema:
     if "type" in js:
         fields["type"] = OpenAPIType(js["type"])
     if "properties" in js:
-        fields["properties"] = {k: _openapi_schema(v) for k, v in js["properties"].items()}
+        fields["properties"] = {k: _openapi_schema(v, defs) for k, v in js["properties"].items()}
     if "anyOf" in js:
-        fields["any_of"] = [_openapi_schema(v) for v in js["anyOf"]]
+        fields["any_of"] = [_openapi_schema(v, defs) for v in js["anyOf"]]
     return Schema(**fields)
 
 
@@ -75,14 +123,22 @@ def inference_request_body() -> RequestBody:
     return RequestBody(
         content={
             "application/json": OpenAPIMediaType(
-                schema=_openapi_schema(js["$defs"]["InferenceRequest"])
+                schema=_openapi_schema(js["$defs"]["InferenceRequest"], js["$defs"])
             )
         },
         required=True,
     )
 
 
-class InferenceResponse(msgspec.Struct):
+class Metadata(msgspec.Struct):
+    # The output's length in the backend's tokens (its tokenizer's, or words).
+    tokens_used: int
+    latency_ms: float
+    # The backend's fingerprint: what decided the output.
+    model_version: str
+
+
+class InferenceResponse(msgspec.Struct, omit_defaults=True):
     request_id: str
     output: str
     latency_ms: float
@@ -91,7 +147,23 @@ class InferenceResponse(msgspec.Struct):
     queue_ms: int
     # "model": its own slot of a backend call; "collapsed": an identical
     # input's slot in the same batch; "cache": the result cache.
-    served_by: str = "model"
+    served_by: str
+    # The model that answered (a job's result leaves both out).
+    model: str | None = None
+    metadata: Metadata | None = None
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    object: str = "model"
+    owned_by: str = "infergate"
+
+
+class ModelList(msgspec.Struct):
+    """The models the calling key may use."""
+
+    data: list[ModelCard]
+    object: str = "list"
 
 
 class JobAccepted(msgspec.Struct):

@@ -8,19 +8,22 @@ from typing import Annotated, Any
 import msgspec
 from infergate.base import logs
 from infergate.base.metrics import NO_TIER
-from infergate.base.queue.dead_letters import MAX_LISTED
-from infergate.base.queue.usage import Order as UsageOrder
+from infergate.gateway.admin_routes import (
+    admin_only,
+    admin_policy,
+    admin_usage,
+    dead_letters,
+    purge_dead_letters,
+    reload_policy,
+    status,
+)
 from infergate.gateway.api import (
-    AdminPolicy,
-    DeadLetters,
-    DeadLettersPurged,
     InferenceResponse,
     JobAccepted,
     JobView,
+    ModelCard,
+    ModelList,
     Readiness,
-    ReloadResult,
-    StatusResponse,
-    UsageReport,
     inference_request_body,
 )
 from infergate.gateway.errors import ERRORS, JSON, ApiError, ErrorBody, Headers, render
@@ -33,7 +36,6 @@ from infergate.gateway.service import SEVERAL_AUTHORIZATIONS, Gateway, one_autho
 from litestar import Litestar, Request, Response, Router, delete, get, post
 from litestar.connection import ASGIConnection
 from litestar.exceptions import HTTPException, ValidationException
-from litestar.handlers.base import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.openapi.plugins import JsonRenderPlugin, SwaggerRenderPlugin
@@ -68,7 +70,8 @@ INFERENCE_ERRORS = {
             "INVALID_INPUT: the body is not the schema, or the input is empty or too long",
         ),
         ("UNAUTHENTICATED", "UNAUTHENTICATED: no or unknown API key"),
-        ("KEY_DISABLED", "KEY_DISABLED: the key is disabled"),
+        ("KEY_DISABLED", "KEY_DISABLED: the key is disabled, or may not use the model"),
+        ("MODEL_NOT_FOUND", "MODEL_NOT_FOUND: the policy serves no model of that name"),
         ("PAYLOAD_TOO_LARGE", "PAYLOAD_TOO_LARGE: the body is over the byte limit"),
         ("RATE_LIMITED", "RATE_LIMITED: the key's quota is spent (Retry-After)"),
         ("INFERENCE_FAILED", "INFERENCE_FAILED: the backend failed on this input"),
@@ -188,7 +191,10 @@ async def answer_inference(
 
 
 JOB_ERRORS = {
-    404: _error("NOT_FOUND: no such job (or it expired, or it is another key's)"),
+    404: _error(
+        "NOT_FOUND: no such job (or it expired, or it is another key's); "
+        "MODEL_NOT_FOUND: no such model (a submit)"
+    ),
     **{k: v for k, v in INFERENCE_ERRORS.items() if k in (400, 401, 403, 413, 429, 503)},
 }
 
@@ -237,84 +243,17 @@ async def cancel_job(request: Request[Any, Any, Any], job_id: str) -> JobView:
     return await _jobs(request).cancel(_authorization(request), job_id)
 
 
-def admin_only(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
-    """The guard of every operator endpoint: an admin key (401, 403)."""
-    operators: Operators = connection.app.state.operators
-    operators.admin(_authorization(connection))
-
-
-ADMIN_ERRORS = {
-    401: _error("UNAUTHENTICATED: no or unknown API key"),
-    403: _error("FORBIDDEN: not an admin key"),
-}
-
-
 @get(
-    "/v1/admin/policy",
-    summary="The active policy (without key digests)",
-    responses=ADMIN_ERRORS,
+    "/v1/models",
+    summary="The models this key may use (name one as `model` in a request)",
+    responses={401: _error("UNAUTHENTICATED: no or unknown API key")},
     security=[{"bearer": []}],
 )
-async def admin_policy(request: Request[Any, Any, Any]) -> AdminPolicy:
-    return _operators(request).admin_policy()
-
-
-@post(
-    "/v1/admin/policy/reload",
-    status_code=HTTP_200_OK,
-    summary="Re-read the policy file now",
-    description="An invalid file changes nothing; the response says why.",
-    responses=ADMIN_ERRORS,
-    security=[{"bearer": []}],
-)
-async def reload_policy(request: Request[Any, Any, Any]) -> ReloadResult:
-    return await _operators(request).reload_policy()
-
-
-@get(
-    "/v1/admin/dead-letters",
-    summary="Batches given up on: sizes, tiers and why, never their inputs",
-    responses=ADMIN_ERRORS,
-    security=[{"bearer": []}],
-)
-async def dead_letters(
-    request: Request[Any, Any, Any],
-    limit: Annotated[
-        int, Parameter(ge=1, le=MAX_LISTED, description="newest first (and at most 8 MB)")
-    ] = 20,
-) -> DeadLetters:
-    return await _operators(request).dead_letters(limit)
-
-
-@delete(
-    "/v1/admin/dead-letters",
-    status_code=HTTP_200_OK,
-    summary="Empty the dead-letter list",
-    responses=ADMIN_ERRORS,
-    security=[{"bearer": []}],
-)
-async def purge_dead_letters(request: Request[Any, Any, Any]) -> DeadLettersPurged:
-    return await _operators(request).purge_dead_letters()
-
-
-@get(
-    "/v1/admin/usage",
-    summary="What each key used: answered requests, input characters, GPU time, refusals",
-    description="Kept per hour for the policy's usage.retention_days; a key's GPU time is "
-    "its requests' shares of the backend calls that ran them.",
-    responses={**ADMIN_ERRORS, 400: _error("INVALID_INPUT: since or sort is not valid")},
-    security=[{"bearer": []}],
-)
-async def admin_usage(
-    request: Request[Any, Any, Any],
-    key_id: Annotated[str | None, Parameter(max_length=256, description="one key only")] = None,
-    since: Annotated[
-        str | None,
-        Parameter(max_length=64, description="epoch seconds or ISO 8601; default: a day ago"),
-    ] = None,
-    sort: Annotated[UsageOrder, Parameter(description="most first")] = "gpu_ms",
-) -> UsageReport:
-    return await _operators(request).usage(key_id, since, sort)
+async def list_models(request: Request[Any, Any, Any]) -> ModelList:
+    gw = _gateway(request)
+    policy = gw.policy.current
+    key = gw.authenticate(_authorization(request), policy)
+    return ModelList([ModelCard(name) for name in policy.models if policy.may_use(key, name)])
 
 
 @get("/healthz", summary="The process is alive")
@@ -333,20 +272,9 @@ async def healthz() -> dict[str, str]:
 )
 async def readyz(request: Request[Any, Any, Any]) -> Response[Readiness]:
     gw = _gateway(request)
-    fleet = gw.fleet
     ready = gw.ready()
-    body = Readiness(ready, fleet.redis_ok, fleet.workers_alive, gw.draining, gw.store.full)
+    body = Readiness(ready, gw.redis_ok(), gw.workers_alive(), gw.draining, gw.store.full)
     return Response(body, status_code=HTTP_200_OK if ready else HTTP_503_SERVICE_UNAVAILABLE)
-
-
-@get(
-    "/v1/status",
-    summary="Workers, queues, batching and the policy at a glance (admin key)",
-    responses=ADMIN_ERRORS,
-    security=[{"bearer": []}],
-)
-async def status(request: Request[Any, Any, Any]) -> StatusResponse:
-    return await _operators(request).status()
 
 
 def _render(request: Request[Any, Any, Any], error: ApiError) -> Response[Any]:
@@ -410,6 +338,7 @@ def create_app(gateway: Gateway, inference: Inference) -> Litestar:
             submit_job,
             fetch_job,
             cancel_job,
+            list_models,
             healthz,
             readyz,
             Router(

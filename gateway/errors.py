@@ -16,6 +16,7 @@ ERRORS: dict[str, tuple[int, str]] = {
     "KEY_DISABLED": (403, "permission_error"),
     "FORBIDDEN": (403, "permission_error"),
     "NOT_FOUND": (404, "invalid_request_error"),
+    "MODEL_NOT_FOUND": (404, "invalid_request_error"),
     "METHOD_NOT_ALLOWED": (405, "invalid_request_error"),
     "CONFLICT": (409, "invalid_request_error"),
     "REQUEST_TIMEOUT": (408, "invalid_request_error"),

@@ -21,14 +21,16 @@ from infergate.gateway.api import (
     BadRequestBody,
     InferenceRequest,
     InferenceResponse,
+    Metadata,
+    Parameters,
     decode_inference_request,
 )
+from infergate.gateway.checks import check_capacity, check_input, check_parameters
 from infergate.gateway.errors import (
     ApiError,
     error_from_result,
-    redis_full,
-    redis_unreachable,
 )
+from infergate.gateway.models import ModelLane
 from infergate.gateway.service import Gateway
 from infergate.gateway.sharing import input_digest, scope_owner
 from infergate.policies import KeyEntry, Policy, Tier
@@ -36,7 +38,6 @@ from infergate.policies import KeyEntry, Policy, Tier
 log = logs.get(__name__)
 _tracer = tracing.tracer(__name__)
 
-RETRY_NO_WORKER_MS = 1_000
 RETRY_DRAINING_MS = 100
 
 
@@ -81,12 +82,19 @@ class Share:
     digest: str | None
 
     @classmethod
-    def of(cls, policy: Policy, key: KeyEntry, text: str) -> "Share | None":
+    def of(
+        cls, policy: Policy, key: KeyEntry, text: str, params: Parameters | None
+    ) -> "Share | None":
         sharing = policy.document.sharing
         cache_ttl_ms = round(sharing.cache_ttl_s * 1000)
         if not sharing.collapse and cache_ttl_ms <= 0:
             return None
         owner = scope_owner(sharing.scope, key)
+        if params is not None:
+            if params.temperature:  # a sample is a draw of its own
+                return None
+            if params.max_tokens is not None:  # the same answer, cut the same
+                owner += f"\nmax_tokens={params.max_tokens}"
         digest = input_digest(owner, text) if cache_ttl_ms > 0 else None
         return cls((owner, text), sharing.collapse, cache_ttl_ms, digest)
 
@@ -98,12 +106,15 @@ class Request:
     id: str
     key: KeyEntry
     tier: Tier
+    lane: ModelLane
     text: str
     deadline_ms: int
     started: float
     share: Share | None
     # How many of its tier's requests may wait now (admission.Decision)
     allowance: float
+    max_tokens: int = 0
+    temperature: float = 0.0
     # The x-ratelimit-* headers, once the request's quota is charged: by its
     # first enqueue (the same round trip), or before it follows another.
     quota_headers: dict[str, str] | None = None
@@ -176,66 +187,62 @@ class Inference:
         finally:
             holds.release(key.id)
 
-    def read_body(self, raw: bytes, policy: Policy, key: KeyEntry) -> tuple[InferenceRequest, Tier]:
-        """The request body, checked against the key's tier (400 if not fit)."""
+    def read_body(
+        self, raw: bytes, policy: Policy, key: KeyEntry
+    ) -> tuple[InferenceRequest, Tier, ModelLane]:
+        """The request body, checked against the key's tier and the model
+        it names (400 if not fit), and that model's lane (404, 403)."""
         try:
             body = decode_inference_request(raw)
         except BadRequestBody as exc:
             raise ApiError("INVALID_INPUT", str(exc)) from None
         tier = policy.tiers[key.tier]
         check_input(body.input, key.tier, tier)
-        return body, tier
+        lane = self.gw.lanes.route(policy, key, body.model)
+        check_parameters(body.parameters, lane.name, policy.models[lane.name])
+        return body, tier, lane
 
     async def _serve(
         self, call: Call, started: float, policy: Policy, key: KeyEntry
     ) -> tuple[InferenceResponse, dict[str, str]]:
-        body, tier = self.read_body(call.body, policy, key)
-        share = Share.of(policy, key, body.input)
-        cached = None if share is None or share.digest is None else await self._cached(share)
+        body, tier, lane = self.read_body(call.body, policy, key)
+        params = body.parameters
+        share = Share.of(policy, key, body.input, params)
+        cached = None if share is None or share.digest is None else await self._cached(lane, share)
         if cached is not None:
-            headers = await self.charge_quota(key, tier, len(body.input))
+            headers = await self.charge_quota(lane, key, tier, len(body.input))
             self.gw.metrics.cache_hits.labels(key.tier).inc()
-            return self._response(call, started, key, cached), headers
-        allowance = check_capacity(self.gw, policy, key)
+            return respond(call, started, key, lane, cached), headers
+        allowance = check_capacity(self.gw, lane, policy.for_model(lane.name), key)
         deadline_ms = (
             tier.deadline_ms if body.timeout_ms is None else min(tier.deadline_ms, body.timeout_ms)
         )
         request = Request(
-            call.request_id, key, tier, body.input, deadline_ms, started, share, allowance
+            call.request_id, key, tier, lane, body.input, deadline_ms, started, share, allowance
         )
+        if params is not None:
+            request.max_tokens = params.max_tokens or 0
+            request.temperature = params.temperature or 0.0
         try:
             result = await self._collapsed_or_run(request, call.on_disconnect)
         except ApiError as exc:
             exc.headers.update(request.quota_headers or {})
             raise
-        return self._response(call, started, key, result), request.quota_headers or {}
+        return respond(call, started, key, lane, result), request.quota_headers or {}
 
-    def _response(
-        self, call: Call, started: float, key: KeyEntry, result: wire.Result
-    ) -> InferenceResponse:
-        self.gw.served += 1
-        return InferenceResponse(
-            request_id=call.request_id,
-            output=result.output or "",
-            latency_ms=round(clock.elapsed_ms(started), 2),
-            tier=key.tier,
-            batch_size=result.batch_size,
-            queue_ms=result.queue_ms,
-            served_by=result.served_by,
-        )
-
-    async def _cached(self, share: "Share | None") -> wire.Result | None:
+    async def _cached(self, lane: ModelLane, share: "Share | None") -> wire.Result | None:
         """The result cache's answer, if it is on and holds one for this
-        input and the fleet's model."""
+        input and the model's fleet."""
         if share is None or share.digest is None:
             return None
-        fingerprint = self.gw.fleet.fingerprint()
+        fingerprint = lane.fleet.fingerprint()
         if fingerprint is None:
             return None
-        output = await self.gw.cache.get(share.digest, fingerprint)
+        output = await lane.cache.get(share.digest, fingerprint)
         if output is None:
             return None
-        return wire.Result("", "", 0, "", 0, 0, output=output, served_by="cache")
+        tokens = len(output.split())  # (the words: the tokens are the worker's to count)
+        return wire.Result("", "", 0, "", 0, 0, output=output, served_by="cache", tokens=tokens)
 
     async def _collapsed_or_run(
         self, request: "Request", on_disconnect: OnDisconnect | None
@@ -247,7 +254,7 @@ class Inference:
         share = request.share
         if share is None or not share.collapse:
             return await self._run(request, on_disconnect)
-        identity, collapsing = share.identity, self.gw.collapsing
+        identity, collapsing = share.identity, request.lane.collapsing
         while collapsing.leading(identity) and self._remaining_s(request) > 0:
             await self._admit(request)  # a follower pays its own way, once
             followed = await collapsing.follow(identity, self._remaining_s(request))
@@ -275,23 +282,32 @@ class Inference:
     async def _admit(self, request: "Request", envelope: wire.Envelope | None = None) -> None:
         """Charge the request's quota, once, and queue its envelope (when it
         has one): the two in one round trip the first time."""
+        lane = request.lane
         if request.quota_headers is not None:
             if envelope is not None:
-                await self._enqueue(envelope, request.key, len(request.text))
+                await self._enqueue(lane, envelope, request.key, len(request.text))
             return
         key, queue_on = request.key, None if envelope is None else envelope.tier
-        data, beside = (b"", None) if envelope is None else self.gw.queue.stored(envelope)
+        data, beside = (b"", None) if envelope is None else lane.queue.stored(envelope)
         try:
             request.quota_headers = await self.charge_quota(
-                key, request.tier, len(request.text), queue_on, data, beside, request.allowance
+                lane,
+                key,
+                request.tier,
+                len(request.text),
+                queue_on,
+                data,
+                beside,
+                request.allowance,
             )
         except ApiError:
-            self.gw.admission.released(key.tier)  # counted when it was let in
+            lane.admission.released(key.tier)  # counted when it was let in
             raise
-        self.gw.count_admitted(key)
+        self.gw.count_admitted(key, lane)
 
     async def charge_quota(
         self,
+        lane: ModelLane,
         key: KeyEntry,
         tier: Tier,
         input_chars: int,
@@ -305,7 +321,7 @@ class Inference:
         than its share of the tier's ``allowance``); returns the x-ratelimit-*
         headers, or raises 429 (a limit) or 503 (the key's share)."""
         try:
-            quota = await self.gw.quota.charge(
+            quota = await lane.quota.charge(
                 key,
                 tier,
                 input_chars,
@@ -318,20 +334,20 @@ class Inference:
         except STORE_ERRORS as exc:
             error = self.gw.store_failed(exc)
             reason = "redis_full" if self.gw.store.full else "redis"
-            self.gw.count_refused(key, reason, for_capacity=False)
+            self.gw.count_refused(key, reason, lane, for_capacity=False)
             raise error from exc
         headers = quota.headers()
         if quota.over_share:
             # (not demand the fleet should grow for: one key over its share)
-            self.gw.count_refused(key, "key_share", for_capacity=False)
+            self.gw.count_refused(key, "key_share", lane, for_capacity=False)
             raise ApiError(
                 "SERVICE_OVERLOADED",
                 f"this key already has its share of the {key.tier} tier waiting: "
                 "retry when some of its requests are answered",
-                round(self.gw.fleet.batch_ms() or 100.0),
+                round(lane.fleet.batch_ms() or 100.0),
             )
         if not quota.allowed:
-            self.gw.count_refused(key, "quota", for_capacity=False)
+            self.gw.count_refused(key, "quota", lane, for_capacity=False)
             raise ApiError(
                 "RATE_LIMITED",
                 f"rate limit {quota.refused_by} exceeded for this key",
@@ -359,12 +375,14 @@ class Inference:
             trace=tracing.current_traceparent(),
             cache_key=share.digest if share else None,
             cache_ttl_ms=share.cache_ttl_ms if share else 0,
+            max_tokens=request.max_tokens,
+            temperature=request.temperature,
         )
         future = self.gw.replies.park(request_id)
         try:
             await self._admit(request, envelope)
             result = await wait_for_reply(
-                self.gw.queue, future, envelope, self._remaining_s(request), on_disconnect
+                request.lane.queue, future, envelope, self._remaining_s(request), on_disconnect
             )
         finally:
             self.gw.replies.forget(request_id)
@@ -378,12 +396,14 @@ class Inference:
             raise error_from_result(result.error)
         return result
 
-    async def _enqueue(self, envelope: wire.Envelope, key: KeyEntry, chars: int) -> None:
+    async def _enqueue(
+        self, lane: ModelLane, envelope: wire.Envelope, key: KeyEntry, chars: int
+    ) -> None:
         """Queue the envelope of a request whose quota is charged already
         (an identical request's follower that runs on its own)."""
         place = Place(key.id, max(1, chars), key.weight)
         try:
-            await self.gw.queue.enqueue(envelope.tier, *self.gw.queue.stored(envelope), place)
+            await lane.queue.enqueue(envelope.tier, *lane.queue.stored(envelope), place)
         except STORE_ERRORS as exc:
             logs.limited(log, "request.enqueue_failed", level="warning", error=type(exc).__name__)
             raise self.gw.store_failed(exc) from exc
@@ -434,41 +454,21 @@ def _failed(exc: ApiError) -> wire.Result:
     return wire.Result("", "", 0, "", 0, 0, error=wire.ErrorInfo(exc.code, exc.message))
 
 
-def check_input(text: str, tier_name: str, tier: Tier) -> None:
-    if not text:
-        raise ApiError("INVALID_INPUT", "input must be a non-empty string")
-    if len(text) > tier.max_input_chars:
-        raise ApiError(
-            "INVALID_INPUT",
-            f"input is {len(text)} characters; the {tier_name} tier allows {tier.max_input_chars}",
-        )
-
-
-def check_capacity(gw: Gateway, policy: Policy, key: KeyEntry) -> float:
-    """Redis and a worker are there, and the tier has room within its
-    budget: how many of its requests may wait (its allowance; a key's
-    share of it is checked with the charge, ``admit.lua``). A local
-    estimate with no Redis round trip, made before the quota is charged,
-    so under overload a refusal costs next to nothing."""
-    tier_name = key.tier
-    if gw.store.full:
-        gw.count_refused(key, "redis_full", for_capacity=False)
-        raise redis_full()
-    if not gw.ready_for_replies():
-        gw.count_refused(key, "redis", for_capacity=False)
-        raise redis_unreachable()
-    if gw.fleet.workers_alive == 0:
-        gw.count_refused(key, "no_worker")
-        raise ApiError("SERVICE_OVERLOADED", "no healthy worker is available", RETRY_NO_WORKER_MS)
-    decision = gw.admission.decide(policy, tier_name)
-    if not decision.admitted:
-        gw.count_refused(key, "capacity")
-        budget_ms = policy.tiers[tier_name].latency_budget_ms
-        raise ApiError(
-            "SERVICE_OVERLOADED",
-            f"the {tier_name} tier is at capacity: about {decision.wait_ms:.0f} ms of work is "
-            f"queued ahead, over its {budget_ms} ms budget",
-            decision.retry_after_ms,
-        )
-    gw.admission.admitted(tier_name)
-    return decision.allowance
+def respond(
+    call: Call, started: float, key: KeyEntry, lane: ModelLane, result: wire.Result
+) -> InferenceResponse:
+    """The answer to a request, from its result; counted as served."""
+    lane.served += 1
+    latency_ms = round(clock.elapsed_ms(started), 2)
+    version = lane.fleet.fingerprint_of(result.worker) or lane.fleet.fingerprint() or ""
+    return InferenceResponse(
+        request_id=call.request_id,
+        output=result.output or "",
+        latency_ms=latency_ms,
+        tier=key.tier,
+        batch_size=result.batch_size,
+        queue_ms=result.queue_ms,
+        served_by=result.served_by,
+        model=lane.name,
+        metadata=Metadata(result.tokens, latency_ms, version),
+    )

@@ -20,7 +20,7 @@ from collections import defaultdict
 import msgspec
 from infergate.base import clock, logs, wire
 from infergate.base.errors import STORE_ERRORS
-from infergate.gateway.api import InferenceResponse, JobAccepted, JobView
+from infergate.gateway.api import InferenceResponse, JobAccepted, JobView, Parameters
 from infergate.gateway.errors import (
     ERRORS,
     ApiError,
@@ -64,19 +64,29 @@ class Jobs:
         key = gw.authenticate(call.authorization, policy)
         if gw.store.full:
             raise redis_full()
-        body, tier = self.inference.read_body(call.body, policy, key)
-        headers = await self.inference.charge_quota(key, tier, len(body.input))
+        body, tier, lane = self.inference.read_body(call.body, policy, key)
+        params = body.parameters or Parameters()
+        headers = await self.inference.charge_quota(lane, key, tier, len(body.input))
         now_ms = clock.now_ms()
         deadline_ms = tier.job_deadline_ms
         if body.timeout_ms is not None:
             deadline_ms = min(deadline_ms, body.timeout_ms)
         job_id = wire.new_job_id()
         envelope = wire.Envelope(
-            job_id, gw.id, key.tier, key.id, body.input, now_ms, now_ms + deadline_ms, job=True
+            job_id,
+            gw.id,
+            key.tier,
+            key.id,
+            body.input,
+            now_ms,
+            now_ms + deadline_ms,
+            job=True,
+            max_tokens=params.max_tokens or 0,
+            temperature=params.temperature or 0.0,
         )
         jobs = policy.document.jobs
         try:
-            accepted = await self.queue.enqueue_job(
+            accepted = await lane.queue.enqueue_job(
                 envelope, jobs.max_queued_per_key, round(jobs.result_ttl_s * 1000)
             )
             if not accepted:

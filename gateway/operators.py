@@ -66,41 +66,47 @@ class Operators:
         changed = await self.gw.policy.reload()
         return ReloadResult(changed, self.gw.policy.current.version, self.gw.policy.error)
 
-    async def dead_letters(self, limit: int) -> DeadLetters:
+    async def dead_letters(self, limit: int, model: str | None = None) -> DeadLetters:
+        lane = self.gw.lanes.named(self.gw.policy.current, model)
         try:
-            total, batches = await self.gw.queue.dead_letters(limit)
+            total, batches = await lane.queue.dead_letters(limit)
         except STORE_ERRORS as exc:
             raise self.gw.store_failed(exc) from exc
         return DeadLetters(total, batches)
 
-    async def purge_dead_letters(self) -> DeadLettersPurged:
+    async def purge_dead_letters(self, model: str | None = None) -> DeadLettersPurged:
+        lane = self.gw.lanes.named(self.gw.policy.current, model)
         try:
-            purged = await self.gw.queue.purge_dead_letters()
+            purged = await lane.queue.purge_dead_letters()
         except STORE_ERRORS as exc:
             raise self.gw.store_failed(exc) from exc
         log.info("admin.dead_letters_purged", purged=purged)
         return DeadLettersPurged(purged)
 
-    async def usage(self, key_id: str | None, since: str | None, sort: usage.Order) -> UsageReport:
+    async def usage(
+        self, key_id: str | None, since: str | None, sort: usage.Order, model: str | None = None
+    ) -> UsageReport:
         """Usage per key from ``since`` (epoch seconds or ISO 8601; default a
         day ago; no earlier than the policy keeps it), most first by ``sort``."""
         now_ms = clock.now_ms()
         kept_ms = round(self.gw.policy.current.document.usage.retention_days * DAY_MS)
         since_ms = max(now_ms - DAY_MS if since is None else _epoch_ms(since), now_ms - kept_ms)
         since_ms = min(since_ms, now_ms)
+        lane = self.gw.lanes.named(self.gw.policy.current, model)
         try:
-            rows = await usage.read(self.gw.store, since_ms, now_ms, key_id)
+            rows = await usage.read(lane.store, since_ms, now_ms, key_id)
         except STORE_ERRORS as exc:
             raise self.gw.store_failed(exc) from exc
         rows.sort(key=lambda r: (-getattr(r, sort), r.key_id))
         return UsageReport(_iso(since_ms - since_ms % usage.HOUR_MS), _iso(now_ms), rows)
 
-    async def status(self) -> StatusResponse:
+    async def status(self, model: str | None = None) -> StatusResponse:
+        lane = self.gw.lanes.named(self.gw.policy.current, model)
         try:
-            fleet = await self.gw.store.fleet_status()
+            fleet = await lane.store.fleet_status()
         except STORE_ERRORS as exc:
             raise self.gw.store_failed(exc) from exc
-        policy = self.gw.policy.current
+        policy = self.gw.policy.current.for_model(lane.name)
         max_batch = policy.document.batching.max_batch_size
         stats = fleet.counters
         workers = fleet.alive["worker"]
@@ -136,11 +142,11 @@ class Operators:
             counters={name: stats.get(name, 0) for name in COUNTERS} | stats,
             pending_here=len(self.gw.replies.pending),
             replies_ignored=self.gw.replies.duplicates,
-            capacity_rps=round(self.gw.admission.capacity_rps(policy), 1),
+            capacity_rps=round(lane.admission.capacity_rps(policy), 1),
             estimated_wait_ms={
                 t: (None if w == float("inf") else round(w, 1))
                 for t in TIERS
-                for w in [self.gw.admission.estimate_wait_ms(policy, t)]
+                for w in [lane.admission.estimate_wait_ms(policy, t)]
             },
         )
 

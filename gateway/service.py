@@ -9,10 +9,9 @@ import contextlib
 import dataclasses
 from dataclasses import dataclass
 
-from infergate.base import clock, logs, wire
+from infergate.base import clock, logs
 from infergate.base.errors import STORE_ERRORS, UNAVAILABLE, out_of_memory
-from infergate.base.fleet import FleetView, fleet_reading
-from infergate.base.heartbeat import Heartbeater
+from infergate.base.fleet import fleet_reading
 from infergate.base.loops import Supervised
 from infergate.base.metrics import (
     FleetCollector,
@@ -26,14 +25,13 @@ from infergate.base.queue.policy_copy import keep_policy
 from infergate.base.queue.store import Store
 from infergate.base.settings import ProcessSettings
 from infergate.base.tiers import TIERS
-from infergate.gateway.admission import Admission
 from infergate.gateway.errors import ApiError, redis_full, redis_unreachable
 from infergate.gateway.holds import Holds
 from infergate.gateway.limits import EdgeLimits
+from infergate.gateway.models import Lanes, ModelLane
 from infergate.gateway.quota import Quota
 from infergate.gateway.replies import ReplyRouter
 from infergate.gateway.shares import Shares
-from infergate.gateway.sharing import Cache, Collapsing
 from infergate.policies import KeyEntry, Policy
 from infergate.policies.live import LivePolicy
 from infergate.policies.loader import digest
@@ -78,61 +76,59 @@ class Gateway:
         self.store = Store.connect(
             settings.redis_url, settings.namespace, name="gateway:" + self.id
         )
-        self.queue = GatewayQueue(self.store, self.id, lambda: self.metrics.forming.handed_one())
+        self.queue = GatewayQueue(self.store, self.id)  # (the deployment's keys: replies, jobs)
         self.registry = CollectorRegistry()
         self.metrics = GatewayMetrics(self.registry)
         self.replies = ReplyRouter(self.queue, on_ignored=self.metrics.replies_ignored.inc)
-        self.fleet = FleetView(self.store, settings.fleet_refresh_ms)
         self.quota = Quota(self.queue)
-        self.collapsing = Collapsing()
-        self.cache = Cache(self.queue, self.metrics.cache_bypassed.inc)
-        self.admission = Admission(self.fleet, lambda: self.admitted_by_tier)
+        self.started_ms = clock.now_ms()
+        self.lanes = Lanes(self._lane)
         policy.keep_with(self._keep_policy)
-        watch_policy_and_redis(self.metrics, policy, lambda: self.fleet.redis_ok)
+        policy.on_change(self.lanes.follow)
+        watch_policy_and_redis(self.metrics, policy, self.redis_ok)
         # Read on the event loop once a second; the scrape thread only reads the result.
-        self._reading: FleetReading | None = None
-        self.registry.register(FleetCollector(lambda: self._reading))
+        self._readings: dict[str, FleetReading] = {}
+        self.registry.register(FleetCollector(lambda: self._readings))
         self.metrics_reading = Supervised("metrics-reading", self._refresh_reading, 1.0)
         self.shares = Shares(self.store, self.metrics)
         self.shares_flush = Supervised("usage-refusals", self._flush_shares, 5.0)
-        self.started_ms = clock.now_ms()
-        self.served = 0
-        # Demand, for the autoscaling signal (base/autoscale.py): admitted, and
-        # refused for capacity. Carried by the heartbeat, never a command per request.
-        self.admitted = 0
-        self.admitted_by_tier = [0] * len(TIERS)  # (the tiers' arrival rates: fleet.py)
-        self.refused_for_capacity = 0
         self.draining = False
         # Secrets already matched to a key of the active policy (``_key_of``).
         self._keys_policy: Policy | None = None
         self._keys_known: dict[str, KeyEntry] = {}
-        self.heartbeat = Heartbeater(
-            self.store,
-            lambda: wire.Heartbeat(
-                "gateway",
-                self.id,
-                self.started_ms,
-                clock.now_ms(),
-                requests_done=self.served,
-                admitted=self.admitted,
-                refused=self.refused_for_capacity,
-                admitted_by_tier=self.admitted_by_tier,
-            ),
-            settings.heartbeat_interval_ms,
-            settings.heartbeat_ttl_ms,
+
+    def _lane(self, model: str) -> ModelLane:
+        settings = self.settings
+        return ModelLane(
+            model,
+            self.store.of_model(model),
+            self.id,
+            self.started_ms,
+            (settings.fleet_refresh_ms, settings.heartbeat_interval_ms, settings.heartbeat_ttl_ms),
+            lambda: self.metrics.forming.handed_one(),
+            self.metrics.cache_bypassed.inc,
         )
 
-    def count_admitted(self, key: KeyEntry) -> None:
+    def redis_ok(self) -> bool:
+        """Every model's fleet view was read, and lately (one Redis serves them all)."""
+        lanes = list(self.lanes)
+        return bool(lanes) and all(lane.fleet.redis_ok for lane in lanes)
+
+    def workers_alive(self) -> int:
+        return sum(lane.fleet.workers_alive for lane in self.lanes)
+
+    def count_admitted(self, key: KeyEntry, lane: ModelLane) -> None:
         """A request was let in (charged and queued, or handed to a worker)."""
-        self.admitted += 1
-        self.admitted_by_tier[TIERS.index(key.tier)] += 1
+        lane.count_admitted(key)
         self.shares.admitted(key)
 
-    def count_refused(self, key: KeyEntry, reason: str, for_capacity: bool = True) -> None:
+    def count_refused(
+        self, key: KeyEntry, reason: str, lane: ModelLane | None, for_capacity: bool = True
+    ) -> None:
         """A request of ``key`` was refused at admission."""
         self.metrics.refusals.labels(key.tier, reason).inc()
-        if for_capacity:
-            self.refused_for_capacity += 1
+        if for_capacity and lane is not None:
+            lane.refused_for_capacity += 1
         self.shares.refused(key)
 
     async def _flush_shares(self) -> None:
@@ -140,13 +136,18 @@ class Gateway:
         await self.shares.flush(round(retention_days * 86_400))
 
     async def _refresh_reading(self) -> None:
-        self._reading = self._fleet_reading()
+        readings = {}
+        for lane in self.lanes:
+            reading = self._fleet_reading(lane)
+            if reading is not None:
+                readings[lane.name] = reading
+        self._readings = readings
 
-    def _fleet_reading(self) -> FleetReading | None:
-        policy = self.policy.current
+    def _fleet_reading(self, lane: ModelLane) -> FleetReading | None:
+        policy = self.policy.current.for_model(lane.name)
         doc = policy.document
         reading = fleet_reading(
-            self.fleet,
+            lane.fleet,
             doc.batching.max_batch_size,
             doc.capacity.target_utilization,
             policy.version,
@@ -154,14 +155,14 @@ class Gateway:
         )
         if reading is None:
             return None
-        waits = {t: self.admission.estimate_wait_ms(policy, t) / 1000.0 for t in TIERS}
+        waits = {t: lane.admission.estimate_wait_ms(policy, t) / 1000.0 for t in TIERS}
         return dataclasses.replace(reading, estimated_wait_s=waits)
 
     def ready_for_replies(self) -> bool:
         """Redis answers, the fleet view is fresh, AND this gateway listens on
         its reply channel: a request admitted while the subscription is down
         (after a Redis restart) would have its reply published to no one."""
-        return self.fleet.redis_ok and self.replies.listening()
+        return self.redis_ok() and self.replies.listening()
 
     def ready(self) -> bool:
         """Takes requests now: ready for replies, on the fleet's clock, a
@@ -169,7 +170,7 @@ class Gateway:
         return (
             self.ready_for_replies()
             and clock.aligned()
-            and self.fleet.workers_alive > 0
+            and self.workers_alive() > 0
             and not self.draining
             and not self.store.full
         )
@@ -183,7 +184,8 @@ class Gateway:
             self.store.saw_full()
             return redis_full()
         if isinstance(exc, UNAVAILABLE):
-            self.fleet.mark_unreachable()
+            for lane in self.lanes:
+                lane.fleet.mark_unreachable()
         return redis_unreachable()
 
     def edge_failed(self, cause: str) -> None:
@@ -192,7 +194,11 @@ class Gateway:
         self.metrics.edge_faults.inc()
 
     def probes(self) -> Probes:
-        return Probes(alive=self.heartbeat.alive, ready=self.ready)
+        return Probes(alive=self.alive, ready=self.ready)
+
+    def alive(self) -> bool:
+        """Every model's heartbeat still ends its beats: the event loop is not stuck."""
+        return all(lane.heartbeat.alive() for lane in self.lanes)
 
     async def _keep_policy(self, policy: Policy, text: str) -> None:
         await keep_policy(self.store, policy.version, text)
@@ -204,9 +210,8 @@ class Gateway:
             except STORE_ERRORS as exc:
                 log.warning("policy.keep_failed", error=type(exc).__name__)
         self.policy.start()
-        await self.fleet.start()
+        await self.lanes.start(self.policy.current)
         await self.replies.start()
-        self.heartbeat.start()
         self.metrics_reading.start()
         self.shares_flush.start()
         log.info("gateway.started", gateway_id=self.id, policy_version=self.policy.current.version)
@@ -217,13 +222,12 @@ class Gateway:
         with contextlib.suppress(*STORE_ERRORS):  # (the last refusals counted)
             await self._flush_shares()
         await self.policy.stop()
-        await self.heartbeat.stop()
         await self.replies.stop()
-        await self.fleet.stop()
-        try:
-            await self.store.retire("gateway", self.id)
-        except STORE_ERRORS as exc:
-            log.warning("gateway.retire_failed", error=type(exc).__name__)
+        for lane in self.lanes:
+            try:
+                await lane.stop(self.id)
+            except STORE_ERRORS as exc:
+                log.warning("gateway.retire_failed", model=lane.name, error=type(exc).__name__)
         await self.store.close()
         log.info("gateway.stopped", gateway_id=self.id)
 

@@ -17,6 +17,7 @@ from infergate.base.queue.replies import failure_replies, group_by_gateway
 from infergate.base.queue.usage import Charge, shares
 from infergate.base.queue.worker import KeptAnswer
 from infergate.gpu.backend import Backend, BackendError
+from infergate.gpu.lane import slot_key
 
 log = logs.get(__name__)
 
@@ -69,12 +70,7 @@ class Tally:
     def __init__(self) -> None:
         self.batches_done = 0
         self.requests_done = 0
-        self.batch_ms_ewma: float | None = None
         self._recent: deque[tuple[float, int]] = deque()  # (monotonic s, requests) per batch
-
-    def call_took(self, took_ms: float) -> None:
-        ewma = self.batch_ms_ewma
-        self.batch_ms_ewma = took_ms if ewma is None else 0.8 * ewma + 0.2 * took_ms
 
     def batch_served(self, requests: int) -> None:
         self.batches_done += 1
@@ -105,6 +101,15 @@ class Answers:
         self.metrics = metrics
         self.tally = tally
 
+    def _clipped(
+        self, outcome: str | BackendError, max_tokens: int
+    ) -> tuple[str, int] | BackendError:
+        """An output cut to the request's ``max_tokens`` (the backend's
+        tokens), and its length in them."""
+        if isinstance(outcome, BackendError):
+            return outcome
+        return self.backend.clip(outcome, max_tokens)
+
     def of(
         self,
         batch: wire.Batch,
@@ -125,7 +130,7 @@ class Answers:
             # batch must not learn from served_by that another sent the same input.
             result = _result(
                 env,
-                outcome_of[wire.input_of(env)],
+                self._clipped(outcome_of[slot_key(env)], env.max_tokens),
                 batch.id,
                 size,
                 self.worker_id,
@@ -205,7 +210,7 @@ class Answers:
         idle_ms: float | None,
     ) -> None:
         """A batch's metrics and log line."""
-        failed = sum(isinstance(outcome_of[wire.input_of(e)], BackendError) for e in live)
+        failed = sum(isinstance(outcome_of[slot_key(e)], BackendError) for e in live)
         self.metrics.backend_inputs.inc(len(outcome_of))
         self.metrics.requests_collapsed.inc(len(live) - len(outcome_of))
         self.metrics.batch_size.observe(len(live))
@@ -236,7 +241,7 @@ def charges(live: list[wire.Envelope], infer_ms: int) -> list[Charge]:
 
 def _result(
     env: wire.Envelope,
-    outcome: str | BackendError,
+    outcome: tuple[str, int] | BackendError,
     batch_id: str,
     batch_size: int,
     worker_id: str,
@@ -254,4 +259,5 @@ def _result(
     if isinstance(outcome, BackendError):
         error = wire.ErrorInfo("INFERENCE_FAILED", str(outcome)[:500] or "the backend failed")
         return wire.Result(**common, error=error)  # type: ignore[arg-type]
-    return wire.Result(**common, output=outcome)  # type: ignore[arg-type]
+    output, tokens = outcome
+    return wire.Result(**common, output=output, tokens=tokens)  # type: ignore[arg-type]

@@ -5,6 +5,7 @@ def infer(inputs: list[str]) -> list[str]
 # the batch size, and ONE call at a time per instance.
 """
 
+import re
 import threading
 from typing import Protocol
 
@@ -27,6 +28,61 @@ class Backend(Protocol):
     fingerprint: str
 
     def infer(self, inputs: list[str]) -> list[str]: ...
+
+    # The same call with a temperature per input (0: greedy), and the
+    # backend's own tokens: an output cut to a request's max_tokens, and its
+    # length in them.
+    def infer_sampled(self, inputs: list[str], temperatures: list[float]) -> list[str]: ...
+
+    def clip(self, text: str, max_tokens: int) -> tuple[str, int]: ...
+
+
+class Prompts(list[str]):
+    """The inputs of one backend call, with the slot each one fills (``keys``:
+    identical greedy inputs share one) and, when any is sampled, each one's
+    temperature. A slice keeps them."""
+
+    def __init__(
+        self, inputs: list[str], keys: list[str], temperatures: list[float] | None = None
+    ) -> None:
+        super().__init__(inputs)
+        self.keys = keys
+        self.temperatures = temperatures
+
+    def __getitem__(self, i):  # type: ignore[no-untyped-def]
+        if not isinstance(i, slice):
+            return list.__getitem__(self, i)
+        temperatures = None if self.temperatures is None else self.temperatures[i]
+        return Prompts(list.__getitem__(self, i), self.keys[i], temperatures)
+
+
+def run(backend: Backend, inputs: list[str]) -> list[str]:
+    """One call of the backend: sampled when any of its inputs asks to be."""
+    temperatures = getattr(inputs, "temperatures", None)
+    if temperatures is None:
+        return backend.infer(inputs)
+    return backend.infer_sampled(list(inputs), temperatures)
+
+
+def slot_keys(inputs: list[str]) -> list[str]:
+    """The slot each input of a call fills (itself, for a plain list)."""
+    return getattr(inputs, "keys", inputs)
+
+
+WORD = re.compile(r"\S+")
+
+
+def clip_words(text: str, max_tokens: int) -> tuple[str, int]:
+    """``text`` cut after its first ``max_tokens`` words (0: uncut), and its
+    words: the tokens of a backend without a tokenizer."""
+    if max_tokens <= 0:
+        return text, len(WORD.findall(text))
+    count = 0
+    for match in WORD.finditer(text):
+        count += 1
+        if count == max_tokens:
+            return text[: match.end()], count
+    return text, count
 
 
 def check_batch(inputs: list[str]) -> None:

@@ -40,7 +40,7 @@ import msgspec
 from infergate.base import clock, wire
 from infergate.base.queue.forming import TakeResult, new_batch_id
 from infergate.base.queue.inputs import any_beside
-from infergate.gpu.backend import Backend
+from infergate.gpu.backend import Backend, Prompts, run
 
 Future = concurrent.futures.Future
 
@@ -51,9 +51,23 @@ def live_envelopes(batch: wire.Batch, now_ms: int) -> list[wire.Envelope]:
     return [e for e in batch.envelopes if e.job or e.deadline_ms > now_ms]
 
 
-def distinct_inputs(live: list[wire.Envelope]) -> list[str]:
-    """Identical inputs in one batch take one slot of the backend's call."""
-    return list(dict.fromkeys(wire.input_of(e) for e in live))
+def slot_key(env: wire.Envelope) -> str:
+    """The slot of a backend call an envelope's answer comes from: identical
+    inputs share one, but a sampled one (temperature above 0) has its own
+    (two samples are two draws)."""
+    return wire.input_of(env) if not env.temperature else "\0" + env.id
+
+
+def distinct_inputs(live: list[wire.Envelope]) -> Prompts:
+    """The inputs of the backend's call for a batch: one per slot."""
+    slots: dict[str, wire.Envelope] = {}
+    for env in live:
+        slots.setdefault(slot_key(env), env)
+    keys = list(slots)
+    inputs = [wire.input_of(e) for e in slots.values()]
+    if not any(e.temperature for e in live):
+        return Prompts(inputs, keys)
+    return Prompts(inputs, keys, [e.temperature for e in slots.values()])
 
 
 @dataclass(frozen=True)
@@ -170,7 +184,7 @@ class Lane:
     def _run(self, job: _Job) -> _Job | None:
         """Run one call; returns the next one if the lane took and started it."""
         try:
-            outputs, error = job.context.run(self.backend.infer, job.inputs), None
+            outputs, error = job.context.run(run, self.backend, job.inputs), None
         except BaseException as exc:  # the event loop's to raise, as to_thread would
             outputs, error = None, exc
         returned = clock.monotonic_s()

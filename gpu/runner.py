@@ -20,7 +20,8 @@ from infergate.base.queue import inputs
 from infergate.base.queue.recovery import RecoveryQueue
 from infergate.base.queue.worker import WorkerQueue
 from infergate.gpu.answers import NOTHING_TO_ANSWER, Answer, Answers, Finished, Tally
-from infergate.gpu.backend import Backend, BackendError
+from infergate.gpu.backend import MAX_BATCH, Backend, BackendError, slot_keys
+from infergate.gpu.batch_time import BatchTimes
 from infergate.gpu.lane import Lane, Ran, Running, Stepped, Then, distinct_inputs, live_envelopes
 
 log = logs.get(__name__)
@@ -60,7 +61,8 @@ class BatchRunner:
         self.tally: Tally = answers.tally
         self.metrics: WorkerMetrics = answers.metrics
         self.worker_id = answers.worker_id
-        self.hang_timeout_ms = hang_timeout_ms
+        # What each call should take, and how long it may (batch_time.py).
+        self.times = BatchTimes(hang_timeout_ms)
         self._exit_hung = exit_hung
         self._stopping = stopping
         self._grace_left = grace_left
@@ -68,6 +70,14 @@ class BatchRunner:
         self.stepping: concurrent.futures.Future[Stepped] | None = None
         self._backend_free_since: float | None = None  # monotonic s
         self._returned_at = 0.0  # monotonic s: when the last call returned
+
+    @property
+    def hang_timeout_ms(self) -> int:
+        """The longest a full batch of long inputs may take (the lane's take's bound)."""
+        return self.times.hang_timeout_ms(MAX_BATCH, MAX_BATCH * 4_096)
+
+    def _timeout_ms(self, inputs: list[str]) -> int:
+        return self.times.hang_timeout_ms(len(inputs), sum(map(len, inputs)))
 
     async def handle(self, data: bytes, running: Running | None = None) -> Finished:
         """Run one pulled batch; returns how to build its answer, whatever
@@ -95,7 +105,7 @@ class BatchRunner:
             if running is not None:
                 # Its call ran (or runs) anyway: what the lane did after it is
                 # learned, as the loop learns it after any call.
-                ran = await self._adopt(running, self.hang_timeout_ms)
+                ran = await self._adopt(running, self._timeout_ms(running.inputs))
                 self.stepping = ran.stepping
             return Finished(len(batch.envelopes), partial(self.answers.failure, batch))
         return Finished(finished.size, partial(self._answer_or_failure, batch, finished))
@@ -123,11 +133,12 @@ class BatchRunner:
         timeout_ms: int | None = None,
         then: Then | None = None,
         running: Running | None = None,
+        anchor: bool = False,
     ) -> list[str]:
         """One backend call in the lane, bounded by the hang timeout: a new
         one, or the ``running`` one the lane started itself. Given ``then``,
         the lane may take the next batch as the call returns (``stepping``)."""
-        timeout_ms = timeout_ms or self.hang_timeout_ms
+        timeout_ms = timeout_ms or self._timeout_ms(inputs)
         if running is not None:
             ran = await self._adopt(running, timeout_ms)
             started = running.started
@@ -144,8 +155,12 @@ class BatchRunner:
             raise ran.error
         outputs = ran.outputs or []
         took_ms = (ran.returned - started) * 1000.0
+        measured = (len(inputs), sum(map(len, inputs)), took_ms)
+        if anchor:
+            self.times.anchor(*measured)
+        else:
+            self.times.took(*measured)
         self.metrics.batch_duration.observe(took_ms / 1000.0)
-        self.tally.call_took(took_ms)
         if len(outputs) != len(inputs):
             raise BackendError(f"backend returned {len(outputs)} outputs for {len(inputs)} inputs")
         return outputs
@@ -211,7 +226,7 @@ class BatchRunner:
         big = len(live) > ANSWERED_WITH_TAKE_MAX
         then = Then(data) if data is not None and big and running is None else None
         outputs = await self._infer_isolating(distinct, then, running)
-        outcome_of = dict(zip(distinct, outputs, strict=True))
+        outcome_of = dict(zip(slot_keys(distinct), outputs, strict=True))
         self._backend_free_since = self._returned_at
         infer_ms = round((self._returned_at - started) * 1000.0)
         build = partial(

@@ -3,7 +3,9 @@ one output per input, ``latency_ms`` per call whatever the batch size, and
 one call at a time (a second concurrent call raises).
 
 Its output for ``s`` is ``sim_output(s)``, which contains ``s``, so anyone
-can see that each reply belongs to its request. To test failure handling,
+can see that each reply belongs to its request. Sampled at a temperature
+above 0, the output also carries a random draw, as a sampling model's
+differs from call to call; its tokens are words. To test failure handling,
 any input containing ``fail_marker`` makes the whole call raise, as a
 poisoned input does on a real model, and any input containing
 ``hang_marker`` makes the call hang for ``hang_s`` (a stuck GPU). Both are
@@ -11,19 +13,23 @@ off unless given (``infergate worker --sim-fail-marker __fail__``): in a
 running stack they would let any key fail or hang a worker at will.
 """
 
+import os
 import time
 import zlib
 
-from infergate.gpu.backend import BackendError, OneAtATime, check_batch
+from infergate.gpu.backend import BackendError, OneAtATime, check_batch, clip_words
 
 
-def sim_output(s: str) -> str:
-    return f"sim[{zlib.crc32(s.encode('utf-8')):08x}]: {s}"
+def sim_output(s: str, temperature: float = 0.0, model: str = "") -> str:
+    """What the simulated model answers (a model other than ``default`` names itself)."""
+    head = f"sim{'/' + model if model else ''}[{zlib.crc32(s.encode('utf-8')):08x}]"
+    if temperature > 0:
+        head += f"~{temperature:g}:{os.urandom(4).hex()}"
+    return f"{head}: {s}"
 
 
 class SimulatedBackend:
     name = "simulated"
-    fingerprint = "simulated/1"  # its output depends on the input alone
 
     def __init__(
         self,
@@ -31,7 +37,11 @@ class SimulatedBackend:
         fail_marker: str | None = None,
         hang_marker: str | None = None,
         hang_s: float = 3600.0,
+        model: str = "",
     ) -> None:
+        self.model = model
+        # Its output depends on the input alone (and the model it names).
+        self.fingerprint = "simulated/1" + (f"/{model}" if model else "")
         if latency_ms < 0:
             raise ValueError("latency_ms must be >= 0")
         self.latency_s = latency_ms / 1000.0
@@ -41,6 +51,12 @@ class SimulatedBackend:
         self._one_at_a_time = OneAtATime()
 
     def infer(self, inputs: list[str]) -> list[str]:
+        return self.infer_sampled(inputs, [0.0] * len(inputs))
+
+    def clip(self, text: str, max_tokens: int) -> tuple[str, int]:
+        return clip_words(text, max_tokens)
+
+    def infer_sampled(self, inputs: list[str], temperatures: list[float]) -> list[str]:
         check_batch(inputs)
         with self._one_at_a_time:
             time.sleep(self.latency_s)
@@ -48,4 +64,5 @@ class SimulatedBackend:
                 time.sleep(self.hang_s)
             if self.fail_marker is not None and any(self.fail_marker in s for s in inputs):
                 raise BackendError("simulated failure: input contains the fail marker")
-            return [sim_output(s) for s in inputs]
+            model = self.model
+            return [sim_output(s, t, model) for s, t in zip(inputs, temperatures, strict=True)]

@@ -2,7 +2,8 @@
 
 The only module that imports torch or transformers. ``infer`` tokenizes the
 batch with left padding, generates greedily (deterministic) up to
-``max_new_tokens`` and returns each input's continuation. Any failure in the
+``max_new_tokens`` and returns each input's continuation; ``infer_sampled``
+samples each row at its own temperature (0: greedy) in the same one call. Any failure in the
 model call is raised as ``BackendError`` so the worker can isolate the input
 that caused it.
 """
@@ -38,24 +39,41 @@ class TransformersBackend:
         model: Any = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **extra)
         self.model = model.to(self.device).eval()
         self.max_new_tokens = max_new_tokens
+        # An input is cut to what the model's positions leave for its output
+        # (past them, its embedding lookup fails for every input of the batch).
+        positions = getattr(model.config, "max_position_embeddings", None) or getattr(
+            model.config, "n_positions", None
+        )
+        if positions:
+            max_input_tokens = max(1, min(max_input_tokens, positions - max_new_tokens))
+        self.max_input_tokens = max_input_tokens
         # Greedy decoding: the output follows from the model, the file and these.
         self.fingerprint = (
             f"transformers/{model_path}/{gguf_file}/{max_new_tokens}/{max_input_tokens}"
         )
-        self.max_input_tokens = max_input_tokens
         self._one_at_a_time = OneAtATime()
 
     def infer(self, inputs: list[str]) -> list[str]:
+        return self.infer_sampled(inputs, [])
+
+    def clip(self, text: str, max_tokens: int) -> tuple[str, int]:
+        """The output cut to ``max_tokens`` of the model's tokens, and its length in them."""
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if 0 < max_tokens < len(ids):
+            return str(self.tokenizer.decode(ids[:max_tokens])), max_tokens
+        return text, len(ids)
+
+    def infer_sampled(self, inputs: list[str], temperatures: list[float]) -> list[str]:
         check_batch(inputs)
         with self._one_at_a_time:
             try:
-                return self._generate(inputs)
+                return self._generate(inputs, temperatures)
             except (RuntimeError, ValueError, IndexError) as exc:
                 raise BackendError(
                     f"model call failed: {type(exc).__name__}: {str(exc)[:200]}"
                 ) from exc
 
-    def _generate(self, inputs: list[str]) -> list[str]:
+    def _generate(self, inputs: list[str], temperatures: list[float]) -> list[str]:
         enc = self.tokenizer(
             inputs,
             return_tensors="pt",
@@ -63,13 +81,42 @@ class TransformersBackend:
             truncation=True,
             max_length=self.max_input_tokens,
         ).to(self.device)
+        sampling: dict[str, Any] = {"do_sample": False}
+        if any(t > 0 for t in temperatures):
+            rows = self._torch.tensor(temperatures, device=self.device).unsqueeze(1)
+            sampling = {
+                "do_sample": True,
+                "logits_processor": [_RowTemperature(rows)],
+                # (no warper of the model's own generation config on top)
+                "temperature": 1.0,
+                "top_k": 0,
+                "top_p": 1.0,
+            }
         with self._torch.inference_mode():
             out = self.model.generate(
                 **enc,
                 max_new_tokens=self.max_new_tokens,
-                do_sample=False,
                 pad_token_id=self.tokenizer.pad_token_id,
+                **sampling,
             )
         new_tokens = out[:, enc["input_ids"].shape[1] :]
         texts: list[str] = self.tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
         return texts
+
+
+class _RowTemperature:
+    """Each row's logits over its own temperature; a row at 0 keeps only its
+    most likely token, so sampling it is greedy decoding."""
+
+    def __init__(self, temperatures: Any) -> None:
+        self.temperatures = temperatures  # (batch, 1)
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        import torch
+
+        greedy = self.temperatures == 0
+        scaled = scores / self.temperatures.clamp(min=1e-4)
+        best = torch.full_like(scores, float("-inf")).scatter(
+            -1, scores.argmax(-1, keepdim=True), 0.0
+        )
+        return torch.where(greedy, best, scaled)

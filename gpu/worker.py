@@ -46,7 +46,7 @@ from infergate.base.queue.store import Store
 from infergate.base.queue.worker import WorkerQueue
 from infergate.base.settings import ProcessSettings
 from infergate.gpu.answers import Answers, Finished, Tally
-from infergate.gpu.backend import Backend
+from infergate.gpu.backend import MAX_BATCH, Backend
 from infergate.gpu.batch_loop import BatchLoop
 from infergate.gpu.lane import Lane, Running
 from infergate.gpu.runner import ANSWERED_WITH_TAKE_MAX, BatchRunner
@@ -55,6 +55,7 @@ from prometheus_client import CollectorRegistry
 log = logs.get(__name__)
 
 EXIT_HUNG = 3
+WARM_UP_INPUT = "warm up " * 64  # (512 characters)
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,9 @@ class WorkerSettings(ProcessSettings):
     publish_grace_s: float = 5.0
     # How long usage per key is kept (the policy's usage.retention_days).
     usage_retention_s: int = 35 * 86_400
+    # The model's full batch (its policy's max_batch_size): the warm-up times
+    # one, and the heartbeat's batch time is that of one (batch_time.py).
+    max_batch: int = 100
 
 
 class Worker:
@@ -79,6 +83,7 @@ class Worker:
             settings.namespace,
             block_s=settings.pull_timeout_s,
             name="worker:" + self.id,
+            model=settings.model,
         )
         self.queue = WorkerQueue(self.store, self.id, settings.usage_retention_s)
         # Short timeouts: a take the lane cannot finish is repeated by the loop.
@@ -138,7 +143,7 @@ class Worker:
             batches_done=tally.batches_done,
             requests_done=tally.requests_done,
             delivered_rps=round(tally.delivered_rps(), 1),
-            batch_ms=round(tally.batch_ms_ewma or 0.0, 2),
+            batch_ms=round(self.runner.times.full_batch_ms(self.settings.max_batch), 2),
             draining=self.stopping.is_set(),
             model=self.backend.fingerprint,
         )
@@ -154,12 +159,18 @@ class Worker:
     # -- life ----------------------------------------------------------------------
 
     async def warm_up(self) -> None:
-        """One real call before taking work: loads the model and measures the
-        batch time. A first call can be slow (weights, kernels): its own bound."""
-        await self.runner.call(["warm-up"], timeout_ms=max(60_000, self.settings.hang_timeout_ms))
+        """Real calls before taking work: one that loads the model (a first
+        call can be slow: weights, kernels; its own bound, not timed), then
+        one input, a full batch of short inputs and one of long ones, timed:
+        what the batch time and the hang timeout start from (batch_time.py)."""
+        bound_ms = max(600_000, self.settings.hang_timeout_ms)
+        await self.runner.call(["warm-up"], timeout_ms=bound_ms)
+        full = max(1, min(MAX_BATCH, self.settings.max_batch))
+        for batch in (["warm up"], ["warm up"] * full, [WARM_UP_INPUT] * full):
+            await self.runner.call(batch, timeout_ms=bound_ms, anchor=True)
         log.info(
             "worker.warm",
-            batch_ms=round(self.tally.batch_ms_ewma or 0.0, 1),
+            batch_ms=round(self.runner.times.full_batch_ms(self.settings.max_batch), 1),
             backend=self.backend.name,
         )
 

@@ -19,11 +19,11 @@ def new_secret(tier: str) -> str:
     return f"ig-{tier[:3]}-{secrets.token_urlsafe(24)}"
 
 
-def demo_policy() -> tuple[str, dict[str, str]]:
-    """Returns (YAML text, {tier: secret key})."""
-    text = example_text()
-    start = text.index("\nkeys:\n") + 1
-    end = text.index("\nbatching:", start) + 1
+def demo_policy(text: str | None = None) -> tuple[str, dict[str, str]]:
+    """Returns (YAML text, {tier: secret key}): ``text`` (default: the
+    example's) with one fresh key per tier in place of its keys, or after it
+    when it has none."""
+    text = example_text() if text is None else text
     keys = {tier: new_secret(tier) for tier in TIERS}
     entries = "".join(
         f"  - id: demo-{tier}\n    tier: {tier}\n    sha256: {digest(secret)}\n"
@@ -35,4 +35,8 @@ def demo_policy() -> tuple[str, dict[str, str]]:
         + entries
         + "\n"
     )
+    if "\nkeys:\n" not in text:
+        return text.rstrip("\n") + "\n\n" + block, keys
+    start = text.index("\nkeys:\n") + 1
+    end = text.index("\nbatching:", start) + 1
     return text[:start] + block + text[end:], keys

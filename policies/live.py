@@ -52,7 +52,9 @@ class LivePolicy:
         interval_s: float = 0.25,
         max_bytes: int = MAX_POLICY_BYTES,
     ) -> None:
-        self.current = policy
+        self._policy = policy
+        # The model this process serves: its view of the policy (Policy.for_model).
+        self.model: str | None = None
         self.path = Path(path) if path else None
         # Why the file is not the policy in force (None while it is, or is valid).
         self.error = error
@@ -68,6 +70,12 @@ class LivePolicy:
         self._pool: ProcessPoolExecutor | None = None
         self._kept = False
         self.loop = Supervised("policy-watcher", self.check_file, interval_s)
+
+    @property
+    def current(self) -> Policy:
+        """The policy in force (as the model this process serves sees it)."""
+        policy = self._policy
+        return policy if self.model is None else policy.for_model(self.model)
 
     def on_change(self, listener: Callable[[Policy], None]) -> None:
         self._listeners.append(listener)
@@ -128,7 +136,7 @@ class LivePolicy:
         if policy.version == self.current.version:
             return False
         old = self.current.version
-        self.current = policy
+        self._policy = policy
         log.info(
             "policy.reloaded",
             old_version=old,
@@ -136,7 +144,7 @@ class LivePolicy:
             keys=len(policy.document.keys),
         )
         for listener in self._listeners:
-            listener(policy)
+            listener(self.current)
         self._kept = False
         await self.keep()
         return True
@@ -160,7 +168,7 @@ class LivePolicy:
         """Keep the policy in force where every process can read it: only a
         policy read from a file (the built-in example is never kept)."""
         if self._keeper is not None and self._active_text is not None and self.path is not None:
-            await self._keeper(self.current, self._active_text)
+            await self._keeper(self._policy, self._active_text)
         self._kept = True
 
     def _ok(self) -> None:

@@ -15,6 +15,7 @@ import msgspec
 import yaml
 from infergate.base.tiers import TIERS
 from infergate.policies.errors import PolicyError, Problem
+from infergate.policies.models import check_batching, check_models, check_workers
 from infergate.policies.schema import (
     Autoscale,
     Batching,
@@ -23,6 +24,7 @@ from infergate.policies.schema import (
     Jobs,
     KeyEntry,
     Limits,
+    Model,
     Policy,
     Sharing,
     Tier,
@@ -126,15 +128,17 @@ def parse_policy(text: str, filename: str = "<policy>") -> Policy:
             [Problem(filename, 1, "", "the policy must be a mapping with 'tiers:' and 'keys:'")]
         )
     locate = _Locator(root, filename)
-    tiers = data.get("tiers")
-    if isinstance(tiers, dict):
-        # msgspec does not name dict keys in its error paths: check each tier alone.
-        for name, tier in tiers.items():
+    for section, kind in (("tiers", Tier), ("models", Model)):
+        entries = data.get(section)
+        if not isinstance(entries, dict):
+            continue
+        # msgspec does not name dict keys in its error paths: check each entry alone.
+        for name, entry in entries.items():
             try:
-                msgspec.convert(tier, Tier, strict=True)
+                msgspec.convert(entry, kind, strict=True)
             except msgspec.ValidationError as exc:
                 raise PolicyError(
-                    [locate.problem_from_msgspec(str(exc), ["tiers", str(name)])]
+                    [locate.problem_from_msgspec(str(exc), [section, str(name)])]
                 ) from exc
     try:
         document = msgspec.convert(data, Document, strict=True)
@@ -224,7 +228,12 @@ def _construct(root: yaml.Node | None, filename: str) -> Any:
 
 
 def _check(doc: Document, at: "_Locator") -> list[Problem]:
-    return [*_check_tiers(doc, at), *_check_keys(doc, at), *_check_settings(doc, at)]
+    return [
+        *_check_tiers(doc, at),
+        *_check_keys(doc, at),
+        *_check_settings(doc, at),
+        *check_models(doc, at),
+    ]
 
 
 def _check_tiers(doc: Document, at: "_Locator") -> list[Problem]:
@@ -341,12 +350,7 @@ def _check_settings(doc: Document, at: "_Locator") -> list[Problem]:
                 ["usage", "retention_days"], "must be between 1/24 (an hour) and 400, e.g. 35"
             )
         )
-    if not 1 <= doc.batching.max_batch_size <= 100:
-        out.append(
-            at.problem(
-                ["batching", "max_batch_size"], "must be 1-100 (the backend contract's limit)"
-            )
-        )
+    out.extend(check_batching(doc.batching, ["batching"], at))
     if not 0.05 <= doc.capacity.target_utilization <= 1.0:
         out.append(
             at.problem(["capacity", "target_utilization"], "must be between 0.05 and 1, e.g. 0.85")
@@ -381,10 +385,7 @@ def _check_settings(doc: Document, at: "_Locator") -> list[Problem]:
         out.append(
             at.problem(["limits", "key_connection_share"], "must be between 0.01 and 1, e.g. 0.25")
         )
-    if doc.workers.hang_timeout_ms < 100:
-        out.append(at.problem(["workers", "hang_timeout_ms"], "must be at least 100, e.g. 2000"))
-    if doc.workers.max_attempts < 1:
-        out.append(at.problem(["workers", "max_attempts"], "must be at least 1, e.g. 2"))
+    out.extend(check_workers(doc.workers, ["workers"], at))
     return out
 
 

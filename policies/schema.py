@@ -107,6 +107,29 @@ class Usage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     retention_days: float = 35.0
 
 
+class Model(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One model the deployment serves: who may use it, how its workers run
+    it (``infergate worker --model-name NAME`` reads these; its flags win),
+    and its own batching and worker settings (default: the policy's)."""
+
+    # Who may use it: these tiers (empty: every tier), and of them these
+    # keys by id (empty: every key of those tiers).
+    tiers: list[str] = msgspec.field(default_factory=list)
+    keys: list[str] = msgspec.field(default_factory=list)
+    backend: str = "simulated"  # or "transformers"
+    # transformers: the model's folder (or hub id), the GGUF file in it, the
+    # most new tokens per input (a request's max_tokens may ask for fewer),
+    # and the torch device (default: cuda when present).
+    path: str | None = None
+    gguf_file: str | None = None
+    max_new_tokens: int = 16
+    device: str | None = None
+    # simulated: its time per batch.
+    sim_latency_ms: float = 100.0
+    batching: Batching | None = None
+    workers: Workers | None = None
+
+
 class Document(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The YAML document as written."""
 
@@ -120,6 +143,13 @@ class Document(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     limits: Limits = msgspec.field(default_factory=Limits)
     workers: Workers = msgspec.field(default_factory=Workers)
     usage: Usage = msgspec.field(default_factory=Usage)
+    # The models served (none: one, ``default``, run as the workers' flags
+    # say), and the one a request that names none gets (default: the first).
+    models: dict[str, Model] = msgspec.field(default_factory=dict)
+    default_model: str | None = None
+
+
+DEFAULT_MODEL = "default"
 
 
 class Policy(msgspec.Struct, frozen=True):
@@ -130,6 +160,43 @@ class Policy(msgspec.Struct, frozen=True):
     version: str
     source: str
     keys_by_digest: dict[str, KeyEntry]
+    # Each model's view (``for_model``), made once.
+    views: dict[str, "Policy"] = msgspec.field(default_factory=dict)
+
+    @property
+    def models(self) -> dict[str, Model]:
+        """The models served, by name (``default`` when the policy lists none)."""
+        return self.document.models or {DEFAULT_MODEL: Model()}
+
+    @property
+    def default_model(self) -> str:
+        return self.document.default_model or next(iter(self.models))
+
+    def may_use(self, key: KeyEntry, model: str) -> bool:
+        entry = self.models[model]
+        return (not entry.tiers or key.tier in entry.tiers) and (
+            not entry.keys or key.id in entry.keys
+        )
+
+    def for_model(self, model: str) -> "Policy":
+        """This policy as one model's processes see it: its batching and
+        worker settings in place of the policy's (the same policy if it has
+        none of its own, or is not listed)."""
+        view = self.views.get(model)
+        if view is not None:
+            return view
+        entry = self.document.models.get(model)
+        if entry is None or (entry.batching is None and entry.workers is None):
+            view = self
+        else:
+            document = msgspec.structs.replace(
+                self.document,
+                batching=entry.batching or self.document.batching,
+                workers=entry.workers or self.document.workers,
+            )
+            view = Policy(document, self.version, self.source, self.keys_by_digest)
+        self.views[model] = view
+        return view
 
     @property
     def tiers(self) -> dict[str, Tier]:

@@ -300,7 +300,10 @@ class Cluster:
         env: dict[str, str] | None = None,
         metrics: bool = False,
         policy_file: Path | None = None,
+        models: dict[str, int] | None = None,
     ) -> None:
+        """``models``: a dispatcher and this many workers for each model
+        named (``--model-name``), in place of ``dispatchers`` and ``workers``."""
         self.tmp = tmp
         # With metrics, each process serves /metrics on its own port: name -> port.
         self.metrics_ports: dict[str, int] | None = {} if metrics else None
@@ -318,16 +321,31 @@ class Cluster:
         try:
             self.dispatchers = [
                 self._start(["dispatcher", "--policy", str(self.policy_path)], f"dispatcher{i}")
-                for i in range(dispatchers)
+                for i in range(0 if models else dispatchers)
             ]
+            for name, count in (models or {}).items():
+                self.dispatchers.append(
+                    self._start(
+                        ["dispatcher", "--policy", str(self.policy_path), "--model-name", name],
+                        f"dispatcher-{name}",
+                    )
+                )
+                for _ in range(count):
+                    self.add_worker(model=name)
             self.procs.extend(self.dispatchers)
-            for _ in range(workers):
+            for _ in range(0 if models else workers):
                 self.add_worker()
             self.gateways: list[Proc] = []
             for _ in range(gateways):
                 self.add_gateway()
             for url in self.urls:
                 wait_for(lambda u=url: self._ready(u), 60, f"{url} to be ready")
+                for name, count in (models or {}).items():
+                    wait_for(
+                        lambda u=url, m=name, n=count: self._serving(u, m) >= n,
+                        60,
+                        f"{count} workers of the model {name}",
+                    )
         except BaseException:
             self.stop()
             raise
@@ -351,10 +369,23 @@ class Cluster:
 
     killed: list["Proc"] = []
 
-    def add_worker(self, wrapper: Sequence[str] = ()) -> Proc:
+    def _serving(self, url: str, model: str) -> int:
+        """The workers alive of one model, as a gateway sees them (/v1/status)."""
+        status, _, body = http("GET", f"{url}/v1/status?model={model}", headers=auth("admin"))
+        return int(body["workers_alive"]) if status == 200 else 0
+
+    def add_worker(self, wrapper: Sequence[str] = (), model: str = "") -> Proc:
+        named = ["--model-name", model] if model else []
         worker = self._start(
-            ["worker", "--sim-latency-ms", str(self.latency_ms), "--policy", str(self.policy_path)],
-            "worker",
+            [
+                "worker",
+                "--sim-latency-ms",
+                str(self.latency_ms),
+                "--policy",
+                str(self.policy_path),
+                *named,
+            ],
+            f"worker-{model}" if model else "worker",
             wrapper,
         )
         self.workers.append(worker)

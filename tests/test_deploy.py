@@ -32,6 +32,7 @@ COMPOSE = ROOT / "compose.yaml"
 K8S = ROOT / "deploy" / "kubernetes"
 BASE = K8S / "base"
 KEDA = K8S / "keda"
+TWO_MODELS = K8S / "two-models"
 REDIS_SECRET = K8S / "redis-secret.example.yaml"
 COMPOSE_PROMETHEUS = ROOT / "deploy" / "compose" / "prometheus.yml"
 
@@ -153,7 +154,13 @@ def render(directory: Path) -> list[dict[str, Any]]:
         path = directory / resource
         objects += render(path) if path.is_dir() else load_all(path)
     for generator in kustomization.get("configMapGenerator", []):
-        assert set(generator) <= {"name", "files", "options"}, generator
+        assert set(generator) <= {"name", "files", "options", "behavior"}, generator
+        if generator.get("behavior") == "replace":  # the base's ConfigMap of that name goes
+            objects = [
+                o
+                for o in objects
+                if (o["kind"], o["metadata"]["name"]) != ("ConfigMap", generator["name"])
+            ]
         assert generator.get("options", {}).get("disableNameSuffixHash") is True, (
             f"ConfigMap {generator['name']}: a hashed name changes on every edit, so the "
             "mounted policy would never update in place"
@@ -288,6 +295,13 @@ def every_process() -> list[Process]:
         *dockerfile_processes(),
         *compose_processes(),
         *container_processes(render(BASE)),
+        *[
+            p
+            for p in container_processes(render(TWO_MODELS))
+            if p.where.startswith(
+                ("Deployment infergate-worker-large", "Deployment infergate-dispatcher-large")
+            )
+        ],
     ]
 
 
@@ -425,6 +439,11 @@ def kubernetes_objects() -> list[tuple[str, dict[str, Any]]]:
         if not o["apiVersion"].startswith("keda.sh/")
         and not any(same_object(o, b) for _, b in objects)
     ]
+    objects += [
+        ("two-models", o)
+        for o in render(TWO_MODELS)
+        if not any(same_object(o, b) for _, b in objects)
+    ]
     return objects + [("example", o) for o in load_all(REDIS_SECRET)]
 
 
@@ -443,7 +462,7 @@ def test_every_kubernetes_object_passes_the_schema() -> None:
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
-@pytest.mark.parametrize("directory", [BASE, KEDA], ids=["base", "keda"])
+@pytest.mark.parametrize("directory", [BASE, KEDA, TWO_MODELS], ids=["base", "keda", "two-models"])
 def test_render_matches_kubectl_kustomize(directory: Path) -> None:
     done = subprocess.run(
         ["kubectl", "kustomize", str(directory)], capture_output=True, text=True, timeout=60
@@ -769,3 +788,33 @@ def test_pods_run_unprivileged_with_requests_and_without_service_links() -> None
             assert security["readOnlyRootFilesystem"] is True, name
             assert security["allowPrivilegeEscalation"] is False, name
             assert {"cpu", "memory"} <= set(container["resources"]["requests"]), name
+
+
+def test_a_second_model_group_has_its_own_deployments_signal_and_policy(tmp_path: Path) -> None:
+    objects = render(TWO_MODELS)
+    configmap = one(objects, "ConfigMap", "infergate-policy")
+    (tmp_path / "policy.yaml").write_text(configmap["data"]["policy.yaml"])
+    assert list(load_policy(tmp_path / "policy.yaml").models) == ["default", "large"]
+    large = [
+        p
+        for p in container_processes(objects)
+        if p.where.startswith(
+            ("Deployment infergate-worker-large", "Deployment infergate-dispatcher-large")
+        )
+    ]
+    assert len(large) == 2
+    assert all(parse(p).model_name == "large" for p in large)
+    base = [p for p in container_processes(objects) if p.where not in {q.where for q in large}]
+    assert all(getattr(parse(p), "model_name", "default") == "default" for p in base)
+    # No Deployment's selector takes another's pods.
+    selectors = [d["spec"]["selector"]["matchLabels"] for d in of_kind(objects, "Deployment")]
+    for d in of_kind(objects, "Deployment"):
+        labels = d["spec"]["template"]["metadata"]["labels"]
+        chosen = [sel for sel in selectors if sel.items() <= labels.items()]
+        assert chosen == [d["spec"]["selector"]["matchLabels"]], d["metadata"]["name"]
+    # Each model's workers follow its own dispatchers' signal.
+    for name, model in (("infergate-worker", "default"), ("infergate-worker-large", "large")):
+        hpa = one(objects, "HorizontalPodAutoscaler", name)
+        assert hpa["spec"]["scaleTargetRef"]["name"] == name
+        (metric,) = hpa["spec"]["metrics"]
+        assert metric["external"]["metric"]["selector"] == {"matchLabels": {"model": model}}

@@ -206,7 +206,7 @@ def test_openapi_document_describes_the_api(stack: Stack) -> None:
     op = doc["paths"]["/v1/inference"]["post"]
     assert set(op["responses"]) >= {"200", "400", "401", "403", "413", "500", "503", "504"}
     body = op["requestBody"]["content"]["application/json"]["schema"]
-    assert set(body["properties"]) == {"input", "timeout_ms"}
+    assert set(body["properties"]) == {"input", "timeout_ms", "model", "parameters"}
     assert body["required"] == ["input"]
     assert body["additionalProperties"] is False
     assert set(doc["components"]["schemas"]["InferenceResponse"]["required"]) >= {

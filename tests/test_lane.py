@@ -328,7 +328,7 @@ async def _serve_60_requests(worker: Worker, backend: "Counting") -> dict[str, i
     assert sorted(answered) == sorted(f"r{i}" for i in range(60))
     # No batch ran twice (a running call is adopted, not run again), and
     # never more than the batch being answered and the next.
-    assert backend.inputs == 60 + 1  # and the warm-up
+    assert backend.inputs == 60 + 2 + 2 * worker.settings.max_batch  # and the warm-up's
     assert most_in_processing <= 2
     return answered
 

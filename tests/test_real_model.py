@@ -25,3 +25,67 @@ def test_smollm2_answers_a_batch() -> None:
     outputs = backend.infer(["The capital of France is", *[f"Count to {i}:" for i in range(1, 10)]])
     assert len(outputs) == 10
     assert "Paris" in outputs[0]
+
+
+@pytest.mark.timeout(900)
+def test_the_readmes_recipe_serves_smollm2_through_up(tmp_path: Path) -> None:
+    """README's recipe, as written (``up --policy policies/cpu-model.yaml
+    --backend transformers --model DIR --gguf-file ... --max-new-tokens 16
+    --workers 1``): 20 concurrent requests all answered on CPU, none
+    declared hung for being slow."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    from infergate.redis_server import free_port
+
+    from tests.helpers import http, wait_for
+
+    port, keys = free_port(), tmp_path / "keys.json"
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    policy = Path(__file__).resolve().parents[1] / "policies" / "cpu-model.yaml"
+    argv = [sys.executable, "-m", "infergate", "up", "--policy", str(policy)]
+    argv += ["--keys-out", str(keys), "--backend", "transformers"]
+    argv += ["--model", str(Path(spec.origin).parent), "--gguf-file", GGUF]
+    argv += ["--max-new-tokens", "16", "--workers", "1", "--port", str(port)]
+    log = (tmp_path / "up.log").open("wb")
+    up = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: _ready(url), 600, "the stack to be ready", interval_s=0.5)
+        key = json.loads(keys.read_text())["paid"]
+
+        def ask(i: int) -> tuple[int, object]:
+            body = {
+                "input": f"The capital of France is Paris. {i} plus {i} is",
+                "parameters": {"max_tokens": 8},
+            }
+            status, _, payload = http(
+                "POST", url + "/v1/inference", body, {"Authorization": f"Bearer {key}"}, timeout=120
+            )
+            return status, payload
+
+        with ThreadPoolExecutor(20) as pool:
+            answers = list(pool.map(ask, range(20)))
+        assert [s for s, _ in answers] == [200] * 20, answers
+        for _, payload in answers:
+            assert isinstance(payload, dict)
+            assert 0 < payload["metadata"]["tokens_used"] <= 8, payload
+            assert payload["metadata"]["model_version"].startswith("transformers/")
+    finally:
+        up.send_signal(signal.SIGINT)
+        up.wait(60)
+        log.close()
+    assert "worker.hung" not in (tmp_path / "up.log").read_text(errors="replace")
+
+
+def _ready(url: str) -> bool:
+    from tests.helpers import http
+
+    try:
+        return http("GET", url + "/readyz", timeout=2)[0] == 200
+    except OSError:
+        return False

@@ -75,13 +75,24 @@ def test_one_call_at_a_time(tiny_model: Path) -> None:
     first.join()
 
 
-def test_model_failures_become_backend_errors(tiny_model: Path) -> None:
-    broken = TransformersBackend(
+def test_an_input_past_the_models_positions_is_cut_to_fit(tiny_model: Path) -> None:
+    backend = TransformersBackend(
         str(tiny_model), max_new_tokens=4, max_input_tokens=1000, device="cpu"
     )
-    # Longer than the model's 256 positions: the model call itself fails.
+    # Longer than the model's 256 positions: cut to what leaves room for the output.
+    assert backend.max_input_tokens == 256 - 4
+    assert len(backend.infer(["the quick brown fox " * 200, "short"])) == 2
+
+
+def test_model_failures_become_backend_errors(tiny_model: Path) -> None:
+    broken = TransformersBackend(str(tiny_model), max_new_tokens=4, device="cpu")
+
+    def fails(**kwargs: object) -> None:
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+    broken.model.generate = fails
     with pytest.raises(BackendError, match="model call failed"):
-        broken.infer(["the quick brown fox " * 200])
+        broken.infer(["anything"])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -180,3 +191,14 @@ def test_up_gives_each_transformers_worker_its_own_gpu(
         assert status == 200, body
     finally:
         s.stop()
+
+
+def test_each_row_is_sampled_at_its_own_temperature(tiny_model: Path) -> None:
+    backend = TransformersBackend(str(tiny_model), max_new_tokens=6, device="cpu")
+    greedy = backend.infer(["hello world"])[0]
+    rows = backend.infer_sampled(["hello world"] * 6, [0.0, 2.0, 2.0, 2.0, 2.0, 2.0])
+    assert rows[0] == greedy  # a row at 0 decodes greedily beside sampled ones
+    assert len(set(rows[1:])) > 1  # random weights at temperature 2: draws differ
+    text, tokens = backend.clip(greedy, 2)
+    assert tokens <= 2
+    assert greedy.startswith(text)

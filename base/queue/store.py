@@ -71,12 +71,12 @@ class FleetStatus(msgspec.Struct, frozen=True):
 class Store:
     """One process's Redis client, key names and registered scripts."""
 
-    def __init__(self, redis: Redis, keys: Keys) -> None:
+    def __init__(self, redis: Redis, keys: Keys, shared: "Store | None" = None) -> None:
         self.redis = redis
         self.keys = keys
-        self.scripts = Scripts(redis)
+        self.scripts: Scripts = Scripts(redis) if shared is None else shared.scripts
         # The hot path's script calls, sent together (see pipelined.py).
-        self.pipelined = Pipelined(redis)
+        self.pipelined: Pipelined = Pipelined(redis) if shared is None else shared.pipelined
         self._unreadable_seen: set[str] = set()
         # Redis refuses writes for want of memory (``maxmemory``): set by
         # whatever saw it, cleared by the next heartbeat Redis takes whole.
@@ -91,8 +91,18 @@ class Store:
         self.full = True
 
     @classmethod
-    def connect(cls, url: str, namespace: str, *, block_s: float = 0.0, name: str) -> "Store":
-        return cls(connect(url, block_s=block_s, name=name), Keys(namespace))
+    def connect(
+        cls, url: str, namespace: str, *, block_s: float = 0.0, name: str, model: str = "default"
+    ) -> "Store":
+        return cls(connect(url, block_s=block_s, name=name), Keys(namespace, model))
+
+    def of_model(self, model: str) -> "Store":
+        """The same client, scripts and pipeline, under another model's keys
+        (a gateway's face for each model it serves). Only the first store
+        closes the client."""
+        return (
+            self if model == self.keys.model else Store(self.redis, self.keys.of_model(model), self)
+        )
 
     async def close(self) -> None:
         await self.pipelined.close()

@@ -68,8 +68,9 @@
 --   for tracing) or 'worker'
 -- ARGV[2] now (epoch ms)  ARGV[3] the credit (worker id)  ARGV[4] the batch id
 -- ARGV[5] who forms it (the dispatcher's id, or the worker's)
--- ARGV[6] the namespace's key prefix ('{ns}:': job records are under
---   'job:', long inputs under 'input:')
+-- ARGV[6] the model's key prefix ('{ns}:' or '{ns}:m:{model}:': long inputs
+--   are under its 'input:'; job records under the deployment's 'job:',
+--   '{ns}:job:', whatever the model)
 -- ARGV[7] 'worker': the batch just run (as pulled); 'dispatch': unused
 -- ARGV[8] 'worker': this step's token, the same when the step is repeated;
 --   'dispatch': unused
@@ -99,7 +100,8 @@ local now = tonumber(ARGV[2])
 local time = redis.call('TIME')
 local live_at = math.max(now, tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000))
 local credit = ARGV[3]
-local job_prefix, input_prefix = ARGV[6] .. 'job:', ARGV[6] .. 'input:'
+local job_prefix = string.match(ARGV[6], '^{[^}]*}:') .. 'job:'
+local input_prefix = ARGV[6] .. 'input:'
 local first_queue = 11
 local ntiers = (#KEYS - first_queue + 1) / 4
 local first_job_queue = first_queue + ntiers

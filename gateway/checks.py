@@ -1,0 +1,68 @@
+"""The checks of a request before it is let in: its input against its tier,
+its parameters against its model, and the room its model's fleet has for its
+tier (a local estimate, no Redis round trip)."""
+
+from infergate.gateway.api import Parameters
+from infergate.gateway.errors import ApiError, redis_full, redis_unreachable
+from infergate.gateway.models import ModelLane
+from infergate.gateway.service import Gateway
+from infergate.policies import KeyEntry, Policy, Tier
+from infergate.policies.schema import Model
+
+RETRY_NO_WORKER_MS = 1_000
+
+
+def check_input(text: str, tier_name: str, tier: Tier) -> None:
+    if not text:
+        raise ApiError("INVALID_INPUT", "input must be a non-empty string")
+    if len(text) > tier.max_input_chars:
+        raise ApiError(
+            "INVALID_INPUT",
+            f"input is {len(text)} characters; the {tier_name} tier allows {tier.max_input_chars}",
+        )
+
+
+def check_parameters(params: Parameters | None, name: str, model: Model) -> None:
+    """What a model cannot do for this request is a 400 that says so."""
+    if params is None or params.max_tokens is None or model.backend != "transformers":
+        return
+    if params.max_tokens > model.max_new_tokens:
+        raise ApiError(
+            "INVALID_INPUT",
+            f"parameters.max_tokens {params.max_tokens} is over the {model.max_new_tokens} "
+            f"new tokens the model {name!r} generates",
+        )
+
+
+def check_capacity(gw: Gateway, lane: ModelLane, policy: Policy, key: KeyEntry) -> float:
+    """Redis and a worker are there, and the tier has room within its
+    budget: how many of its requests may wait (its allowance; a key's
+    share of it is checked with the charge, ``admit.lua``). A local
+    estimate with no Redis round trip, made before the quota is charged,
+    so under overload a refusal costs next to nothing."""
+    tier_name = key.tier
+    if gw.store.full:
+        gw.count_refused(key, "redis_full", lane, for_capacity=False)
+        raise redis_full()
+    if not gw.ready_for_replies():
+        gw.count_refused(key, "redis", lane, for_capacity=False)
+        raise redis_unreachable()
+    if lane.fleet.workers_alive == 0:
+        gw.count_refused(key, "no_worker", lane)
+        raise ApiError(
+            "SERVICE_OVERLOADED",
+            f"no healthy worker of the model {lane.name!r} is available",
+            RETRY_NO_WORKER_MS,
+        )
+    decision = lane.admission.decide(policy, tier_name)
+    if not decision.admitted:
+        gw.count_refused(key, "capacity", lane)
+        budget_ms = policy.tiers[tier_name].latency_budget_ms
+        raise ApiError(
+            "SERVICE_OVERLOADED",
+            f"the {tier_name} tier is at capacity: about {decision.wait_ms:.0f} ms of work is "
+            f"queued ahead, over its {budget_ms} ms budget",
+            decision.retry_after_ms,
+        )
+    lane.admission.admitted(tier_name)
+    return decision.allowance

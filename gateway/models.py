@@ -1,0 +1,139 @@
+"""What a gateway keeps for each model it serves (a *lane*): the model's key
+space, its fleet view and admission, its cache and collapsing, and what this
+gateway admitted to it, which its heartbeat in that space carries (the
+model's arrival rates and demand: its own admission and autoscaling signal).
+
+Every model of the policy has a lane from the gateway's start, or from the
+policy that first lists it; a model a new policy drops keeps its lane (and
+its heartbeat) until the gateway restarts, but no request reaches it.
+"""
+
+import asyncio
+from collections.abc import Callable
+
+from infergate.base import clock, logs, wire
+from infergate.base.fleet import FleetView
+from infergate.base.heartbeat import Heartbeater
+from infergate.base.queue.gateway import GatewayQueue
+from infergate.base.queue.store import Store
+from infergate.base.tiers import TIERS
+from infergate.gateway.admission import Admission
+from infergate.gateway.errors import ApiError
+from infergate.gateway.quota import Quota
+from infergate.gateway.sharing import Cache, Collapsing
+from infergate.policies import KeyEntry, Policy
+
+log = logs.get(__name__)
+
+
+class ModelLane:
+    """One model's face of a gateway."""
+
+    def __init__(
+        self,
+        name: str,
+        store: Store,
+        gateway_id: str,
+        started_ms: int,
+        beats: tuple[int, int, int],
+        on_handed: Callable[[], None],
+        on_cache_bypassed: Callable[[], None],
+    ) -> None:
+        fleet_refresh_ms, interval_ms, ttl_ms = beats
+        self.name = name
+        self.store = store
+        self.queue = GatewayQueue(store, gateway_id, on_handed)
+        self.fleet = FleetView(store, fleet_refresh_ms)
+        self.quota = Quota(self.queue)
+        self.cache = Cache(self.queue, on_cache_bypassed)
+        self.collapsing = Collapsing()
+        self.served = 0
+        # Demand, for admission (the tiers' arrival rates: fleet.py) and the
+        # model's autoscaling signal: admitted, and refused for capacity.
+        self.admitted = 0
+        self.admitted_by_tier = [0] * len(TIERS)
+        self.refused_for_capacity = 0
+        self.admission = Admission(self.fleet, lambda: self.admitted_by_tier)
+        self.heartbeat = Heartbeater(
+            store,
+            lambda: wire.Heartbeat(
+                "gateway",
+                gateway_id,
+                started_ms,
+                clock.now_ms(),
+                requests_done=self.served,
+                admitted=self.admitted,
+                refused=self.refused_for_capacity,
+                admitted_by_tier=self.admitted_by_tier,
+            ),
+            interval_ms,
+            ttl_ms,
+        )
+
+    def count_admitted(self, key: KeyEntry) -> None:
+        self.admitted += 1
+        self.admitted_by_tier[TIERS.index(key.tier)] += 1
+
+    async def start(self) -> None:
+        await self.fleet.start()
+        self.heartbeat.start()
+        log.info("gateway.model_started", model=self.name)
+
+    async def stop(self, gateway_id: str) -> None:
+        await self.heartbeat.stop()
+        await self.fleet.stop()
+        await self.store.retire("gateway", gateway_id)
+
+
+class Lanes:
+    """The gateway's lanes, by model name, and which one a request takes."""
+
+    def __init__(self, make: Callable[[str], ModelLane]) -> None:
+        self._make = make
+        self.by_name: dict[str, ModelLane] = {}
+        self._starting: set[asyncio.Task[None]] = set()
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(list(self.by_name.values()))
+
+    async def start(self, policy: Policy) -> None:
+        for name in policy.models:
+            lane = self.by_name[name] = self._make(name)
+            await lane.start()
+
+    def follow(self, policy: Policy) -> None:
+        """A new policy: a lane for each model it lists first (started in
+        the background; its first requests see no worker until its fleet
+        view is read, a refresh away)."""
+        for name in policy.models:
+            if name not in self.by_name:
+                lane = self.by_name[name] = self._make(name)
+                task = asyncio.get_running_loop().create_task(lane.start())
+                self._starting.add(task)
+                task.add_done_callback(self._starting.discard)
+
+    def route(self, policy: Policy, key: KeyEntry, model: str | None) -> ModelLane:
+        """The lane of the model a request names (the policy's default when it
+        names none): 404 for a model the policy does not list, 403 for one
+        this key may not use."""
+        name = policy.default_model if model is None else model
+        if name not in policy.models:
+            raise ApiError(
+                "MODEL_NOT_FOUND",
+                f"no model {name[:80]!r}; GET /v1/models lists the models this key may use",
+            )
+        if not policy.may_use(key, name):
+            raise ApiError("FORBIDDEN", f"this key may not use the model {name!r}")
+        lane = self.by_name.get(name)
+        if lane is None:  # listed by a policy this instant; its lane is on its way
+            self.follow(policy)
+            lane = self.by_name[name]
+        return lane
+
+    def named(self, policy: Policy, model: str | None) -> ModelLane:
+        """An operator's view of one model (the default when none is named)."""
+        name = policy.default_model if model is None else model
+        lane = self.by_name.get(name)
+        if lane is None:
+            raise ApiError("MODEL_NOT_FOUND", f"no model {name[:80]!r} is served here")
+        return lane

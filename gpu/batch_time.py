@@ -1,0 +1,109 @@
+"""How long a backend call takes, as the worker measures it: a model fitted
+to its recent calls, ``ms = a + b * inputs + c * characters``, by least
+squares (a GPU batch costs about the same whatever its size; a model on CPU
+costs per input and per character, a batch of 64 inputs of 2,000 characters
+thirty times a single short one).
+
+It says two things: the time of a *full* batch of inputs as long as the
+recent ones (its heartbeat's ``batch_ms``, from which admission and the
+autoscaler compute capacity: a fleet that ran small batches of late is not
+taken for one that runs full ones that fast), and how long a call may run
+before it is hung (a multiple of what it should take, with a floor).
+"""
+
+from collections import deque
+
+RECENT_CALLS = 32
+HANG_MULTIPLE = 4
+# Before any call of real inputs: the warm-up's inputs' length.
+DEFAULT_CHARS = 512.0
+
+
+class BatchTimes:
+    def __init__(self, hang_floor_ms: int) -> None:
+        self.hang_floor_ms = hang_floor_ms
+        self._recent: deque[tuple[int, int, float]] = deque(maxlen=RECENT_CALLS)
+        # The warm-up's calls (one input, and a full batch), kept beside the
+        # recent ones so the fit always spans a small and a full batch.
+        self._anchors: list[tuple[int, int, float]] = []
+        self.slowest_ms = 0.0
+        self._fit: tuple[float, float, float] | None = None
+
+    def anchor(self, inputs: int, chars: int, ms: float) -> None:
+        self._anchors.append((inputs, chars, ms))
+        self.slowest_ms = max(self.slowest_ms, ms)
+        self._fit = None
+
+    def took(self, inputs: int, chars: int, ms: float) -> None:
+        self._recent.append((inputs, chars, ms))
+        self.slowest_ms = max(self.slowest_ms, ms)
+        self._fit = None
+
+    def predict_ms(self, inputs: int, chars: float) -> float:
+        """The expected time of a call (0 before any was measured)."""
+        a, b, c = self._fitted()
+        return a + b * inputs + c * chars
+
+    def full_batch_ms(self, max_batch: int) -> float:
+        """A full batch of inputs as long as the recent ones (the anchors'
+        before any real call)."""
+        calls = self._recent or self._anchors
+        inputs = sum(n for n, _, _ in calls)
+        per_input = sum(ch for _, ch, _ in calls) / inputs if inputs else DEFAULT_CHARS
+        return self.predict_ms(max_batch, max_batch * per_input)
+
+    def hang_timeout_ms(self, inputs: int, chars: int) -> int:
+        """How long this call may run: HANG_MULTIPLE times the longer of what
+        it should take and the slowest call yet, and at least the floor."""
+        expected = max(self.slowest_ms, self.predict_ms(inputs, chars))
+        return max(self.hang_floor_ms, round(HANG_MULTIPLE * expected))
+
+    def _fitted(self) -> tuple[float, float, float]:
+        if self._fit is None:
+            self._fit = fit([*self._anchors, *self._recent])
+        return self._fit
+
+
+def fit(calls: list[tuple[int, int, float]]) -> tuple[float, float, float]:
+    """Least squares of ``ms = a + b * inputs + c * chars``, in relative error
+    (a call of 400 ms counts as much as one of 60 s), with every term at least
+    0 (a term the calls cannot tell apart is left at 0, a slight ridge)."""
+    if not calls:
+        return 0.0, 0.0, 0.0
+    weights = [1.0 / max(ms, 1e-3) for _, _, ms in calls]
+    rows = [(w, w * n, w * ch) for (n, ch, _), w in zip(calls, weights, strict=True)]
+    ys = [1.0] * len(calls)
+    free = [0, 1, 2]
+    while True:
+        theta = _solve([[r[i] for i in free] for r in rows], ys)
+        negative = [free[k] for k, v in enumerate(theta) if v < 0]
+        if not negative:
+            out = [0.0, 0.0, 0.0]
+            for k, i in enumerate(free):
+                out[i] = theta[k]
+            return out[0], out[1], out[2]
+        free = [i for i in free if i not in negative]
+        if not free:
+            return max(ms for _, _, ms in calls), 0.0, 0.0
+
+
+def _solve(x: list[list[float]], y: list[float]) -> list[float]:
+    """The normal equations, with a ridge of 1e-9 of each column's scale."""
+    k = len(x[0])
+    a = [[sum(r[i] * r[j] for r in x) for j in range(k)] for i in range(k)]
+    b = [sum(r[i] * v for r, v in zip(x, y, strict=True)) for i in range(k)]
+    for i in range(k):
+        a[i][i] += 1e-9 * a[i][i] + 1e-12
+    for col in range(k):  # Gaussian elimination with partial pivoting
+        pivot = max(range(col, k), key=lambda r: abs(a[r][col]))
+        a[col], a[pivot] = a[pivot], a[col]
+        b[col], b[pivot] = b[pivot], b[col]
+        for r in range(col + 1, k):
+            f = a[r][col] / a[col][col]
+            for c in range(col, k):
+                a[r][c] -= f * a[col][c]
+            b[r] -= f * b[col]
+    out = [0.0] * k
+    for r in reversed(range(k)):
+        out[r] = (b[r] - sum(a[r][c] * out[c] for c in range(r + 1, k))) / a[r][r]
+    return out
