@@ -44,9 +44,11 @@ def _exit_stuck(grace_s: float) -> None:
 
 
 def run(
-    main: Callable[[asyncio.Event], Coroutine[Any, Any, int]], shutdown_grace_s: float = 10.0
+    main: Callable[[asyncio.Event], Coroutine[Any, Any, int]],
+    shutdown_grace_s: float | Callable[[], float] = 10.0,
 ) -> int:
-    """Run ``main(stop)`` on uvloop until it returns its exit code."""
+    """Run ``main(stop)`` on uvloop until it returns its exit code; past the
+    grace after a signal (a number, or what it says then), the process exits."""
 
     async def runner() -> int:
         stop = asyncio.Event()
@@ -58,7 +60,8 @@ def run(
                 sys.stderr.flush()
                 os._exit(128 + signum)
             stop.set()
-            loop.call_later(shutdown_grace_s, _exit_stuck, shutdown_grace_s)
+            grace_s = shutdown_grace_s() if callable(shutdown_grace_s) else shutdown_grace_s
+            loop.call_later(grace_s, _exit_stuck, grace_s)
 
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, on_signal, signum)

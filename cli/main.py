@@ -415,7 +415,10 @@ def _worker(args: argparse.Namespace) -> int:
     )
     worker = Worker(settings, backend)
     with _side_port(args, worker.registry, worker.probes()):
-        return runtime.run(worker.serve, shutdown_grace_s=settings.hang_timeout_ms / 1000.0 + 10.0)
+        # (its batch's hang timeout, as measured then, and 10 s to answer it)
+        return runtime.run(
+            worker.serve, shutdown_grace_s=lambda: worker.runner.hang_timeout_ms / 1000.0 + 10.0
+        )
 
 
 def _policy_check(path: str) -> int:

@@ -242,10 +242,10 @@ def _model_children(args: argparse.Namespace, policy_path: str, gpus: list[str])
     children += [
         Child(f"gateway-{i + 1}", "gateway", list(gateway_args)) for i in range(args.gateways)
     ]
-    if args.metrics_port:
-        for i, child in enumerate(children):
-            if child.role != "worker":
-                child.argv += ["--metrics-port", str(args.metrics_port + i)]
+    if args.metrics_port:  # worker slots first (0 .. slot-1), the others after them
+        others = [c for c in children if c.role != "worker"]
+        for i, child in enumerate(others):
+            child.argv += ["--metrics-port", str(args.metrics_port + slot + i)]
     return children
 
 
@@ -318,7 +318,11 @@ def _wait_ready(stack: Stack, url: str, stop_requested: list[int]) -> int | None
 
 def _metrics_ports_fit(args: argparse.Namespace) -> bool:
     """Every child's side port (worker slots, dispatchers, gateways) is a port."""
-    last = args.metrics_port + args.workers[1] + args.dispatchers + args.gateways - 1
+    workers, dispatchers = args.workers[1], args.dispatchers
+    if args.models:
+        workers = sum(n for _, n in args.models)
+        dispatchers *= len(args.models)
+    last = args.metrics_port + workers + dispatchers + args.gateways - 1
     if args.metrics_port and last > 65535:
         print(
             f"infergate up: --metrics-port {args.metrics_port} leaves no room for every "
@@ -426,14 +430,16 @@ def _scaler(
 def _say_ready(args: argparse.Namespace, url: str) -> None:
     low, high = args.workers
     workers = f"{low} workers" if low == high else f"{low}-{high} workers (autoscaled)"
+    dispatchers = args.dispatchers
     if args.models:
         workers = "models " + ", ".join(f"{name} ({n} workers)" for name, n in args.models)
+        high, dispatchers = sum(n for _, n in args.models), dispatchers * len(args.models)
     if args.metrics_port:
         first_other = args.metrics_port + high
         print(
             f"infergate up: metrics at :{args.metrics_port}-{first_other - 1} (worker slots), "
-            f":{first_other}-{first_other + args.dispatchers - 1} (dispatchers), "
-            f":{first_other + args.dispatchers}-{first_other + args.dispatchers + args.gateways - 1}"
+            f":{first_other}-{first_other + dispatchers - 1} (dispatchers), "
+            f":{first_other + dispatchers}-{first_other + dispatchers + args.gateways - 1}"
             " (gateways)",
             file=sys.stderr,
         )

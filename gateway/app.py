@@ -70,7 +70,10 @@ INFERENCE_ERRORS = {
             "INVALID_INPUT: the body is not the schema, or the input is empty or too long",
         ),
         ("UNAUTHENTICATED", "UNAUTHENTICATED: no or unknown API key"),
-        ("KEY_DISABLED", "KEY_DISABLED: the key is disabled, or may not use the model"),
+        (
+            "KEY_DISABLED",
+            "KEY_DISABLED: the key is disabled; FORBIDDEN: it may not use the model it names",
+        ),
         ("MODEL_NOT_FOUND", "MODEL_NOT_FOUND: the policy serves no model of that name"),
         ("PAYLOAD_TOO_LARGE", "PAYLOAD_TOO_LARGE: the body is over the byte limit"),
         ("RATE_LIMITED", "RATE_LIMITED: the key's quota is spent (Retry-After)"),

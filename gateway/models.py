@@ -98,8 +98,14 @@ class Lanes:
 
     async def start(self, policy: Policy) -> None:
         for name in policy.models:
-            lane = self.by_name[name] = self._make(name)
-            await lane.start()
+            if name not in self.by_name:  # (a policy change may have made it already)
+                lane = self.by_name[name] = self._make(name)
+                await lane.start()
+
+    async def started(self) -> None:
+        """Every lane a policy change began is started (before they stop)."""
+        if self._starting:
+            await asyncio.gather(*self._starting, return_exceptions=True)
 
     def follow(self, policy: Policy) -> None:
         """A new policy: a lane for each model it lists first (started in

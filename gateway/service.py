@@ -137,7 +137,10 @@ class Gateway:
 
     async def _refresh_reading(self) -> None:
         readings = {}
+        served = self.policy.current.models
         for lane in self.lanes:
+            if lane.name not in served:  # dropped by the policy: no alert for its workers
+                continue
             reading = self._fleet_reading(lane)
             if reading is not None:
                 readings[lane.name] = reading
@@ -223,6 +226,7 @@ class Gateway:
             await self._flush_shares()
         await self.policy.stop()
         await self.replies.stop()
+        await self.lanes.started()
         for lane in self.lanes:
             try:
                 await lane.stop(self.id)

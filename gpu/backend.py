@@ -76,7 +76,7 @@ def clip_words(text: str, max_tokens: int) -> tuple[str, int]:
     """``text`` cut after its first ``max_tokens`` words (0: uncut), and its
     words: the tokens of a backend without a tokenizer."""
     if max_tokens <= 0:
-        return text, len(WORD.findall(text))
+        return text, len(text.split())
     count = 0
     for match in WORD.finditer(text):
         count += 1

@@ -26,18 +26,24 @@ class BatchTimes:
         # The warm-up's calls (one input, and a full batch), kept beside the
         # recent ones so the fit always spans a small and a full batch.
         self._anchors: list[tuple[int, int, float]] = []
-        self.slowest_ms = 0.0
         self._fit: tuple[float, float, float] | None = None
+        self._slowest: float | None = None
 
     def anchor(self, inputs: int, chars: int, ms: float) -> None:
         self._anchors.append((inputs, chars, ms))
-        self.slowest_ms = max(self.slowest_ms, ms)
-        self._fit = None
+        self._fit = self._slowest = None
 
     def took(self, inputs: int, chars: int, ms: float) -> None:
         self._recent.append((inputs, chars, ms))
-        self.slowest_ms = max(self.slowest_ms, ms)
-        self._fit = None
+        self._fit = self._slowest = None
+
+    @property
+    def slowest_ms(self) -> float:
+        """The slowest of the recent calls and the warm-up's (a call that
+        ran long a while ago no longer stretches the hang timeout)."""
+        if self._slowest is None:
+            self._slowest = max((ms for *_, ms in (*self._anchors, *self._recent)), default=0.0)
+        return self._slowest
 
     def predict_ms(self, inputs: int, chars: float) -> float:
         """The expected time of a call (0 before any was measured)."""

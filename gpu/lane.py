@@ -61,13 +61,17 @@ def slot_key(env: wire.Envelope) -> str:
 def distinct_inputs(live: list[wire.Envelope]) -> Prompts:
     """The inputs of the backend's call for a batch: one per slot."""
     slots: dict[str, wire.Envelope] = {}
+    sampled = False
     for env in live:
-        slots.setdefault(slot_key(env), env)
-    keys = list(slots)
+        if env.temperature:
+            sampled = True
+        key = slot_key(env)
+        if key not in slots:
+            slots[key] = env
     inputs = [wire.input_of(e) for e in slots.values()]
-    if not any(e.temperature for e in live):
-        return Prompts(inputs, keys)
-    return Prompts(inputs, keys, [e.temperature for e in slots.values()])
+    if not sampled:
+        return Prompts(inputs, list(slots))
+    return Prompts(inputs, list(slots), [e.temperature for e in slots.values()])
 
 
 @dataclass(frozen=True)

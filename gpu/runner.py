@@ -9,7 +9,7 @@ import asyncio
 import concurrent.futures
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import NoReturn
+from typing import Literal, NoReturn
 
 import msgspec
 from infergate.base import clock, logs, tracing, wire
@@ -133,11 +133,13 @@ class BatchRunner:
         timeout_ms: int | None = None,
         then: Then | None = None,
         running: Running | None = None,
-        anchor: bool = False,
+        record: Literal["took", "anchor", ""] = "took",
     ) -> list[str]:
         """One backend call in the lane, bounded by the hang timeout: a new
         one, or the ``running`` one the lane started itself. Given ``then``,
-        the lane may take the next batch as the call returns (``stepping``)."""
+        the lane may take the next batch as the call returns (``stepping``).
+        ``record``: what its time is to the batch-time model: a call of real
+        work ("took"), the warm-up's ("anchor"), or nothing (the load)."""
         timeout_ms = timeout_ms or self._timeout_ms(inputs)
         if running is not None:
             ran = await self._adopt(running, timeout_ms)
@@ -156,10 +158,10 @@ class BatchRunner:
         outputs = ran.outputs or []
         took_ms = (ran.returned - started) * 1000.0
         measured = (len(inputs), sum(map(len, inputs)), took_ms)
-        if anchor:
-            self.times.anchor(*measured)
-        else:
+        if record == "took":
             self.times.took(*measured)
+        elif record == "anchor":
+            self.times.anchor(*measured)
         self.metrics.batch_duration.observe(took_ms / 1000.0)
         if len(outputs) != len(inputs):
             raise BackendError(f"backend returned {len(outputs)} outputs for {len(inputs)} inputs")

@@ -164,10 +164,10 @@ class Worker:
         one input, a full batch of short inputs and one of long ones, timed:
         what the batch time and the hang timeout start from (batch_time.py)."""
         bound_ms = max(600_000, self.settings.hang_timeout_ms)
-        await self.runner.call(["warm-up"], timeout_ms=bound_ms)
+        await self.runner.call(["warm-up"], timeout_ms=bound_ms, record="")
         full = max(1, min(MAX_BATCH, self.settings.max_batch))
         for batch in (["warm up"], ["warm up"] * full, [WARM_UP_INPUT] * full):
-            await self.runner.call(batch, timeout_ms=bound_ms, anchor=True)
+            await self.runner.call(batch, timeout_ms=bound_ms, record="anchor")
         log.info(
             "worker.warm",
             batch_ms=round(self.runner.times.full_batch_ms(self.settings.max_batch), 1),

@@ -150,6 +150,7 @@ class Document(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 DEFAULT_MODEL = "default"
+ONE_MODEL = {DEFAULT_MODEL: Model()}  # (read per request: made once)
 
 
 class Policy(msgspec.Struct, frozen=True):
@@ -166,7 +167,7 @@ class Policy(msgspec.Struct, frozen=True):
     @property
     def models(self) -> dict[str, Model]:
         """The models served, by name (``default`` when the policy lists none)."""
-        return self.document.models or {DEFAULT_MODEL: Model()}
+        return self.document.models or ONE_MODEL
 
     @property
     def default_model(self) -> str:

@@ -2,7 +2,7 @@
 predicts a full batch and bounds a call (gpu/batch_time.py)."""
 
 import pytest
-from infergate.gpu.batch_time import BatchTimes, fit
+from infergate.gpu.batch_time import RECENT_CALLS, BatchTimes, fit
 
 # SmolLM2-135M on this repository's 2-core CPU: (inputs, characters, ms)
 # (docs/performance.md, "Several models").
@@ -44,3 +44,13 @@ def test_a_call_is_hung_only_past_four_times_what_it_should_take() -> None:
     for n, chars, ms in CPU:
         times.took(n, chars, ms)
     assert times.hang_timeout_ms(64, 32_000) >= 4 * 11_957
+
+
+def test_a_long_call_stretches_the_hang_timeout_only_while_it_is_recent() -> None:
+    times = BatchTimes(hang_floor_ms=2_000)
+    times.anchor(1, 10, 100.0)
+    times.took(1, 10, 5_000.0)  # one slow call (a GC pause, a cold kernel)
+    assert times.hang_timeout_ms(1, 10) == 20_000
+    for _ in range(RECENT_CALLS):
+        times.took(1, 10, 100.0)
+    assert times.hang_timeout_ms(1, 10) == 2_000

@@ -200,3 +200,31 @@ def test_a_single_model_policy_answers_as_before_with_its_model_named(
     assert body["metadata"]["model_version"] == "simulated/1"
     status, body = infer(cluster.urls[0], {"model": "default", "input": "named"}, "free")
     assert status == 200
+
+
+def test_redis_out_of_memory_is_one_state_for_every_models_store() -> None:
+    from infergate.base.queue.store import Store
+
+    client = redis.Redis()  # (never connects: no command is sent)
+    root = Store(client, Keys("ig"))  # type: ignore[arg-type]
+    large = root.of_model("large")
+    large.saw_full()
+    assert root.full
+    root.full = False
+    assert not large.full
+    assert root.of_model("default") is root
+
+
+def test_up_models_gives_every_process_its_own_metrics_port() -> None:
+    from infergate.main import build_parser
+    from infergate.up import _children
+
+    args = build_parser().parse_args(
+        ["up", "--models", "small=2,large=1", "--metrics-port", "9100", "--gateways", "2"]
+    )
+    children = _children(args, "/p.yaml", [])
+    ports = [c.argv[c.argv.index("--metrics-port") + 1] for c in children]
+    assert len(ports) == len(set(ports)) == 3 + 2 + 2
+    named = {c.name: c.argv for c in children}
+    assert named["worker-large-3"][named["worker-large-3"].index("--model-name") + 1] == "large"
+    assert "--model-name" in named["dispatcher-small-1"]

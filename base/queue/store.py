@@ -79,8 +79,17 @@ class Store:
         self.pipelined: Pipelined = Pipelined(redis) if shared is None else shared.pipelined
         self._unreadable_seen: set[str] = set()
         # Redis refuses writes for want of memory (``maxmemory``): set by
-        # whatever saw it, cleared by the next heartbeat Redis takes whole.
-        self.full = False
+        # whatever saw it, cleared by the next heartbeat Redis takes whole;
+        # one state for the stores of every model (one Redis).
+        self._redis_state: list[bool] = [False] if shared is None else shared._redis_state
+
+    @property
+    def full(self) -> bool:
+        return self._redis_state[0]
+
+    @full.setter
+    def full(self, value: bool) -> None:
+        self._redis_state[0] = value
 
     def saw_full(self) -> None:
         if not self.full:
