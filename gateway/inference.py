@@ -329,7 +329,7 @@ class Inference:
                 envelope,
                 beside,
                 allowance,
-                self.gw.shares.recent_weight(key.tier) if allowance else 0.0,
+                self.gw.shares.recent_weight(key.tier, model=lane.name) if allowance else 0.0,
             )
         except STORE_ERRORS as exc:
             error = self.gw.store_failed(exc)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from infergate.base import clock, logs
 from infergate.base.errors import STORE_ERRORS, UNAVAILABLE, out_of_memory
 from infergate.base.fleet import fleet_reading
+from infergate.base.keys import DEFAULT_MODEL
 from infergate.base.loops import Supervised
 from infergate.base.metrics import (
     FleetCollector,
@@ -120,7 +121,7 @@ class Gateway:
     def count_admitted(self, key: KeyEntry, lane: ModelLane) -> None:
         """A request was let in (charged and queued, or handed to a worker)."""
         lane.count_admitted(key)
-        self.shares.admitted(key)
+        self.shares.admitted(key, lane.name)
 
     def count_refused(
         self, key: KeyEntry, reason: str, lane: ModelLane | None, for_capacity: bool = True
@@ -129,7 +130,7 @@ class Gateway:
         self.metrics.refusals.labels(key.tier, reason).inc()
         if for_capacity and lane is not None:
             lane.refused_for_capacity += 1
-        self.shares.refused(key)
+        self.shares.refused(key, lane.name if lane is not None else DEFAULT_MODEL)
 
     async def _flush_shares(self) -> None:
         retention_days = self.policy.current.document.usage.retention_days

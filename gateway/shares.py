@@ -4,12 +4,15 @@ every 10 s, how evenly the keys a tier had to refuse were served (Jain's
 index of their admitted requests over their weights), for the metrics: a
 label per key would not scale in Prometheus, a number per tier does; and
 the weights of the keys a tier admitted in the last second, which share its
-slots even while they have nothing waiting (``admit.lua``'s share check)."""
+slots even while they have nothing waiting (``admit.lua``'s share check).
+Refusals and recent weights are per model (each model's usage, each
+model's slots); the fairness index is per tier, across models."""
 
 from collections import Counter
 from collections.abc import Callable
 
 from infergate.base import clock
+from infergate.base.keys import DEFAULT_MODEL
 from infergate.base.metrics import GatewayMetrics
 from infergate.base.queue import usage
 from infergate.base.queue.store import Store
@@ -36,51 +39,63 @@ class Shares:
     def __init__(self, store: Store, metrics: GatewayMetrics) -> None:
         self.store = store
         self.metrics = metrics
-        self._unsent: Counter[tuple[str, str]] = Counter()  # refusals not in usage yet
+        # Refusals not in usage yet, by (model, key id, tier).
+        self._unsent: Counter[tuple[str, str, str]] = Counter()
         # This window's, by (key id, tier, weight).
         self._admitted: Counter[tuple[str, str, float]] = Counter()
         self._refused: Counter[tuple[str, str, float]] = Counter()
         self._window_started = clock.monotonic_s()
-        # Per tier: key id -> (when last admitted, its weight), and the sum of
-        # the weights of the recent ones (recomputed at most every 100 ms).
-        self._recent: dict[str, dict[str, tuple[float, float]]] = {t: {} for t in TIERS}
-        self._recent_weight: dict[str, tuple[float, float]] = {}
+        # Per (model, tier): key id -> (when last admitted, its weight), and the
+        # sum of the weights of the recent ones (recomputed at most every 100 ms).
+        self._recent: dict[tuple[str, str], dict[str, tuple[float, float]]] = {}
+        self._recent_weight: dict[tuple[str, str], tuple[float, float]] = {}
 
-    def admitted(self, key: KeyEntry) -> None:
+    def admitted(self, key: KeyEntry, model: str = DEFAULT_MODEL) -> None:
         name = (key.id, key.tier, key.weight)
         if len(self._admitted) < MAX_KEYS or name in self._admitted:
             self._admitted[name] += 1
-        recent = self._recent[key.tier]
+        recent = self._recent.setdefault((model, key.tier), {})
         if len(recent) < MAX_KEYS or key.id in recent:
             recent[key.id] = (clock.monotonic_s(), key.weight)
 
-    def recent_weight(self, tier: str, now_s: Callable[[], float] = clock.monotonic_s) -> float:
-        """The weights of the keys of ``tier`` admitted here in the last second."""
+    def recent_weight(
+        self,
+        tier: str,
+        now_s: Callable[[], float] = clock.monotonic_s,
+        model: str = DEFAULT_MODEL,
+    ) -> float:
+        """The weights of the keys of ``tier`` admitted here to ``model`` in the last second."""
         now = now_s()
-        at, total = self._recent_weight.get(tier, (float("-inf"), 0.0))
+        at, total = self._recent_weight.get((model, tier), (float("-inf"), 0.0))
         if now - at >= 0.1:
-            recent = self._recent[tier]
+            recent = self._recent.get((model, tier), {})
             for key_id in [k for k, (seen, _) in recent.items() if now - seen > RECENT_S]:
                 del recent[key_id]
             total = sum(weight for _, weight in recent.values())
-            self._recent_weight[tier] = (now, total)
+            self._recent_weight[model, tier] = (now, total)
         return total
 
-    def refused(self, key: KeyEntry) -> None:
+    def refused(self, key: KeyEntry, model: str = DEFAULT_MODEL) -> None:
         name = (key.id, key.tier, key.weight)
         if len(self._refused) < MAX_KEYS or name in self._refused:
             self._refused[name] += 1
-        if len(self._unsent) < MAX_KEYS or (key.id, key.tier) in self._unsent:
-            self._unsent[key.id, key.tier] += 1
+        unsent = (model, key.id, key.tier)
+        if len(self._unsent) < MAX_KEYS or unsent in self._unsent:
+            self._unsent[unsent] += 1
 
     async def flush(self, retention_s: int) -> None:
         """Add the refusals counted since the last flush to usage per key
         (kept for the next one if Redis fails), and close the window if due."""
         self._close_window()
         unsent, self._unsent = self._unsent, Counter()
-        charges = [usage.Charge(k, t, refused=n) for (k, t), n in unsent.items()]
+        by_model: dict[str, list[usage.Charge]] = {}
+        for (model, key_id, tier), n in unsent.items():
+            by_model.setdefault(model, []).append(usage.Charge(key_id, tier, refused=n))
         try:
-            await usage.charge(self.store, charges, clock.now_ms(), retention_s)
+            for model, charges in by_model.items():
+                await usage.charge(self.store.of_model(model), charges, clock.now_ms(), retention_s)
+                for charge in charges:
+                    del unsent[model, charge.key_id, charge.tier]
         except BaseException:
             self._unsent.update(unsent)
             raise

@@ -178,6 +178,15 @@ def test_a_model_without_workers_refuses_only_its_own_requests(cluster_factory: 
     for i in range(20):
         status, body = infer(url, {"model": "small", "input": f"still {i}"})
         assert (status, body["model"]) == (200, "small")
+    # Its refusals are in its own usage, not the other model's.
+
+    def refused(model: str) -> int:
+        status, _, body = http("GET", f"{url}/v1/admin/usage?model={model}", None, auth("admin"))
+        assert status == 200, body
+        return sum(k["refused"] for k in body["keys"])
+
+    wait_for(lambda: refused("large") > 0, 15, "the large model's refusals in its usage")
+    assert refused("small") == 0
     # Each model's queues and workers are in its own key space.
     client = redis.Redis.from_url(cluster.redis_url)
     try:
