@@ -29,7 +29,7 @@ MODEL = Annotated[
 ]
 
 
-def _error(description: str) -> ResponseSpec:
+def error_spec(description: str) -> ResponseSpec:
     return ResponseSpec(data_container=ErrorBody, description=description, generate_examples=False)
 
 
@@ -38,20 +38,20 @@ def _operators(request: Request[Any, Any, Any]) -> Operators:
     return operators
 
 
-def _authorization(connection: ASGIConnection[Any, Any, Any, Any]) -> str | None:
+def authorization_of(connection: ASGIConnection[Any, Any, Any, Any]) -> str | None:
     return one_authorization(connection.headers.getall("authorization", []))
 
 
 def admin_only(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
     """The guard of every operator endpoint: an admin key (401, 403)."""
     operators: Operators = connection.app.state.operators
-    operators.admin(_authorization(connection))
+    operators.admin(authorization_of(connection))
 
 
 ADMIN_ERRORS = {
-    401: _error("UNAUTHENTICATED: no or unknown API key"),
-    403: _error("FORBIDDEN: not an admin key"),
-    404: _error("MODEL_NOT_FOUND: no such model is served"),
+    401: error_spec("UNAUTHENTICATED: no or unknown API key"),
+    403: error_spec("FORBIDDEN: not an admin key"),
+    404: error_spec("MODEL_NOT_FOUND: no such model is served"),
 }
 
 
@@ -111,7 +111,7 @@ async def purge_dead_letters(
     summary="What each key used: answered requests, input characters, GPU time, refusals",
     description="Kept per hour for the policy's usage.retention_days; a key's GPU time is "
     "its requests' shares of the backend calls that ran them.",
-    responses={**ADMIN_ERRORS, 400: _error("INVALID_INPUT: since or sort is not valid")},
+    responses={**ADMIN_ERRORS, 400: error_spec("INVALID_INPUT: since or sort is not valid")},
     security=[{"bearer": []}],
 )
 async def admin_usage(

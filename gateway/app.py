@@ -12,7 +12,9 @@ from infergate.gateway.admin_routes import (
     admin_only,
     admin_policy,
     admin_usage,
+    authorization_of,
     dead_letters,
+    error_spec,
     purge_dead_letters,
     reload_policy,
     status,
@@ -26,15 +28,14 @@ from infergate.gateway.api import (
     Readiness,
     inference_request_body,
 )
-from infergate.gateway.errors import ERRORS, JSON, ApiError, ErrorBody, Headers, render
+from infergate.gateway.errors import ERRORS, JSON, ApiError, Headers, render
 from infergate.gateway.fast_route import FastRoute
 from infergate.gateway.inference import Call, Inference, OnDisconnect
 from infergate.gateway.jobs import Jobs
 from infergate.gateway.middleware import ON_DISCONNECT, REQUEST_ID, RequestIdAndLimits
 from infergate.gateway.operators import Operators
-from infergate.gateway.service import SEVERAL_AUTHORIZATIONS, Gateway, one_authorization
+from infergate.gateway.service import SEVERAL_AUTHORIZATIONS, Gateway
 from litestar import Litestar, Request, Response, Router, delete, get, post
-from litestar.connection import ASGIConnection
 from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.datastructures import ResponseSpec
@@ -58,12 +59,8 @@ _HTTP_CODES = {
 }
 
 
-def _error(description: str) -> ResponseSpec:
-    return ResponseSpec(data_container=ErrorBody, description=description, generate_examples=False)
-
-
 INFERENCE_ERRORS = {
-    ERRORS[code][0]: _error(text)
+    ERRORS[code][0]: error_spec(text)
     for code, text in (
         (
             "INVALID_INPUT",
@@ -91,18 +88,9 @@ def _request_id(request: Request[Any, Any, Any]) -> str:
     return str(request.scope.get(REQUEST_ID, ""))
 
 
-def _authorization(connection: ASGIConnection[Any, Any, Any, Any]) -> str | None:
-    return one_authorization(connection.headers.getall("authorization", []))
-
-
 def _gateway(request: Request[Any, Any, Any]) -> Gateway:
     gw: Gateway = request.app.state.gateway
     return gw
-
-
-def _operators(request: Request[Any, Any, Any]) -> Operators:
-    operators: Operators = request.app.state.operators
-    return operators
 
 
 def _jobs(request: Request[Any, Any, Any]) -> Jobs:
@@ -194,7 +182,7 @@ async def answer_inference(
 
 
 JOB_ERRORS = {
-    404: _error(
+    404: error_spec(
         "NOT_FOUND: no such job (or it expired, or it is another key's); "
         "MODEL_NOT_FOUND: no such model (a submit)"
     ),
@@ -213,7 +201,7 @@ JOB_ERRORS = {
     operation_class=_InferenceOperation,
 )
 async def submit_job(request: Request[Any, Any, Any]) -> Response[JobAccepted]:
-    call = Call(_request_id(request), _authorization(request), await request.body())
+    call = Call(_request_id(request), authorization_of(request), await request.body())
     accepted, headers = await _jobs(request).submit(call)
     return Response(accepted, status_code=HTTP_202_ACCEPTED, headers=headers)
 
@@ -232,30 +220,30 @@ async def fetch_job(
     wait_s: Annotated[float, Parameter(ge=0, le=20, description="long poll, seconds")] = 0.0,
 ) -> JobView:
     on_disconnect: OnDisconnect | None = request.scope.get(ON_DISCONNECT)  # type: ignore[assignment]
-    return await _jobs(request).fetch(_authorization(request), job_id, wait_s, on_disconnect)
+    return await _jobs(request).fetch(authorization_of(request), job_id, wait_s, on_disconnect)
 
 
 @delete(
     "/v1/jobs/{job_id:str}",
     status_code=HTTP_200_OK,
-    responses={**JOB_ERRORS, 409: _error("CONFLICT: the job has started or finished")},
+    responses={**JOB_ERRORS, 409: error_spec("CONFLICT: the job has started or finished")},
     summary="Cancel a queued job (again: nothing changes)",
     security=[{"bearer": []}],
 )
 async def cancel_job(request: Request[Any, Any, Any], job_id: str) -> JobView:
-    return await _jobs(request).cancel(_authorization(request), job_id)
+    return await _jobs(request).cancel(authorization_of(request), job_id)
 
 
 @get(
     "/v1/models",
     summary="The models this key may use (name one as `model` in a request)",
-    responses={401: _error("UNAUTHENTICATED: no or unknown API key")},
+    responses={401: error_spec("UNAUTHENTICATED: no or unknown API key")},
     security=[{"bearer": []}],
 )
 async def list_models(request: Request[Any, Any, Any]) -> ModelList:
     gw = _gateway(request)
     policy = gw.policy.current
-    key = gw.authenticate(_authorization(request), policy)
+    key = gw.authenticate(authorization_of(request), policy)
     return ModelList([ModelCard(name) for name in policy.models if policy.may_use(key, name)])
 
 
