@@ -30,7 +30,8 @@ def check_model_name(name: str) -> str:
     part of Redis key names and of metric labels)."""
     if not 1 <= len(name) <= MODEL_NAME_MAX or not set(name) <= MODEL_NAME_CHARS:
         raise ValueError(
-            f"model name {name[:80]!r} must be 1-{MODEL_NAME_MAX} letters, digits, '.', '_' or '-'"
+            f"model name {name[:80]!r} must be 1-{MODEL_NAME_MAX} letters, digits, dots, "
+            "underscores or dashes"
         )
     return name
 

@@ -4,12 +4,13 @@ gateway admitted to it, which its heartbeat in that space carries (the
 model's arrival rates and demand: its own admission and autoscaling signal).
 
 Every model of the policy has a lane from the gateway's start, or from the
-policy that first lists it; a model a new policy drops keeps its lane (and
-its heartbeat) until the gateway restarts, but no request reaches it.
+policy that first lists it; a model a new policy drops loses its lane (its
+fleet view and heartbeat stop; a request already on its way is answered).
 """
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from infergate.base import clock, logs, wire
 from infergate.base.fleet import FleetView
@@ -88,8 +89,9 @@ class ModelLane:
 class Lanes:
     """The gateway's lanes, by model name, and which one a request takes."""
 
-    def __init__(self, make: Callable[[str], ModelLane]) -> None:
+    def __init__(self, make: Callable[[str], ModelLane], gateway_id: str) -> None:
         self._make = make
+        self._gateway_id = gateway_id
         self.by_name: dict[str, ModelLane] = {}
         self._starting: set[asyncio.Task[None]] = set()
 
@@ -110,13 +112,23 @@ class Lanes:
     def follow(self, policy: Policy) -> None:
         """A new policy: a lane for each model it lists first (started in
         the background; its first requests see no worker until its fleet
-        view is read, a refresh away)."""
+        view is read, a refresh away), none for a model it no longer lists."""
         for name in policy.models:
             if name not in self.by_name:
                 lane = self.by_name[name] = self._make(name)
-                task = asyncio.get_running_loop().create_task(lane.start())
-                self._starting.add(task)
-                task.add_done_callback(self._starting.discard)
+                self._background(lane.start())
+        for name in [n for n in self.by_name if n not in policy.models]:
+            self._background(self.by_name.pop(name).stop(self._gateway_id))
+
+    def _background(self, step: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(step)
+        self._starting.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: "asyncio.Task[None]") -> None:
+        self._starting.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("gateway.model_lane_failed", error=type(task.exception()).__name__)
 
     def route(self, policy: Policy, key: KeyEntry, model: str | None) -> ModelLane:
         """The lane of the model a request names (the policy's default when it

@@ -83,7 +83,7 @@ class Gateway:
         self.replies = ReplyRouter(self.queue, on_ignored=self.metrics.replies_ignored.inc)
         self.quota = Quota(self.queue)
         self.started_ms = clock.now_ms()
-        self.lanes = Lanes(self._lane)
+        self.lanes = Lanes(self._lane, self.id)
         policy.keep_with(self._keep_policy)
         policy.on_change(self.lanes.follow)
         watch_policy_and_redis(self.metrics, policy, self.redis_ok)

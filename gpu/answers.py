@@ -5,7 +5,7 @@ off the way of the next one (``Finished``); every request of a batch gets
 an answer, whatever happened to it (``failure``, ``lost``)."""
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -114,7 +114,7 @@ class Answers:
         self,
         batch: wire.Batch,
         live: list[wire.Envelope],
-        outcome_of: dict[str, str | BackendError],
+        outcome_of: dict[Hashable, str | BackendError],
         started_ms: int,
         infer_ms: int,
         idle_ms: float | None,
@@ -205,7 +205,7 @@ class Answers:
         self,
         batch: wire.Batch,
         live: list[wire.Envelope],
-        outcome_of: dict[str, str | BackendError],
+        outcome_of: dict[Hashable, str | BackendError],
         infer_ms: int,
         idle_ms: float | None,
     ) -> None:

@@ -7,6 +7,7 @@ def infer(inputs: list[str]) -> list[str]
 
 import re
 import threading
+from collections.abc import Hashable
 from typing import Protocol
 
 MAX_BATCH = 100
@@ -43,7 +44,10 @@ class Prompts(list[str]):
     temperature. A slice keeps them."""
 
     def __init__(
-        self, inputs: list[str], keys: list[str], temperatures: list[float] | None = None
+        self,
+        inputs: list[str],
+        keys: list[Hashable],
+        temperatures: list[float] | None = None,
     ) -> None:
         super().__init__(inputs)
         self.keys = keys
@@ -64,9 +68,10 @@ def run(backend: Backend, inputs: list[str]) -> list[str]:
     return backend.infer_sampled(list(inputs), temperatures)
 
 
-def slot_keys(inputs: list[str]) -> list[str]:
+def slot_keys(inputs: list[str]) -> list[Hashable]:
     """The slot each input of a call fills (itself, for a plain list)."""
-    return getattr(inputs, "keys", inputs)
+    keys: list[Hashable] = getattr(inputs, "keys", inputs)
+    return keys
 
 
 WORD = re.compile(r"\S+")

@@ -51,16 +51,19 @@ def live_envelopes(batch: wire.Batch, now_ms: int) -> list[wire.Envelope]:
     return [e for e in batch.envelopes if e.job or e.deadline_ms > now_ms]
 
 
-def slot_key(env: wire.Envelope) -> str:
-    """The slot of a backend call an envelope's answer comes from: identical
-    inputs share one, but a sampled one (temperature above 0) has its own
-    (two samples are two draws)."""
-    return wire.input_of(env) if not env.temperature else "\0" + env.id
+# The slot of a backend call an envelope's answer comes from: its input
+# (identical inputs share one), or, for a sampled one, a pair no input can
+# equal (two samples are two draws, and no request can name another's).
+SlotKey = str | tuple[str, str]
+
+
+def slot_key(env: wire.Envelope) -> SlotKey:
+    return wire.input_of(env) if not env.temperature else ("sampled", env.id)
 
 
 def distinct_inputs(live: list[wire.Envelope]) -> Prompts:
     """The inputs of the backend's call for a batch: one per slot."""
-    slots: dict[str, wire.Envelope] = {}
+    slots: dict[SlotKey, wire.Envelope] = {}
     sampled = False
     for env in live:
         if env.temperature:

@@ -65,6 +65,7 @@ SCHEMA_NAMES = frozenset(TIERS) | frozenset(
         Sharing,
         Limits,
         Workers,
+        Model,
     )
     for field in msgspec.structs.fields(struct)
 )

@@ -17,6 +17,7 @@ class _Locator(Protocol):
 
 BACKENDS = ("simulated", "transformers")
 MAX_NEW_TOKENS = 4_096
+MAX_MODELS = 64
 
 
 def check_batching(batching: Batching, here: list[str | int], at: _Locator) -> list[Problem]:
@@ -38,6 +39,14 @@ def check_workers(workers: Workers, here: list[str | int], at: _Locator) -> list
 
 def check_models(doc: Document, at: _Locator) -> list[Problem]:
     out: list[Problem] = []
+    if len(doc.models) > MAX_MODELS:
+        out.append(
+            at.problem(
+                ["models"],
+                f"at most {MAX_MODELS} models (each is a fleet view and a heartbeat at every "
+                f"gateway); this lists {len(doc.models)}",
+            )
+        )
     for name, model in doc.models.items():
         here: list[str | int] = ["models", name]
         try:

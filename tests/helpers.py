@@ -370,9 +370,12 @@ class Cluster:
     killed: list["Proc"] = []
 
     def _serving(self, url: str, model: str) -> int:
-        """The workers alive of one model, as a gateway sees them (/v1/status)."""
+        """The workers alive of one model, as a gateway sees them (/v1/status:
+        its count, and its capacity from the gateway's own view of them)."""
         status, _, body = http("GET", f"{url}/v1/status?model={model}", headers=auth("admin"))
-        return int(body["workers_alive"]) if status == 200 else 0
+        if status != 200 or not body["capacity_rps"] > 0:
+            return 0
+        return int(body["workers_alive"])
 
     def add_worker(self, wrapper: Sequence[str] = (), model: str = "") -> Proc:
         named = ["--model-name", model] if model else []

@@ -56,6 +56,7 @@ def test_keys_of_a_model_are_its_own_and_the_deployments_are_shared() -> None:
         ({"m": {"backend": "onnx"}}, {}, "must be one of simulated, transformers"),
         ({"m": {"backend": "transformers"}}, {}, "needs the model's folder"),
         ({"a b": {}}, {}, "must be 1-64 letters"),
+        ({f"m{i}": {} for i in range(65)}, {}, "at most 64 models"),
         ({"m": {"batching": {"max_batch_size": 500}}}, {}, "models.m.batching.max_batch_size"),
         ({"m": {"workers": {"hang_timeout_ms": 5}}}, {}, "must be at least 100"),
         ({"m": {"temperature": 1}}, {}, "unknown field"),
@@ -237,3 +238,40 @@ def test_up_models_gives_every_process_its_own_metrics_port() -> None:
     named = {c.name: c.argv for c in children}
     assert named["worker-large-3"][named["worker-large-3"].index("--model-name") + 1] == "large"
     assert "--model-name" in named["dispatcher-small-1"]
+
+
+def test_no_input_can_name_a_sampled_requests_slot() -> None:
+    from infergate.base import wire
+    from infergate.gpu.lane import distinct_inputs
+
+    def env(request_id: str, text: str, temperature: float = 0.0) -> wire.Envelope:
+        return wire.Envelope(request_id, "g", "paid", "k", text, 0, 1, temperature=temperature)
+
+    job = "0e35a851" * 4  # a job's id, which its owner (and its logs) can see
+    prompts = distinct_inputs(
+        [env(job, "secret", 1.0), env("r2", "\0" + job), env("r3", "\0" + job), env("r4", "x", 1.0)]
+    )
+    assert list(prompts) == ["secret", "\0" + job, "x"]
+    assert prompts.temperatures == [1.0, 0.0, 1.0]
+
+
+def test_a_model_the_policy_drops_loses_its_lane(cluster_factory: Any) -> None:
+    from tests.helpers import write_policy
+
+    cluster = cluster_factory(models_policy(), models={"small": 1, "large": 1}, latency_ms=20)
+    url = cluster.urls[0]
+    client = redis.Redis.from_url(cluster.redis_url)
+    try:
+        assert client.keys("{infergate}:m:large:hb:gateway:*")
+        doc = policy(extra_keys=(key_entry("ent2", "enterprise", "test-ent2-secret"),))
+        doc["models"] = {"small": MODELS["small"]}
+        write_policy(cluster.policy_path, doc)
+        wait_for(lambda: infer(url, {"model": "large", "input": "x"})[0] == 404, 10, "large to go")
+        wait_for(
+            lambda: not client.keys("{infergate}:m:large:hb:gateway:*"),
+            10,
+            "the gateway's heartbeat in the dropped model's space to go",
+        )
+        assert infer(url, {"model": "small", "input": "still here"})[0] == 200
+    finally:
+        client.close()
