@@ -9,7 +9,7 @@ fleet view and heartbeat stop; a request already on its way is answered).
 """
 
 import asyncio
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 from infergate.base import clock, logs, wire
@@ -95,8 +95,8 @@ class Lanes:
         self.by_name: dict[str, ModelLane] = {}
         self._starting: set[asyncio.Task[None]] = set()
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        return iter(list(self.by_name.values()))
+    def __iter__(self) -> Iterator[ModelLane]:
+        return iter(list(self.by_name.values()))  # (a copy: a policy change may edit it)
 
     async def start(self, policy: Policy) -> None:
         for name in policy.models:

@@ -19,7 +19,7 @@ from infergate.base.metrics import WorkerMetrics
 from infergate.base.queue import inputs
 from infergate.base.queue.recovery import RecoveryQueue
 from infergate.base.queue.worker import WorkerQueue
-from infergate.gpu.answers import NOTHING_TO_ANSWER, Answer, Answers, Finished, Tally
+from infergate.gpu.answers import NOTHING_TO_ANSWER, Answer, Answers, Finished
 from infergate.gpu.backend import MAX_BATCH, Backend, BackendError, slot_keys
 from infergate.gpu.batch_time import BatchTimes
 from infergate.gpu.lane import Lane, Ran, Running, Stepped, Then, distinct_inputs, live_envelopes
@@ -58,7 +58,6 @@ class BatchRunner:
         self.queue = queue
         self.recovery = recovery
         self.answers = answers
-        self.tally: Tally = answers.tally
         self.metrics: WorkerMetrics = answers.metrics
         self.worker_id = answers.worker_id
         # What each call should take, and how long it may (batch_time.py).

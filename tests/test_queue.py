@@ -1060,7 +1060,7 @@ async def test_a_window_moves_on_when_its_request_is_refused_by_another(q: Faces
     deadline = time.monotonic() + 5
     while not await past_the_window():  # (Redis's clock, the one windows follow)
         assert time.monotonic() < deadline
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # (the poll's pace; the bound is the deadline above)
     refused = await q.gateway.admit([fast, slow])
     assert (refused.admitted, refused.refused_by) == (False, 1)
     assert await charged(q, fast.key) == 0

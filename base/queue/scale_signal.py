@@ -42,11 +42,9 @@ async def publish(store: Store, signal: wire.ScaleSignal) -> None:
 class SignalReader:
     """A blocking reader of the signal (for ``up``, which runs no event loop)."""
 
-    def __init__(
-        self, url: str, namespace: str, timeout_s: float = 1.0, model: str = "default"
-    ) -> None:
+    def __init__(self, url: str, namespace: str, timeout_s: float = 1.0) -> None:
         self._client = redis_url.sync_client(url, timeout_s)
-        self._key = Keys(namespace, model).scale_signal
+        self._key = Keys(namespace).scale_signal
 
     def read(self) -> wire.ScaleSignal | None:
         """The current signal; None if there is none, it is unreadable, or
