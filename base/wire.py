@@ -40,6 +40,8 @@ class Envelope(msgspec.Struct, frozen=True, omit_defaults=True):
     # (0: the model's greedy decoding; above 0 it takes a slot of its own).
     max_tokens: int = 0
     temperature: float = 0.0
+    # Count the input's tokens too (the OpenAI routes' usage).
+    count_input: bool = False
 
 
 class Batch(msgspec.Struct, frozen=True):
@@ -108,6 +110,8 @@ class Result(msgspec.Struct, frozen=True, omit_defaults=True):
     served_by: str = "model"
     # The output's length in the backend's tokens (its tokenizer's, or words).
     tokens: int = 0
+    # The input's, when its envelope asked (``count_input``).
+    input_tokens: int = 0
 
 
 def new_job_id() -> str:

@@ -14,9 +14,9 @@ from infergate.gateway.api import (
     StatusResponse,
     UsageReport,
 )
+from infergate.gateway.auth import one_authorization
 from infergate.gateway.errors import ErrorBody
 from infergate.gateway.operators import Operators
-from infergate.gateway.service import one_authorization
 from litestar import Request, delete, get, post
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler

@@ -100,7 +100,6 @@ def _openapi_schema(js: dict[str, Any], defs: dict[str, Any]) -> Schema:
     renames = {
         "minLength": "min_length",
         "maxLength": "max_length",
-        "additionalProperties": "additional_properties",
         "minimum": "minimum",
         "maximum": "maximum",
         "description": "description",
@@ -112,30 +111,44 @@ def _openapi_schema(js: dict[str, Any], defs: dict[str, Any]) -> Schema:
         fields["type"] = OpenAPIType(js["type"])
     if "properties" in js:
         fields["properties"] = {k: _openapi_schema(v, defs) for k, v in js["properties"].items()}
+    if "items" in js:
+        fields["items"] = _openapi_schema(js["items"], defs)
+    extra = js.get("additionalProperties")
+    if isinstance(extra, dict):
+        fields["additional_properties"] = _openapi_schema(extra, defs)
+    elif extra is not None:
+        fields["additional_properties"] = extra
     if "anyOf" in js:
         fields["any_of"] = [_openapi_schema(v, defs) for v in js["anyOf"]]
     return Schema(**fields)
 
 
-def inference_request_body() -> RequestBody:
-    """The OpenAPI request body of /v1/inference (read as raw bytes by the handler)."""
-    js = msgspec.json.schema(InferenceRequest)
+def request_body(struct: type) -> RequestBody:
+    """The OpenAPI request body of a route that reads its body itself (as raw bytes)."""
+    js = msgspec.json.schema(struct)
     return RequestBody(
         content={
             "application/json": OpenAPIMediaType(
-                schema=_openapi_schema(js["$defs"]["InferenceRequest"], js["$defs"])
+                schema=_openapi_schema(js["$defs"][struct.__name__], js["$defs"])
             )
         },
         required=True,
     )
 
 
-class Metadata(msgspec.Struct):
+def inference_request_body() -> RequestBody:
+    """The OpenAPI request body of /v1/inference."""
+    return request_body(InferenceRequest)
+
+
+class Metadata(msgspec.Struct, omit_defaults=True):
     # The output's length in the backend's tokens (its tokenizer's, or words).
     tokens_used: int
     latency_ms: float
     # The backend's fingerprint: what decided the output.
     model_version: str
+    # The input's length in them (the OpenAI routes' usage; not sent here).
+    input_tokens: int | None = None
 
 
 class InferenceResponse(msgspec.Struct, omit_defaults=True):
@@ -155,6 +168,8 @@ class InferenceResponse(msgspec.Struct, omit_defaults=True):
 
 class ModelCard(msgspec.Struct):
     id: str
+    # When this gateway started serving it (seconds since the epoch).
+    created: int = 0
     object: str = "model"
     owned_by: str = "infergate"
 

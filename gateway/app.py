@@ -1,6 +1,7 @@
 """The Litestar application: routes, the error shape for every failure, and
 the OpenAPI document."""
 
+import functools
 from dataclasses import dataclass
 from importlib.metadata import version
 from typing import Annotated, Any
@@ -23,18 +24,27 @@ from infergate.gateway.api import (
     InferenceResponse,
     JobAccepted,
     JobView,
-    ModelCard,
     ModelList,
     Readiness,
     inference_request_body,
 )
+from infergate.gateway.calls import Call, OnDisconnect, call_from
 from infergate.gateway.errors import ERRORS, JSON, ApiError, Headers, render
 from infergate.gateway.fast_route import FastRoute
-from infergate.gateway.inference import Call, Inference, OnDisconnect
+from infergate.gateway.inference import Inference
 from infergate.gateway.jobs import Jobs
 from infergate.gateway.middleware import ON_DISCONNECT, REQUEST_ID, RequestIdAndLimits
+from infergate.gateway.openai_routes import (
+    CHAT_PATH,
+    OPENAI_PATHS,
+    answer_openai,
+    get_model,
+    model_card,
+    post_chat,
+    post_completions,
+)
 from infergate.gateway.operators import Operators
-from infergate.gateway.service import SEVERAL_AUTHORIZATIONS, Gateway
+from infergate.gateway.service import Gateway
 from litestar import Litestar, Request, Response, Router, delete, get, post
 from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import OpenAPIConfig
@@ -108,9 +118,9 @@ class _InferenceOperation(Operation):
 
 
 # The inference route, defined once: the OpenAPI document's handler, the
-# ASGI path and the edge's fast route (``inference_route``) all serve it with
+# ASGI path and the edge's fast route (``fast_routes``) all serve it with
 # ``answer_inference``.
-INFERENCE_METHOD, INFERENCE_PATH = "POST", "/v1/inference"
+INFERENCE_PATH = "/v1/inference"
 
 
 @post(
@@ -124,7 +134,7 @@ INFERENCE_METHOD, INFERENCE_PATH = "POST", "/v1/inference"
 )
 async def post_inference(request: Request[Any, Any, Any]) -> Response[InferenceResponse]:
     """The route through ASGI (a request with a query string, or a server
-    without the edge); the edge serves the rest itself (``inference_route``)."""
+    without the edge); the edge serves the rest itself (``fast_routes``)."""
     status, headers, payload = await answer_inference(
         request.app.state.inference,
         _request_id(request),
@@ -156,18 +166,7 @@ async def answer_inference(
     x-request-id) and body, in the one error shape when it fails. The edge
     serves it straight from the connection, skipping Litestar's routing,
     signature model and response machinery."""
-    authorization = traceparent = tracestate = None
-    for name, value in headers:
-        if name == b"authorization":
-            if authorization is None:
-                authorization = value.decode("latin-1")
-            else:
-                authorization = SEVERAL_AUTHORIZATIONS
-        elif name == b"traceparent":
-            traceparent = value.decode("latin-1")
-        elif name == b"tracestate":
-            tracestate = value.decode("latin-1")
-    call = Call(request_id, authorization, body, on_disconnect, traceparent, tracestate)
+    call = call_from(request_id, headers, body, on_disconnect)
     try:
         result, extra = await inference.infer(call)
     except ApiError as exc:
@@ -244,7 +243,7 @@ async def list_models(request: Request[Any, Any, Any]) -> ModelList:
     gw = _gateway(request)
     policy = gw.policy.current
     key = gw.authenticate(authorization_of(request), policy)
-    return ModelList([ModelCard(name) for name in policy.models if policy.may_use(key, name)])
+    return ModelList([model_card(gw, name) for name in policy.models if policy.may_use(key, name)])
 
 
 @get("/healthz", summary="The process is alive")
@@ -330,6 +329,9 @@ def create_app(gateway: Gateway, inference: Inference) -> Litestar:
             fetch_job,
             cancel_job,
             list_models,
+            get_model,
+            post_completions,
+            post_chat,
             healthz,
             readyz,
             Router(
@@ -387,7 +389,7 @@ def create_asgi(gateway: Gateway, inference: Inference) -> Any:
     """The Litestar app wrapped in the request-id and body-limit middleware."""
 
     def count_refused(scope: dict[str, Any], status: int) -> None:
-        if scope.get("path") == INFERENCE_PATH:
+        if scope.get("path") in (INFERENCE_PATH, *OPENAI_PATHS):
             count_refused_inference(gateway, status)
 
     return RequestIdAndLimits(
@@ -397,23 +399,31 @@ def create_asgi(gateway: Gateway, inference: Inference) -> Any:
     )
 
 
-def inference_route(gateway: Gateway, inference: Inference) -> FastRoute:
-    """POST /v1/inference for the HTTP edge to serve without ASGI."""
+def fast_routes(gateway: Gateway, inference: Inference) -> list[FastRoute]:
+    """POST /v1/inference and the OpenAI routes' POSTs, for the HTTP edge to
+    serve without ASGI."""
 
-    async def answer(
-        request_id: str, headers: Headers, body: bytes, on_disconnect: OnDisconnect
-    ) -> tuple[int, Headers, bytes]:
-        status, head, payload = await answer_inference(
-            inference, request_id, headers, body, on_disconnect
+    def route(path: str, answer: Any) -> FastRoute:
+        async def answer_fast(
+            request_id: str, headers: Headers, body: bytes, on_disconnect: OnDisconnect
+        ) -> tuple[int, Headers, bytes]:
+            status, head, payload = await answer(request_id, headers, body, on_disconnect)
+            head.append((b"x-request-id", request_id.encode()))
+            return status, head, payload
+
+        return FastRoute(
+            b"POST",
+            path.encode(),
+            answer_fast,
+            lambda: gateway.policy.current.document.limits.max_body_bytes,
+            lambda status: count_refused_inference(gateway, status),
+            gateway.edge_failed,
         )
-        head.append((b"x-request-id", request_id.encode()))
-        return status, head, payload
 
-    return FastRoute(
-        INFERENCE_METHOD.encode(),
-        INFERENCE_PATH.encode(),
-        answer,
-        lambda: gateway.policy.current.document.limits.max_body_bytes,
-        lambda status: count_refused_inference(gateway, status),
-        gateway.edge_failed,
-    )
+    return [
+        route(INFERENCE_PATH, functools.partial(answer_inference, inference)),
+        *(
+            route(path, functools.partial(answer_openai, inference, path == CHAT_PATH))
+            for path in OPENAI_PATHS
+        ),
+    ]

@@ -25,7 +25,8 @@ The idle keep-alive time is uvicorn's ``timeout_keep_alive``; the body's
 size limit, which follows the live policy, is in ``middleware.py`` (and in
 ``FastCycle`` for a fast route).
 
-A fast route (``FastRoute``: POST /v1/inference) is served from here,
+A fast route (``FastRoute``: POST /v1/inference and the OpenAI routes'
+POSTs) is served from here,
 without ASGI: its request becomes a ``FastCycle`` (``fast_route.py``),
 which uvicorn's protocol drives as it drives its own request cycles, and
 its response goes out in one write. Every other request, and one with a
@@ -86,14 +87,16 @@ class EdgeProtocol(HttpToolsProtocol):
         self._lost = False
 
     @classmethod
-    def with_limits(
-        cls, limits: EdgeLimits, route: FastRoute | None = None
-    ) -> type["EdgeProtocol"]:
-        return type("EdgeProtocol", (cls,), {"limits": limits, "route": route, "sweeper": None})
+    def with_limits(cls, limits: EdgeLimits, *routes: FastRoute) -> type["EdgeProtocol"]:
+        by_target = {(route.method, route.path): route for route in routes}
+        return type(
+            "EdgeProtocol", (cls,), {"limits": limits, "routes": by_target, "sweeper": None}
+        )
 
     sweeper: "_Sweeper | None" = None
     sweeping = True  # (off for the start-up self-test's connection)
-    route: FastRoute | None = None
+    # The fast routes, by method and path.
+    routes: dict[tuple[bytes, bytes], FastRoute] = {}
 
     # -- connection --------------------------------------------------------
 
@@ -187,12 +190,8 @@ class EdgeProtocol(HttpToolsProtocol):
             return
         self._phase = _BODY
         self._since = self.loop.time()
-        route = self.route
-        if (
-            route is not None
-            and self.url == route.path
-            and self.parser.get_method() == route.method
-        ):
+        route = self.routes.get((self.parser.get_method(), self.url)) if self.routes else None
+        if route is not None:
             self._start_fast(route)
             return
         if not self.url.startswith(b"/") and not _names_a_path(self.url):
@@ -300,8 +299,9 @@ class EdgeProtocol(HttpToolsProtocol):
             if isinstance(cause, INTERNAL_FAULTS):
                 described = f"{type(cause).__name__}: {cause}"
                 logs.limited(log, "edge.fault", level="error", cause=described)
-                if self.route is not None:
-                    self.route.on_fault(described)
+                for route in self.routes.values():
+                    route.on_fault(described)
+                    break  # (every route's is the gateway's)
         self._refuse(400, "the request is not valid HTTP/1.1")
 
     def _refuse(self, status: int, message: str) -> None:

@@ -54,6 +54,7 @@ class ApiError(Exception):
         message: str,
         retry_after_ms: int | None = None,
         headers: dict[str, str] | None = None,
+        param: str | None = None,
     ) -> None:
         super().__init__(message)
         self.code = code
@@ -62,6 +63,8 @@ class ApiError(Exception):
         self.headers = headers or {}
         # The caller's tier once its key is known (for the metrics).
         self.tier: str | None = None
+        # The request field at fault, where one is (OpenAI's ``param``).
+        self.param = param
 
     @property
     def status(self) -> int:

@@ -8,7 +8,6 @@ disconnect, whichever comes first.
 """
 
 import asyncio
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -25,6 +24,7 @@ from infergate.gateway.api import (
     Parameters,
     decode_inference_request,
 )
+from infergate.gateway.calls import Call, OnDisconnect
 from infergate.gateway.checks import check_capacity, check_input, check_parameters
 from infergate.gateway.errors import (
     ApiError,
@@ -39,25 +39,6 @@ log = logs.get(__name__)
 _tracer = tracing.tracer(__name__)
 
 RETRY_DRAINING_MS = 100
-
-
-# Registers what to run if the client disconnects while its request waits
-# (None clears it). The HTTP edge runs it from the connection's loss: no task
-# per request reading the connection for a disconnect.
-OnDisconnect = Callable[[Callable[[], None] | None], None]
-
-
-@dataclass(frozen=True)
-class Call:
-    """One call of /v1/inference, as the HTTP layer hands it over."""
-
-    request_id: str
-    authorization: str | None
-    body: bytes
-    on_disconnect: OnDisconnect | None = None
-    # W3C trace context from the caller (used only when tracing is on).
-    traceparent: str | None = None
-    tracestate: str | None = None
 
 
 class ClientGone(Exception):
@@ -115,6 +96,7 @@ class Request:
     allowance: float
     max_tokens: int = 0
     temperature: float = 0.0
+    count_input: bool = False
     # The x-ratelimit-* headers, once the request's quota is charged: by its
     # first enqueue (the same round trip), or before it follows another.
     quota_headers: dict[str, str] | None = None
@@ -188,12 +170,12 @@ class Inference:
             holds.release(key.id)
 
     def read_body(
-        self, raw: bytes, policy: Policy, key: KeyEntry
+        self, raw: bytes | InferenceRequest, policy: Policy, key: KeyEntry
     ) -> tuple[InferenceRequest, Tier, ModelLane]:
         """The request body, checked against the key's tier and the model
         it names (400 if not fit), and that model's lane (404, 403)."""
         try:
-            body = decode_inference_request(raw)
+            body = decode_inference_request(raw) if isinstance(raw, bytes) else raw
         except BadRequestBody as exc:
             raise ApiError("INVALID_INPUT", str(exc)) from None
         tier = policy.tiers[key.tier]
@@ -205,7 +187,7 @@ class Inference:
     async def _serve(
         self, call: Call, started: float, policy: Policy, key: KeyEntry
     ) -> tuple[InferenceResponse, dict[str, str]]:
-        body, tier, lane = self.read_body(call.body, policy, key)
+        body, tier, lane = self.read_body(call.request or call.body, policy, key)
         params = body.parameters
         share = Share.of(policy, key, body.input, params)
         cached = None if share is None or share.digest is None else await self._cached(lane, share)
@@ -223,6 +205,7 @@ class Inference:
         if params is not None:
             request.max_tokens = params.max_tokens or 0
             request.temperature = params.temperature or 0.0
+        request.count_input = call.count_input
         try:
             result = await self._collapsed_or_run(request, call.on_disconnect)
         except ApiError as exc:
@@ -377,6 +360,7 @@ class Inference:
             cache_ttl_ms=share.cache_ttl_ms if share else 0,
             max_tokens=request.max_tokens,
             temperature=request.temperature,
+            count_input=request.count_input,
         )
         future = self.gw.replies.park(request_id)
         try:
@@ -461,6 +445,11 @@ def respond(
     lane.served += 1
     latency_ms = round(clock.elapsed_ms(started), 2)
     version = lane.fleet.fingerprint_of(result.worker) or lane.fleet.fingerprint() or ""
+    metadata = Metadata(result.tokens, latency_ms, version)
+    if call.count_input and call.request is not None:
+        # (A cached answer, or one collapsed onto a request that did not ask,
+        # has no count from the worker: its words stand in, as for tokens_used.)
+        metadata.input_tokens = result.input_tokens or len(call.request.input.split())
     return InferenceResponse(
         request_id=call.request_id,
         output=result.output or "",
@@ -470,5 +459,5 @@ def respond(
         queue_ms=result.queue_ms,
         served_by=result.served_by,
         model=lane.name,
-        metadata=Metadata(result.tokens, latency_ms, version),
+        metadata=metadata,
     )

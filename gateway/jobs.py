@@ -21,6 +21,7 @@ import msgspec
 from infergate.base import clock, logs, wire
 from infergate.base.errors import STORE_ERRORS
 from infergate.gateway.api import InferenceResponse, JobAccepted, JobView, Parameters
+from infergate.gateway.calls import Call, OnDisconnect
 from infergate.gateway.errors import (
     ERRORS,
     ApiError,
@@ -28,7 +29,7 @@ from infergate.gateway.errors import (
     error_from_result,
     redis_full,
 )
-from infergate.gateway.inference import Call, Inference, OnDisconnect
+from infergate.gateway.inference import Inference
 from infergate.gateway.service import Gateway
 
 log = logs.get(__name__)

@@ -139,9 +139,10 @@ class Lanes:
             raise ApiError(
                 "MODEL_NOT_FOUND",
                 f"no model {name[:80]!r}; GET /v1/models lists the models this key may use",
+                param="model",
             )
         if not policy.may_use(key, name):
-            raise ApiError("FORBIDDEN", f"this key may not use the model {name!r}")
+            raise ApiError("FORBIDDEN", f"this key may not use the model {name!r}", param="model")
         lane = self.by_name.get(name)
         if lane is None:  # listed by a policy this instant; its lane is on its way
             self.follow(policy)

@@ -13,7 +13,7 @@ from types import FrameType
 
 import uvicorn
 from infergate.base import clock, logs
-from infergate.gateway.app import create_asgi, inference_route
+from infergate.gateway.app import create_asgi, fast_routes
 from infergate.gateway.edge import EdgeProtocol
 from infergate.gateway.edge_contract import quiet_parser_warnings, self_test
 from infergate.gateway.inference import Inference
@@ -50,7 +50,7 @@ async def serve(
         return 1
     quiet_parser_warnings()
     # The gateway's state, its request path, and the two ways in: the edge's
-    # fast route and the Litestar app (every other route).
+    # fast routes and the Litestar app (every other route).
     inference = Inference(gateway)
     config = uvicorn.Config(
         create_asgi(gateway, inference),
@@ -58,7 +58,7 @@ async def serve(
         # No route is a websocket: an upgrade is an ordinary request (uvicorn's
         # websocket protocol would take the connection out of the edge's limits).
         ws="none",
-        http=EdgeProtocol.with_limits(limits, inference_route(gateway, inference)),
+        http=EdgeProtocol.with_limits(limits, *fast_routes(gateway, inference)),
         timeout_keep_alive=max(1, round(limits.keep_alive_s)),
         lifespan="on",
         access_log=False,

@@ -1,6 +1,6 @@
 """A gateway process: its parts wired together (the Redis client, the reply
 router, the fleet view, the policy in force), its life (start, stop, drain,
-readiness) and who a key is. The request path (``inference.py``) and the
+readiness) and who a caller is (``auth.py``). The request path (``inference.py``) and the
 operators' endpoints (``operators.py``) work on it, and ``server.py`` puts
 the three together.
 """
@@ -26,8 +26,10 @@ from infergate.base.queue.policy_copy import keep_policy
 from infergate.base.queue.store import Store
 from infergate.base.settings import ProcessSettings
 from infergate.base.tiers import TIERS
+from infergate.gateway.auth import Authenticator
 from infergate.gateway.errors import ApiError, redis_full, redis_unreachable
 from infergate.gateway.holds import Holds
+from infergate.gateway.jwks import KeySet
 from infergate.gateway.limits import EdgeLimits
 from infergate.gateway.models import Lanes, ModelLane
 from infergate.gateway.quota import Quota
@@ -35,25 +37,9 @@ from infergate.gateway.replies import ReplyRouter
 from infergate.gateway.shares import Shares
 from infergate.policies import KeyEntry, Policy
 from infergate.policies.live import LivePolicy
-from infergate.policies.loader import digest
 from prometheus_client import CollectorRegistry
 
 log = logs.get(__name__)
-
-KNOWN_KEYS_MAX = 10_000
-
-
-# What a request's credentials are when it sent several Authorization
-# headers: refused, whichever endpoint reads them (a value of one header
-# can never be this string: the HTTP parser refuses a line feed in it).
-SEVERAL_AUTHORIZATIONS = "\n"
-
-
-def one_authorization(values: list[str]) -> str | None:
-    """The request's one Authorization header (None if it sent none)."""
-    if len(values) > 1:
-        return SEVERAL_AUTHORIZATIONS
-    return values[0] if values else None
 
 
 @dataclass(frozen=True)
@@ -94,9 +80,8 @@ class Gateway:
         self.shares = Shares(self.store, self.metrics)
         self.shares_flush = Supervised("usage-refusals", self._flush_shares, 5.0)
         self.draining = False
-        # Secrets already matched to a key of the active policy (``_key_of``).
-        self._keys_policy: Policy | None = None
-        self._keys_known: dict[str, KeyEntry] = {}
+        self.key_set = KeySet(policy)
+        self.authenticator = Authenticator(self.key_set)
 
     def _lane(self, model: str) -> ModelLane:
         settings = self.settings
@@ -215,14 +200,20 @@ class Gateway:
                 log.warning("policy.keep_failed", error=type(exc).__name__)
         self.policy.start()
         await self.lanes.start(self.policy.current)
+        await self.key_set.start()
         await self.replies.start()
         self.metrics_reading.start()
         self.shares_flush.start()
         log.info("gateway.started", gateway_id=self.id, policy_version=self.policy.current.version)
 
+    def authenticate(self, authorization: str | None, policy: Policy) -> KeyEntry:
+        """The caller (``auth.py``), or 401/403."""
+        return self.authenticator.authenticate(authorization, policy)
+
     async def stop(self) -> None:
         await self.metrics_reading.stop()
         await self.shares_flush.stop()
+        await self.key_set.stop()
         with contextlib.suppress(*STORE_ERRORS):  # (the last refusals counted)
             await self._flush_shares()
         await self.policy.stop()
@@ -235,40 +226,3 @@ class Gateway:
                 log.warning("gateway.retire_failed", model=lane.name, error=type(exc).__name__)
         await self.store.close()
         log.info("gateway.stopped", gateway_id=self.id)
-
-    # -- one request ---------------------------------------------------------
-
-    def authenticate(self, authorization: str | None, policy: Policy) -> KeyEntry:
-        if authorization is SEVERAL_AUTHORIZATIONS:
-            raise ApiError(
-                "UNAUTHENTICATED", "more than one Authorization header; send exactly one"
-            )
-        if not authorization:
-            raise ApiError("UNAUTHENTICATED", "missing API key; send 'Authorization: Bearer <key>'")
-        scheme, _, secret = authorization.strip().partition(" ")
-        secret = secret.strip()
-        if scheme.lower() != "bearer" or not secret:
-            raise ApiError(
-                "UNAUTHENTICATED",
-                "malformed Authorization header; send 'Authorization: Bearer <key>'",
-            )
-        key = self._key_of(secret, policy)
-        if key is None:
-            raise ApiError("UNAUTHENTICATED", "unknown API key")
-        if key.disabled:
-            raise ApiError("KEY_DISABLED", "this API key is disabled")
-        return key
-
-    def _key_of(self, secret: str, policy: Policy) -> KeyEntry | None:
-        """The policy's key for ``secret``. A secret already matched is
-        remembered (no SHA-256 per request): only secrets of the policy's own
-        keys, so the memory is as bounded as the policy; a new policy
-        forgets them all."""
-        if policy is not self._keys_policy:
-            self._keys_policy, self._keys_known = policy, {}
-        key = self._keys_known.get(secret)
-        if key is None:
-            key = policy.key_for_digest(digest(secret))
-            if key is not None and len(self._keys_known) < KNOWN_KEYS_MAX:
-                self._keys_known[secret] = key
-        return key

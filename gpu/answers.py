@@ -136,6 +136,7 @@ class Answers:
                 self.worker_id,
                 started_ms,
                 infer_ms,
+                self.backend.clip(env.input or "", 0)[1] if env.count_input else 0,
             )
             results.append((wire.destination(env), result))
             if (
@@ -247,6 +248,7 @@ def _result(
     worker_id: str,
     started_ms: int,
     infer_ms: int,
+    input_tokens: int,
 ) -> wire.Result:
     common = dict(
         id=env.id,
@@ -260,4 +262,4 @@ def _result(
         error = wire.ErrorInfo("INFERENCE_FAILED", str(outcome)[:500] or "the backend failed")
         return wire.Result(**common, error=error)  # type: ignore[arg-type]
     output, tokens = outcome
-    return wire.Result(**common, output=output, tokens=tokens)  # type: ignore[arg-type]
+    return wire.Result(**common, output=output, tokens=tokens, input_tokens=input_tokens)  # type: ignore[arg-type]

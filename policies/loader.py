@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import msgspec
 import yaml
 from infergate.base.tiers import TIERS
+from infergate.policies.auth import check_clients
 from infergate.policies.errors import PolicyError, Problem
 from infergate.policies.models import check_batching, check_models, check_workers
 from infergate.policies.schema import (
@@ -234,6 +235,7 @@ def _check(doc: Document, at: "_Locator") -> list[Problem]:
         *_check_keys(doc, at),
         *_check_settings(doc, at),
         *check_models(doc, at),
+        *check_clients(doc, at),
     ]
 
 

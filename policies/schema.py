@@ -130,6 +130,49 @@ class Model(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     workers: Workers | None = None
 
 
+class Jwt(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Bearer tokens that are JWTs, beside API keys: signed by the identity
+    provider's keys (its JWKS, from a file or a URL, read off the request
+    path), for this issuer and audience; a claim names the key id and one
+    the tier."""
+
+    issuer: str
+    audience: str | list[str]
+    jwks_file: str | None = None
+    jwks_url: str | None = None
+    # The claim whose value is the key id (quotas, usage, fairness), and the
+    # one whose value is the tier.
+    key_claim: str = "sub"
+    tier_claim: str = "tier"
+    # Asymmetric only: never "none", never an HMAC.
+    algorithms: list[str] = msgspec.field(default_factory=lambda: ["RS256", "ES256"])
+    # Clock skew allowed on exp and nbf.
+    leeway_s: float = 30.0
+    # The tiers a token may claim (empty: every tier of the policy).
+    tiers: list[str] = msgspec.field(default_factory=list)
+    # The key set is read again this often, and on a kid it lacks (at most once a minute).
+    refresh_s: float = 300.0
+
+
+class Auth(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    jwt: Jwt | None = None
+
+
+class ChatTemplate(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A conversation as the backend's one input: ``prefix``, then each
+    message as ``message`` with ``{role}`` and ``{content}`` replaced, then ``suffix``."""
+
+    message: str
+    prefix: str = ""
+    suffix: str = ""
+
+
+class OpenAI(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    # How /v1/chat/completions renders a conversation (none: the last user
+    # message's content alone).
+    chat_template: ChatTemplate | None = None
+
+
 class Document(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The YAML document as written."""
 
@@ -147,6 +190,8 @@ class Document(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # say), and the one a request that names none gets (default: the first).
     models: dict[str, Model] = msgspec.field(default_factory=dict)
     default_model: str | None = None
+    auth: Auth = msgspec.field(default_factory=Auth)
+    openai: OpenAI = msgspec.field(default_factory=OpenAI)
 
 
 DEFAULT_MODEL = "default"

@@ -1,0 +1,159 @@
+"""The identity provider's public keys (its JWKS), for the live policy's
+``auth.jwt``: read at start, every ``refresh_s``, and soon after a token
+names a key the set lacks (at most once a minute: a stream of made-up key ids
+costs one read a minute). Always off the request path, from a file or a URL,
+and the last good set is kept while the source is down or serves nonsense.
+"""
+
+import asyncio
+import contextlib
+import json
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from infergate.base import logs
+from infergate.base.loops import Supervised
+from infergate.gateway.tokens import SigningKey, Verifier
+from infergate.policies import Policy
+from infergate.policies.live import LivePolicy
+from infergate.policies.schema import Jwt
+
+log = logs.get(__name__)
+
+MAX_JWKS_BYTES = 1 << 20
+FETCH_TIMEOUT_S = 5.0
+# Reads asked for by unknown key ids, at most one per this long.
+WANTED_EVERY_S = 60.0
+# After a failed read, the next try.
+RETRY_S = 30.0
+
+Source = tuple[str | None, str | None]
+NO_KEYS: dict[str, SigningKey] = {}  # (before the policy's source is read)
+
+
+def read_source(config: Jwt) -> bytes:
+    """The key set's bytes from its file or URL (blocking: run in a thread)."""
+    if config.jwks_file is not None:
+        with Path(config.jwks_file).open("rb") as f:
+            data = f.read(MAX_JWKS_BYTES + 1)
+    else:
+        assert config.jwks_url is not None
+        request = urllib.request.Request(config.jwks_url, headers={"Accept": "application/json"})
+        with urllib.request.urlopen(request, timeout=FETCH_TIMEOUT_S) as response:
+            data = response.read(MAX_JWKS_BYTES + 1)
+    if len(data) > MAX_JWKS_BYTES:
+        raise ValueError(f"the key set is over {MAX_JWKS_BYTES} bytes")
+    return data
+
+
+def parse_key_set(data: bytes) -> dict[str, SigningKey]:
+    """The public keys of a JWKS document, by kid; keys that are not
+    public signing keys are left out (and said)."""
+    doc: Any = json.loads(data)
+    if not isinstance(doc, dict) or not isinstance(doc.get("keys"), list):
+        raise ValueError('not a JWKS document ({"keys": [...]})')
+    keys: dict[str, SigningKey] = {}
+    for i, jwk in enumerate(doc["keys"]):
+        if not isinstance(jwk, dict) or jwk.get("use", "sig") != "sig":
+            continue
+        try:
+            key = SigningKey(jwk)
+        except Exception as exc:  # (PyJWT and cryptography raise several kinds)
+            log.warning("jwks.key_skipped", index=i, error=f"{type(exc).__name__}: {exc}"[:200])
+            continue
+        keys[key.kid] = key
+    if not keys:
+        raise ValueError("the key set holds no public signing key")
+    return keys
+
+
+class KeySet:
+    """The keys of the live policy's identity provider, and the verifier
+    that uses them."""
+
+    def __init__(self, policy: LivePolicy) -> None:
+        self.policy = policy
+        self._source: Source | None = None
+        self._keys: dict[str, SigningKey] = {}
+        self._verifier: Verifier | None = None
+        self._next_read_s = 0.0
+        self._wanted_at_s = -WANTED_EVERY_S
+        self._wake = asyncio.Event()
+        self.loop = Supervised("jwks", self._step, 0)
+
+    def verifier(self, policy: Policy) -> Verifier | None:
+        """The verifier for ``policy`` (None: it takes no tokens), made
+        again when the policy or the keys change."""
+        config = policy.document.auth.jwt
+        if config is None:
+            return None
+        keys = self._keys if self._source == _source_of(config) else NO_KEYS
+        verifier = self._verifier
+        if verifier is None or verifier.policy is not policy or verifier.keys is not keys:
+            verifier = self._verifier = Verifier(config, policy, keys, self.want)
+        return verifier
+
+    def want(self) -> None:
+        """A token named a key the set lacks: read it again, unless that
+        was asked less than a minute ago."""
+        now = time.monotonic()
+        if now - self._wanted_at_s >= WANTED_EVERY_S:
+            self._wanted_at_s = now
+            self._next_read_s = 0.0
+            self._wake.set()
+
+    async def start(self) -> None:
+        """Read the set once before serving (a failure is logged: tokens
+        are refused until a read succeeds), then keep it."""
+        config = self.policy.current.document.auth.jwt
+        if config is not None:
+            await self._read(config)
+        self.loop.start()
+
+    async def stop(self) -> None:
+        await self.loop.stop()
+
+    async def _step(self) -> None:
+        config = self.policy.current.document.auth.jwt
+        if config is not None and (
+            _source_of(config) != self._source or time.monotonic() >= self._next_read_s
+        ):
+            await self._read(config)
+        self._wake.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), 1.0)
+
+    async def _read(self, config: Jwt) -> None:
+        source = _source_of(config)
+        try:
+            keys = parse_key_set(await asyncio.to_thread(read_source, config))
+        except Exception as exc:
+            self._next_read_s = time.monotonic() + min(RETRY_S, config.refresh_s)
+            log.warning(
+                "jwks.read_failed",
+                source=config.jwks_file or config.jwks_url,
+                kept=len(self._keys) if source == self._source else 0,
+                error=f"{type(exc).__name__}: {exc}"[:300],
+            )
+            return
+        self._next_read_s = time.monotonic() + config.refresh_s
+        if source != self._source or _fingerprint(keys) != _fingerprint(self._keys):
+            self._source, self._keys = source, keys
+            log.info("jwks.read", source=config.jwks_file or config.jwks_url, kids=sorted(keys))
+
+
+def _source_of(config: Jwt) -> Source:
+    return (config.jwks_file, config.jwks_url)
+
+
+def _fingerprint(keys: dict[str, SigningKey]) -> dict[str, object]:
+    return {kid: (key.kty, key.crv, key.alg, _public_numbers(key)) for kid, key in keys.items()}
+
+
+def _public_numbers(key: SigningKey) -> object:
+    numbers = getattr(key.key, "public_numbers", None)
+    if numbers is not None:
+        return numbers()
+    return getattr(key.key, "public_bytes_raw", lambda: None)()

@@ -1,0 +1,460 @@
+"""The OpenAI-compatible bodies: what /v1/completions and /v1/chat/completions
+take and answer, how a body becomes the gateway's own requests (one per
+prompt), and errors in OpenAI's shape.
+
+A parameter the backend cannot honour is a 400 that names it, never
+ignored: OpenAI's own fields are accepted at their neutral values (``n: 1``,
+``top_p: 1``, no penalties, no logprobs), and an unknown field is refused as
+OpenAI refuses it. ``user`` is accepted and not used.
+"""
+
+import re
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import msgspec
+from infergate.gateway.api import MAX_TOKENS, InferenceRequest, InferenceResponse, Parameters
+from infergate.gateway.errors import ERRORS, JSON, ApiError, Headers
+from infergate.policies.schema import ChatTemplate
+
+# The most prompts one /v1/completions call may carry (each is a request).
+MAX_PROMPTS = 100
+# A 429 or 5xx whose retry-after is longer than this tells the OpenAI client
+# not to retry (``x-should-retry: false``): a spent quota costs one call.
+RETRY_SOON_MS = 2_000
+
+_MaxTokens = Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)] | None
+_Temperature = Annotated[float, msgspec.Meta(ge=0, le=2)] | None
+_User = Annotated[str, msgspec.Meta(max_length=256)] | None
+_Model = Annotated[str, msgspec.Meta(min_length=1, max_length=200)] | None
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
+    include_obfuscation: bool = False  # (nothing is padded here)
+
+
+class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The fields both routes share."""
+
+    model: _Model = None
+    max_tokens: _MaxTokens = None
+    temperature: _Temperature = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: _User = None
+    # Accepted at their neutral values only (``refuse_unsupported``).
+    n: int | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+
+
+class CompletionRequest(_Common, kw_only=True):
+    prompt: str | list[str]
+    logprobs: int | None = None
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
+    type: str
+    text: str = ""
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+    role: Annotated[str, msgspec.Meta(max_length=64)]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatRequest(_Common, kw_only=True):
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
+    max_completion_tokens: _MaxTokens = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+
+# -- answers -------------------------------------------------------------------
+
+
+class Usage(msgspec.Struct):
+    """In the backend's tokens: its tokenizer's (transformers), or words (simulated)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class Completion(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    object: str = "text_completion"
+    system_fingerprint: str | None = None
+    usage: Usage | None = None
+
+
+class Message(msgspec.Struct):
+    role: str
+    content: str
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: Message
+    finish_reason: str
+    logprobs: None = None
+
+
+class ChatCompletion(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    object: str = "chat.completion"
+    system_fingerprint: str | None = None
+    usage: Usage | None = None
+
+
+class Delta(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChunkChoice(msgspec.Struct):
+    index: int
+    delta: Delta
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatChunk(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    object: str = "chat.completion.chunk"
+    system_fingerprint: str | None = None
+    usage: Usage | None = None
+
+
+class OpenAIErrorDetail(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+    request_id: str
+
+
+class OpenAIError(msgspec.Struct):
+    error: OpenAIErrorDetail
+
+
+# -- from a body to the gateway's requests -----------------------------------
+
+
+@dataclass(frozen=True)
+class Ask:
+    """An OpenAI call as the gateway's requests: one input per prompt, and
+    how to answer."""
+
+    inputs: list[str]
+    model: str | None
+    parameters: Parameters | None
+    stream: bool
+    include_usage: bool
+    chat: bool
+
+    def requests(self) -> list[InferenceRequest]:
+        return [InferenceRequest(text, None, self.model, self.parameters) for text in self.inputs]
+
+
+_completion_decoder = msgspec.json.Decoder(CompletionRequest)
+_chat_decoder = msgspec.json.Decoder(ChatRequest)
+_AT = re.compile(r"at `\$\.([A-Za-z_]+)")
+_UNKNOWN = re.compile(r"unknown field `([^`]{1,64})`")
+# What a chat template replaces, in one pass (a message's text is never read as template).
+_NAMES = re.compile(r"\{role\}|\{content\}")
+
+
+def invalid(message: str, param: str | None) -> ApiError:
+    return ApiError("INVALID_INPUT", message, param=param)
+
+
+def _decode(decoder: "msgspec.json.Decoder[Any]", body: bytes) -> Any:
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        where = _UNKNOWN.search(text) or _AT.search(text)
+        raise invalid(f"invalid request body: {text}", where.group(1) if where else None) from None
+    except (msgspec.DecodeError, UnicodeDecodeError):
+        raise invalid("the request body is not valid JSON in UTF-8", None) from None
+
+
+def read_completion(body: bytes) -> Ask:
+    req: CompletionRequest = _decode(_completion_decoder, body)
+    _refuse_unsupported(req)
+    for name, value, neutral in (
+        ("logprobs", req.logprobs, None),
+        ("echo", req.echo, False),
+        ("best_of", req.best_of, 1),
+        ("suffix", req.suffix, None),
+    ):
+        _neutral_only(name, value, neutral)
+    prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+    if not 1 <= len(prompts) <= MAX_PROMPTS:
+        raise invalid(f"prompt must be a string or a list of 1-{MAX_PROMPTS} strings", "prompt")
+    if not all(prompts):
+        raise invalid("prompt must not be empty", "prompt")
+    return _ask(req, prompts, req.max_tokens, chat=False)
+
+
+def read_chat(body: bytes, template: ChatTemplate | None) -> Ask:
+    req: ChatRequest = _decode(_chat_decoder, body)
+    _refuse_unsupported(req)
+    for name, value, neutral in (
+        ("logprobs", req.logprobs, False),
+        ("top_logprobs", req.top_logprobs, None),
+        ("tools", req.tools or None, None),
+        ("tool_choice", req.tool_choice, "none"),
+    ):
+        _neutral_only(name, value, neutral)
+    if req.response_format not in (None, {"type": "text"}):
+        raise invalid("only the text response format is served", "response_format")
+    if req.max_tokens is not None and req.max_completion_tokens is not None:
+        raise invalid("give max_completion_tokens or max_tokens, not both", "max_tokens")
+    text = render_chat(req.messages, template)
+    if not text:
+        raise invalid("the conversation renders to an empty input", "messages")
+    return _ask(req, [text], req.max_completion_tokens or req.max_tokens, chat=True)
+
+
+def _ask(req: _Common, inputs: list[str], max_tokens: int | None, *, chat: bool) -> Ask:
+    params = None
+    if max_tokens is not None or req.temperature is not None:
+        params = Parameters(max_tokens, req.temperature)
+    options = req.stream_options
+    if options is not None and not req.stream:
+        raise invalid("stream_options is only for stream: true", "stream_options")
+    include_usage = options is not None and options.include_usage
+    return Ask(inputs, req.model, params, req.stream, include_usage, chat)
+
+
+def _refuse_unsupported(req: _Common) -> None:
+    for name, value, neutral in (
+        ("n", req.n, 1),
+        ("top_p", req.top_p, 1),
+        ("stop", req.stop or None, None),
+        ("frequency_penalty", req.frequency_penalty, 0),
+        ("presence_penalty", req.presence_penalty, 0),
+        ("logit_bias", req.logit_bias or None, None),
+        ("seed", req.seed, None),
+    ):
+        _neutral_only(name, value, neutral)
+
+
+def _neutral_only(name: str, value: object, neutral: object) -> None:
+    """``value`` may be absent (None) or the neutral one: the backend has no other."""
+    if value is None or value == neutral:
+        return
+    raise invalid(
+        f"{name} {str(value)[:40]} is not supported by this model server "
+        f"(leave it out{'' if neutral is None else f' or send {neutral}'})",
+        name,
+    )
+
+
+def render_chat(messages: list[ChatMessage], template: ChatTemplate | None) -> str:
+    """The conversation as one input: the policy's template, or the last
+    user message's content."""
+    if template is None:
+        for message in reversed(messages):
+            if message.role == "user":
+                return _text(message)
+        raise invalid("the conversation has no user message", "messages")
+    parts = [template.prefix]
+    for message in messages:
+        parts.append(_fill(template.message, message.role, _text(message)))
+    parts.append(template.suffix)
+    return "".join(parts)
+
+
+def _fill(template: str, role: str, content: str) -> str:
+    values = {"{role}": role, "{content}": content}
+    return _NAMES.sub(lambda m: values[m.group(0)], template)
+
+
+def _text(message: ChatMessage) -> str:
+    content = message.content
+    if content is None or isinstance(content, str):
+        return content or ""
+    if any(part.type != "text" for part in content):
+        raise invalid("only text content parts are served", "messages")
+    return "".join(part.text for part in content)
+
+
+# -- from the gateway's answers to OpenAI's ----------------------------------
+
+
+def finish_reason(response: InferenceResponse, ask: Ask) -> str:
+    limit = ask.parameters.max_tokens if ask.parameters is not None else None
+    used = response.metadata.tokens_used if response.metadata is not None else 0
+    return "length" if limit is not None and used >= limit else "stop"
+
+
+def usage_of(responses: list[InferenceResponse]) -> Usage:
+    prompt = completion = 0
+    for response in responses:
+        if response.metadata is not None:
+            prompt += response.metadata.input_tokens or 0
+            completion += response.metadata.tokens_used
+    return Usage(prompt, completion, prompt + completion)
+
+
+def answer_body(
+    ask: Ask, request_id: str, created: int, responses: list[InferenceResponse]
+) -> tuple[Headers, bytes]:
+    """The reply: one JSON document, or (``stream``) its events."""
+    first = responses[0]
+    model, fingerprint = first.model or "", _fingerprint(first)
+    if ask.stream:
+        return _stream(ask, request_id, created, responses)
+    usage = usage_of(responses)
+    if ask.chat:
+        message = Message("assistant", first.output)
+        choice = ChatChoice(0, message, finish_reason(first, ask))
+        body: msgspec.Struct = ChatCompletion(
+            f"chatcmpl-{request_id}",
+            created,
+            model,
+            [choice],
+            system_fingerprint=fingerprint,
+            usage=usage,
+        )
+    else:
+        choices = [
+            CompletionChoice(i, r.output, finish_reason(r, ask)) for i, r in enumerate(responses)
+        ]
+        body = Completion(
+            f"cmpl-{request_id}",
+            created,
+            model,
+            choices,
+            system_fingerprint=fingerprint,
+            usage=usage,
+        )
+    return [JSON], msgspec.json.encode(body)
+
+
+SSE = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+
+def _stream(
+    ask: Ask, request_id: str, created: int, responses: list[InferenceResponse]
+) -> tuple[Headers, bytes]:
+    """The answer as Server-Sent Events in OpenAI's chunks, then ``[DONE]``.
+    The backend answers whole, so each choice is one content chunk."""
+    first = responses[0]
+    model, fingerprint = first.model or "", _fingerprint(first)
+    events: list[msgspec.Struct] = []
+    if ask.chat:
+        cid = f"chatcmpl-{request_id}"
+
+        def chunk(delta: Delta, finish: str | None = None) -> ChatChunk:
+            choices = [ChunkChoice(0, delta, finish)]
+            return ChatChunk(cid, created, model, choices, system_fingerprint=fingerprint)
+
+        events += [
+            chunk(Delta("assistant", "")),
+            chunk(Delta(content=first.output)),
+            chunk(Delta(), finish_reason(first, ask)),
+        ]
+        if ask.include_usage:
+            events.append(
+                ChatChunk(
+                    cid,
+                    created,
+                    model,
+                    [],
+                    system_fingerprint=fingerprint,
+                    usage=usage_of(responses),
+                )
+            )
+    else:
+        cid = f"cmpl-{request_id}"
+        for i, response in enumerate(responses):
+            for text, finish in ((response.output, None), ("", finish_reason(response, ask))):
+                choice = CompletionChoice(i, text, finish)
+                events.append(
+                    Completion(cid, created, model, [choice], system_fingerprint=fingerprint)
+                )
+        if ask.include_usage:
+            events.append(
+                Completion(
+                    cid,
+                    created,
+                    model,
+                    [],
+                    system_fingerprint=fingerprint,
+                    usage=usage_of(responses),
+                )
+            )
+    data = [b"data: " + msgspec.json.encode(event) + b"\n\n" for event in events]
+    return list(SSE), b"".join(data) + b"data: [DONE]\n\n"
+
+
+def _fingerprint(response: InferenceResponse) -> str | None:
+    return response.metadata.model_version or None if response.metadata is not None else None
+
+
+# -- errors ------------------------------------------------------------------
+
+
+def should_retry(error: ApiError) -> bool | None:
+    """What ``x-should-retry`` says (None: leave it to the client's rule,
+    which retries 408, 409, 429 and 5xx): no where a retry cannot succeed
+    soon (a quota that resets later, a failing input, a refused key)."""
+    status = error.status
+    if status in (408, 409, 429) or status >= 500:
+        if error.code == "INFERENCE_FAILED":
+            return False
+        if error.retry_after_ms is not None and error.retry_after_ms > RETRY_SOON_MS:
+            return False
+        return None
+    return False
+
+
+def render_openai(
+    error: ApiError, request_id: str, param: str | None
+) -> tuple[int, Headers, bytes]:
+    """An error in OpenAI's shape (``code`` in its lower case), with
+    retry-after, retry-after-ms and x-should-retry."""
+    headers = [JSON]
+    headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in error.all_headers().items()]
+    if should_retry(error) is False:
+        headers.append((b"x-should-retry", b"false"))
+    detail = OpenAIErrorDetail(
+        error.message, ERRORS[error.code][1], error.param or param, error.code.lower(), request_id
+    )
+    return error.status, headers, msgspec.json.encode(OpenAIError(detail))

@@ -1,0 +1,245 @@
+"""The OpenAI-compatible routes: POST /v1/completions and /v1/chat/completions,
+and GET /v1/models/{id}, so that the official client and what is built on it
+work against the gateway.
+
+Each prompt is one request down the same path as POST /v1/inference
+(admission, quotas, priority, collapsing, the cache, metrics and traces),
+and the edge serves the two POSTs itself as it serves that one. The key is
+checked before the body is read; errors are in OpenAI's shape.
+"""
+
+import asyncio
+import dataclasses
+import time
+from typing import Any
+
+from infergate.base import logs
+from infergate.gateway.admin_routes import authorization_of, error_spec
+from infergate.gateway.api import (
+    InferenceRequest,
+    InferenceResponse,
+    ModelCard,
+    request_body,
+)
+from infergate.gateway.calls import Call, Fanout, OnDisconnect, call_from
+from infergate.gateway.errors import ApiError, Headers
+from infergate.gateway.inference import Inference
+from infergate.gateway.middleware import ON_DISCONNECT, REQUEST_ID
+from infergate.gateway.openai_api import (
+    Ask,
+    ChatCompletion,
+    ChatRequest,
+    Completion,
+    CompletionRequest,
+    OpenAIError,
+    answer_body,
+    read_chat,
+    read_completion,
+    render_openai,
+)
+from infergate.gateway.service import Gateway
+from litestar import Request, Response, get, post
+from litestar.openapi.datastructures import ResponseSpec
+from litestar.openapi.spec import Operation
+
+log = logs.get(__name__)
+
+COMPLETIONS_PATH = "/v1/completions"
+CHAT_PATH = "/v1/chat/completions"
+OPENAI_PATHS = (COMPLETIONS_PATH, CHAT_PATH)
+
+
+async def answer_openai(
+    inference: Inference,
+    chat: bool,
+    request_id: str,
+    headers: Headers,
+    body: bytes,
+    on_disconnect: OnDisconnect | None,
+) -> tuple[int, Headers, bytes]:
+    """A completion or chat completion: its status, headers and body (an
+    error in OpenAI's shape). Never raises."""
+    call = call_from(request_id, headers, body, on_disconnect)
+    try:
+        gw = inference.gw
+        policy = gw.policy.current
+        gw.authenticate(call.authorization, policy)  # (before the body is read)
+        if chat:
+            ask = read_chat(body, policy.document.openai.chat_template)
+        else:
+            ask = read_completion(body)
+        responses, extra = await _infer_all(inference, call, ask)
+    except ApiError as exc:
+        if exc.status < 500:
+            logs.limited(log, "request.refused", status=exc.status, code=exc.code)
+        where = ("messages" if chat else "prompt") if exc.code == "INVALID_INPUT" else None
+        return render_openai(exc, request_id, where)
+    except Exception as exc:
+        log.exception("request.unexpected_error", request_id=request_id, error=type(exc).__name__)
+        return render_openai(ApiError("INTERNAL", "internal error"), request_id, None)
+    head, payload = answer_body(ask, request_id, int(time.time()), responses)
+    head += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in extra.items()]
+    return 200, head, payload
+
+
+async def _infer_all(
+    inference: Inference, call: Call, ask: Ask
+) -> tuple[list[InferenceResponse], dict[str, str]]:
+    """Each prompt as one request, all at once; the first failure (in the
+    prompts' order) fails the call."""
+    requests = ask.requests()
+    if len(requests) == 1:
+        response, headers = await inference.infer(_one(call, requests[0], call.request_id))
+        return [response], headers
+    fanout = None if call.on_disconnect is None else Fanout(call.on_disconnect)
+    try:
+        outcomes = await asyncio.gather(
+            *(
+                inference.infer(
+                    _one(
+                        call,
+                        request,
+                        f"{call.request_id}-{i}",
+                        None if fanout is None else fanout.hook_of(i),
+                    )
+                )
+                for i, request in enumerate(requests)
+            ),
+            return_exceptions=True,
+        )
+    finally:
+        if fanout is not None:
+            fanout.close()
+    responses = []
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            raise outcome
+        responses.append(outcome[0])
+    last = outcomes[-1]
+    return responses, last[1] if isinstance(last, tuple) else {}
+
+
+def _one(
+    call: Call, request: InferenceRequest, request_id: str, hook: OnDisconnect | None = None
+) -> Call:
+    return dataclasses.replace(
+        call,
+        request_id=request_id,
+        request=request,
+        count_input=True,
+        on_disconnect=hook if hook is not None else call.on_disconnect,
+    )
+
+
+# -- through ASGI (a query string, or a server without the edge) -------------
+
+
+def _raw(status: int, headers: Headers, payload: bytes) -> Response[Any]:
+    content_type = dict(headers).get(b"content-type", b"application/json").decode()
+    return Response(
+        payload,
+        status_code=status,
+        headers={
+            k.decode("latin-1"): v.decode("latin-1") for k, v in headers if k != b"content-type"
+        },
+        media_type=content_type,
+    )
+
+
+_ERRORS = {
+    status: ResponseSpec(data_container=OpenAIError, description=text, generate_examples=False)
+    for status, text in (
+        (400, "invalid_input: a field the backend cannot honour is named in param"),
+        (401, "unauthenticated: no or unknown API key, or an invalid token"),
+        (403, "key_disabled, or forbidden: a model or tier this caller may not use"),
+        (404, "model_not_found"),
+        (413, "the body is over the byte limit"),
+        (429, "rate_limited (retry-after; x-should-retry: false when it resets later)"),
+        (500, "inference_failed: the backend failed on this input"),
+        (503, "service_overloaded"),
+        (504, "timeout"),
+    )
+}
+
+
+def _operation(struct: type) -> type[Operation]:
+    @dataclasses.dataclass
+    class _Documented(Operation):
+        """The handler reads its body itself (after the key): the document
+        still shows the body's schema."""
+
+        def __post_init__(self) -> None:
+            self.request_body = request_body(struct)
+
+    return _Documented
+
+
+async def _answer_asgi(request: Request[Any, Any, Any], chat: bool) -> Response[Any]:
+    on_disconnect: OnDisconnect | None = request.scope.get(ON_DISCONNECT)  # type: ignore[assignment]
+    status, headers, payload = await answer_openai(
+        request.app.state.inference,
+        chat,
+        str(request.scope.get(REQUEST_ID, "")),
+        list(request.scope["headers"]),
+        await request.body(),
+        on_disconnect,
+    )
+    return _raw(status, headers, payload)
+
+
+@post(
+    COMPLETIONS_PATH,
+    status_code=200,
+    responses=_ERRORS,
+    summary="OpenAI-compatible completion: each prompt is one request",
+    description="stream: true answers as Server-Sent Events (text/event-stream), then "
+    "data: [DONE].",
+    security=[{"bearer": []}],
+    operation_class=_operation(CompletionRequest),
+    tags=["OpenAI-compatible"],
+)
+async def post_completions(request: Request[Any, Any, Any]) -> Response[Completion]:
+    return await _answer_asgi(request, chat=False)
+
+
+@post(
+    CHAT_PATH,
+    status_code=200,
+    responses=_ERRORS,
+    summary="OpenAI-compatible chat completion: the conversation rendered as one input",
+    description="The policy's openai.chat_template renders the messages (default: the last "
+    "user message's content). stream: true answers as Server-Sent Events.",
+    security=[{"bearer": []}],
+    operation_class=_operation(ChatRequest),
+    tags=["OpenAI-compatible"],
+)
+async def post_chat(request: Request[Any, Any, Any]) -> Response[ChatCompletion]:
+    return await _answer_asgi(request, chat=True)
+
+
+@get(
+    "/v1/models/{model_id:str}",
+    summary="One model this key may use",
+    responses={
+        401: error_spec("UNAUTHENTICATED: no or unknown API key"),
+        404: ResponseSpec(
+            data_container=OpenAIError, description="model_not_found", generate_examples=False
+        ),
+    },
+    security=[{"bearer": []}],
+    tags=["OpenAI-compatible"],
+)
+async def get_model(request: Request[Any, Any, Any], model_id: str) -> Response[ModelCard]:
+    gw: Gateway = request.app.state.gateway
+    policy = gw.policy.current
+    key = gw.authenticate(authorization_of(request), policy)
+    if model_id not in policy.models or not policy.may_use(key, model_id):
+        error = ApiError(
+            "MODEL_NOT_FOUND", f"no model {model_id[:80]!r} this key may use", param="model"
+        )
+        return _raw(*render_openai(error, str(request.scope.get(REQUEST_ID, "")), None))
+    return Response(model_card(gw, model_id))
+
+
+def model_card(gw: Gateway, name: str) -> ModelCard:
+    return ModelCard(name, created=gw.started_ms // 1000)
