@@ -3,6 +3,7 @@ it (its one Authorization header), its body, its trace context, and the hook
 that says when its client has gone.
 """
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,6 +30,8 @@ class Call:
     # and may ask for the input's tokens to be counted.
     request: InferenceRequest | None = None
     count_input: bool = False
+    # Its key's hold on a connection is taken already (one per call of several prompts).
+    held: bool = False
 
 
 def call_from(
@@ -58,16 +61,23 @@ class Fanout:
     def __init__(self, hook: OnDisconnect) -> None:
         self._hook = hook
         self._waiting: dict[int, Callable[[], None]] = {}
+        self._gone = False
         hook(self._lost)
 
     def _lost(self) -> None:
+        self._gone = True
         for callback in list(self._waiting.values()):
             callback()
 
     def hook_of(self, i: int) -> OnDisconnect:
+        """Request ``i``'s hook: one that registers after the client has
+        gone is told at once (as the edge tells a single request)."""
+
         def register(callback: Callable[[], None] | None) -> None:
             if callback is None:
                 self._waiting.pop(i, None)
+            elif self._gone:
+                asyncio.get_running_loop().call_soon(callback)
             else:
                 self._waiting[i] = callback
 

@@ -299,9 +299,9 @@ class EdgeProtocol(HttpToolsProtocol):
             if isinstance(cause, INTERNAL_FAULTS):
                 described = f"{type(cause).__name__}: {cause}"
                 logs.limited(log, "edge.fault", level="error", cause=described)
-                for route in self.routes.values():
+                route = next(iter(self.routes.values()), None)  # (each one's is the gateway's)
+                if route is not None:
                     route.on_fault(described)
-                    break  # (every route's is the gateway's)
         self._refuse(400, "the request is not valid HTTP/1.1")
 
     def _refuse(self, status: int, message: str) -> None:

@@ -155,9 +155,10 @@ class Inference:
             )
         policy = self.gw.policy.current
         key = self.gw.authenticate(call.authorization, policy)  # before the body is parsed
-        holds = self.gw.holds
+        holds = None if call.held else self.gw.holds
         try:
-            holds.take(key.id, policy.document.limits.key_connection_share)
+            if holds is not None:
+                holds.take(key.id, policy.document.limits.key_connection_share)
         except ApiError as exc:
             exc.tier = key.tier
             raise
@@ -167,7 +168,8 @@ class Inference:
             exc.tier = key.tier
             raise
         finally:
-            holds.release(key.id)
+            if holds is not None:
+                holds.release(key.id)
 
     def read_body(
         self, raw: bytes | InferenceRequest, policy: Policy, key: KeyEntry
@@ -415,6 +417,9 @@ async def wait_for_reply(
     except ClientGone:
         await cancel(queue, envelope)
         raise ApiError("CLIENT_CLOSED", "the client disconnected") from None
+    except asyncio.CancelledError:  # (another prompt of its call failed)
+        await cancel(queue, envelope)
+        raise
     finally:
         timer.cancel()
         if on_disconnect is not None:

@@ -17,6 +17,7 @@ from infergate.base import logs
 from infergate.base.loops import Supervised
 from infergate.gateway.tokens import SigningKey, Verifier
 from infergate.policies import Policy
+from infergate.policies.auth import trusted_url
 from infergate.policies.live import LivePolicy
 from infergate.policies.schema import Jwt
 
@@ -40,12 +41,44 @@ def read_source(config: Jwt) -> bytes:
             data = f.read(MAX_JWKS_BYTES + 1)
     else:
         assert config.jwks_url is not None
-        request = urllib.request.Request(config.jwks_url, headers={"Accept": "application/json"})
-        with urllib.request.urlopen(request, timeout=FETCH_TIMEOUT_S) as response:
-            data = response.read(MAX_JWKS_BYTES + 1)
+        data = _fetch(config.jwks_url)
     if len(data) > MAX_JWKS_BYTES:
         raise ValueError(f"the key set is over {MAX_JWKS_BYTES} bytes")
     return data
+
+
+class _TrustedRedirects(urllib.request.HTTPRedirectHandler):
+    """Follows a redirect only to a URL the policy would accept (never from
+    https down to plain http)."""
+
+    def redirect_request(
+        self, req: Any, fp: Any, code: Any, msg: Any, headers: Any, newurl: str
+    ) -> Any:
+        if not trusted_url(newurl):
+            raise ValueError("the key set's URL redirects to a URL that is not https")
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+_opener = urllib.request.build_opener(_TrustedRedirects)
+
+
+def _fetch(url: str) -> bytes:
+    """At most MAX_JWKS_BYTES + 1 bytes, within FETCH_TIMEOUT_S in all (a
+    server that drips its answer is cut off)."""
+    deadline = time.monotonic() + FETCH_TIMEOUT_S
+    request = urllib.request.Request(url, headers={"Accept": "application/json"})
+    chunks: list[bytes] = []
+    size = 0
+    with _opener.open(request, timeout=FETCH_TIMEOUT_S) as response:
+        while size <= MAX_JWKS_BYTES:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the key set took over {FETCH_TIMEOUT_S} s to read")
+            chunk = response.read(65_536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    return b"".join(chunks)
 
 
 def parse_key_set(data: bytes) -> dict[str, SigningKey]:
@@ -117,16 +150,17 @@ class KeySet:
 
     async def _step(self) -> None:
         config = self.policy.current.document.auth.jwt
+        self._wake.clear()  # (a want from here on wakes the next step)
         if config is not None and (
             _source_of(config) != self._source or time.monotonic() >= self._next_read_s
         ):
             await self._read(config)
-        self._wake.clear()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), 1.0)
 
     async def _read(self, config: Jwt) -> None:
         source = _source_of(config)
+        started = time.monotonic()
         try:
             keys = parse_key_set(await asyncio.to_thread(read_source, config))
         except Exception as exc:
@@ -138,7 +172,9 @@ class KeySet:
                 error=f"{type(exc).__name__}: {exc}"[:300],
             )
             return
-        self._next_read_s = time.monotonic() + config.refresh_s
+        # A kid asked for while this read ran may be newer than what it read.
+        wanted_since = self._wanted_at_s >= started
+        self._next_read_s = 0.0 if wanted_since else time.monotonic() + config.refresh_s
         if source != self._source or _fingerprint(keys) != _fingerprint(self._keys):
             self._source, self._keys = source, keys
             log.info("jwks.read", source=config.jwks_file or config.jwks_url, kids=sorted(keys))

@@ -1,6 +1,6 @@
-"""The OpenAI-compatible bodies: what /v1/completions and /v1/chat/completions
-take and answer, how a body becomes the gateway's own requests (one per
-prompt), and errors in OpenAI's shape.
+"""The OpenAI-compatible requests: what /v1/completions and
+/v1/chat/completions take, and how a body becomes the gateway's own
+requests (one per prompt; a conversation rendered as one input).
 
 A parameter the backend cannot honour is a 400 that names it, never
 ignored: OpenAI's own fields are accepted at their neutral values (``n: 1``,
@@ -13,15 +13,12 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 
 import msgspec
-from infergate.gateway.api import MAX_TOKENS, InferenceRequest, InferenceResponse, Parameters
-from infergate.gateway.errors import ERRORS, JSON, ApiError, Headers
+from infergate.gateway.api import MAX_TOKENS, InferenceRequest, Parameters
+from infergate.gateway.errors import ApiError
 from infergate.policies.schema import ChatTemplate
 
 # The most prompts one /v1/completions call may carry (each is a request).
 MAX_PROMPTS = 100
-# A 429 or 5xx whose retry-after is longer than this tells the OpenAI client
-# not to retry (``x-should-retry: false``): a spent quota costs one call.
-RETRY_SOON_MS = 2_000
 
 _MaxTokens = Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)] | None
 _Temperature = Annotated[float, msgspec.Meta(ge=0, le=2)] | None
@@ -80,90 +77,6 @@ class ChatRequest(_Common, kw_only=True):
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
-
-
-# -- answers -------------------------------------------------------------------
-
-
-class Usage(msgspec.Struct):
-    """In the backend's tokens: its tokenizer's (transformers), or words (simulated)."""
-
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class CompletionChoice(msgspec.Struct):
-    index: int
-    text: str
-    finish_reason: str | None
-    logprobs: None = None
-
-
-class Completion(msgspec.Struct):
-    id: str
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    object: str = "text_completion"
-    system_fingerprint: str | None = None
-    usage: Usage | None = None
-
-
-class Message(msgspec.Struct):
-    role: str
-    content: str
-
-
-class ChatChoice(msgspec.Struct):
-    index: int
-    message: Message
-    finish_reason: str
-    logprobs: None = None
-
-
-class ChatCompletion(msgspec.Struct):
-    id: str
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    object: str = "chat.completion"
-    system_fingerprint: str | None = None
-    usage: Usage | None = None
-
-
-class Delta(msgspec.Struct, omit_defaults=True):
-    role: str | None = None
-    content: str | None = None
-
-
-class ChunkChoice(msgspec.Struct):
-    index: int
-    delta: Delta
-    finish_reason: str | None = None
-    logprobs: None = None
-
-
-class ChatChunk(msgspec.Struct):
-    id: str
-    created: int
-    model: str
-    choices: list[ChunkChoice]
-    object: str = "chat.completion.chunk"
-    system_fingerprint: str | None = None
-    usage: Usage | None = None
-
-
-class OpenAIErrorDetail(msgspec.Struct):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-    request_id: str
-
-
-class OpenAIError(msgspec.Struct):
-    error: OpenAIErrorDetail
 
 
 # -- from a body to the gateway's requests -----------------------------------
@@ -308,153 +221,3 @@ def _text(message: ChatMessage) -> str:
     if any(part.type != "text" for part in content):
         raise invalid("only text content parts are served", "messages")
     return "".join(part.text for part in content)
-
-
-# -- from the gateway's answers to OpenAI's ----------------------------------
-
-
-def finish_reason(response: InferenceResponse, ask: Ask) -> str:
-    limit = ask.parameters.max_tokens if ask.parameters is not None else None
-    used = response.metadata.tokens_used if response.metadata is not None else 0
-    return "length" if limit is not None and used >= limit else "stop"
-
-
-def usage_of(responses: list[InferenceResponse]) -> Usage:
-    prompt = completion = 0
-    for response in responses:
-        if response.metadata is not None:
-            prompt += response.metadata.input_tokens or 0
-            completion += response.metadata.tokens_used
-    return Usage(prompt, completion, prompt + completion)
-
-
-def answer_body(
-    ask: Ask, request_id: str, created: int, responses: list[InferenceResponse]
-) -> tuple[Headers, bytes]:
-    """The reply: one JSON document, or (``stream``) its events."""
-    first = responses[0]
-    model, fingerprint = first.model or "", _fingerprint(first)
-    if ask.stream:
-        return _stream(ask, request_id, created, responses)
-    usage = usage_of(responses)
-    if ask.chat:
-        message = Message("assistant", first.output)
-        choice = ChatChoice(0, message, finish_reason(first, ask))
-        body: msgspec.Struct = ChatCompletion(
-            f"chatcmpl-{request_id}",
-            created,
-            model,
-            [choice],
-            system_fingerprint=fingerprint,
-            usage=usage,
-        )
-    else:
-        choices = [
-            CompletionChoice(i, r.output, finish_reason(r, ask)) for i, r in enumerate(responses)
-        ]
-        body = Completion(
-            f"cmpl-{request_id}",
-            created,
-            model,
-            choices,
-            system_fingerprint=fingerprint,
-            usage=usage,
-        )
-    return [JSON], msgspec.json.encode(body)
-
-
-SSE = [
-    (b"content-type", b"text/event-stream; charset=utf-8"),
-    (b"cache-control", b"no-cache"),
-    (b"x-accel-buffering", b"no"),
-]
-
-
-def _stream(
-    ask: Ask, request_id: str, created: int, responses: list[InferenceResponse]
-) -> tuple[Headers, bytes]:
-    """The answer as Server-Sent Events in OpenAI's chunks, then ``[DONE]``.
-    The backend answers whole, so each choice is one content chunk."""
-    first = responses[0]
-    model, fingerprint = first.model or "", _fingerprint(first)
-    events: list[msgspec.Struct] = []
-    if ask.chat:
-        cid = f"chatcmpl-{request_id}"
-
-        def chunk(delta: Delta, finish: str | None = None) -> ChatChunk:
-            choices = [ChunkChoice(0, delta, finish)]
-            return ChatChunk(cid, created, model, choices, system_fingerprint=fingerprint)
-
-        events += [
-            chunk(Delta("assistant", "")),
-            chunk(Delta(content=first.output)),
-            chunk(Delta(), finish_reason(first, ask)),
-        ]
-        if ask.include_usage:
-            events.append(
-                ChatChunk(
-                    cid,
-                    created,
-                    model,
-                    [],
-                    system_fingerprint=fingerprint,
-                    usage=usage_of(responses),
-                )
-            )
-    else:
-        cid = f"cmpl-{request_id}"
-        for i, response in enumerate(responses):
-            for text, finish in ((response.output, None), ("", finish_reason(response, ask))):
-                choice = CompletionChoice(i, text, finish)
-                events.append(
-                    Completion(cid, created, model, [choice], system_fingerprint=fingerprint)
-                )
-        if ask.include_usage:
-            events.append(
-                Completion(
-                    cid,
-                    created,
-                    model,
-                    [],
-                    system_fingerprint=fingerprint,
-                    usage=usage_of(responses),
-                )
-            )
-    data = [b"data: " + msgspec.json.encode(event) + b"\n\n" for event in events]
-    return list(SSE), b"".join(data) + b"data: [DONE]\n\n"
-
-
-def _fingerprint(response: InferenceResponse) -> str | None:
-    return response.metadata.model_version or None if response.metadata is not None else None
-
-
-# -- errors ------------------------------------------------------------------
-
-
-def should_retry(error: ApiError) -> bool | None:
-    """What ``x-should-retry`` says (None: leave it to the client's rule,
-    which retries 408, 409, 429 and 5xx): no where a retry cannot succeed
-    soon (a quota that resets later, a failing input, a refused key)."""
-    status = error.status
-    if status in (408, 409, 429) or status >= 500:
-        if error.code == "INFERENCE_FAILED":
-            return False
-        if error.retry_after_ms is not None and error.retry_after_ms > RETRY_SOON_MS:
-            return False
-        return None
-    return False
-
-
-def render_openai(
-    error: ApiError, request_id: str, param: str | None
-) -> tuple[int, Headers, bytes]:
-    """An error in OpenAI's shape (``code`` in its lower case), with
-    retry-after, retry-after-ms and x-should-retry."""
-    headers = [JSON]
-    headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in error.all_headers().items()]
-    if should_retry(error) is False:
-        headers.append((b"x-should-retry", b"false"))
-    detail = OpenAIErrorDetail(
-        error.message, ERRORS[error.code][1], error.param or param, error.code.lower(), request_id
-    )
-    return error.status, headers, msgspec.json.encode(OpenAIError(detail))

@@ -5,7 +5,7 @@ work against the gateway.
 Each prompt is one request down the same path as POST /v1/inference
 (admission, quotas, priority, collapsing, the cache, metrics and traces),
 and the edge serves the two POSTs itself as it serves that one. The key is
-checked before the body is read; errors are in OpenAI's shape.
+checked before the body is parsed; errors are in OpenAI's shape.
 """
 
 import asyncio
@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from infergate.base import logs
+from infergate.base.metrics import NO_TIER
 from infergate.gateway.admin_routes import authorization_of, error_spec
 from infergate.gateway.api import (
     InferenceRequest,
@@ -25,22 +26,25 @@ from infergate.gateway.calls import Call, Fanout, OnDisconnect, call_from
 from infergate.gateway.errors import ApiError, Headers
 from infergate.gateway.inference import Inference
 from infergate.gateway.middleware import ON_DISCONNECT, REQUEST_ID
-from infergate.gateway.openai_api import (
-    Ask,
+from infergate.gateway.openai_answers import (
     ChatCompletion,
-    ChatRequest,
     Completion,
-    CompletionRequest,
     OpenAIError,
-    answer_body,
-    read_chat,
-    read_completion,
+    Reply,
     render_openai,
 )
+from infergate.gateway.openai_api import (
+    Ask,
+    ChatRequest,
+    CompletionRequest,
+    read_chat,
+    read_completion,
+)
 from infergate.gateway.service import Gateway
+from infergate.policies import KeyEntry, Policy
 from litestar import Request, Response, get, post
 from litestar.openapi.datastructures import ResponseSpec
-from litestar.openapi.spec import Operation
+from litestar.openapi.spec import OpenAPIMediaType, OpenAPIResponse, OpenAPIType, Operation, Schema
 
 log = logs.get(__name__)
 
@@ -60,74 +64,109 @@ async def answer_openai(
     """A completion or chat completion: its status, headers and body (an
     error in OpenAI's shape). Never raises."""
     call = call_from(request_id, headers, body, on_disconnect)
+    gw, ask = inference.gw, None
     try:
-        gw = inference.gw
         policy = gw.policy.current
-        gw.authenticate(call.authorization, policy)  # (before the body is read)
-        if chat:
-            ask = read_chat(body, policy.document.openai.chat_template)
-        else:
-            ask = read_completion(body)
-        responses, extra = await _infer_all(inference, call, ask)
+        key = gw.authenticate(call.authorization, policy)  # (before the body is parsed)
+        try:
+            if chat:
+                ask = read_chat(body, policy.document.openai.chat_template)
+            else:
+                ask = read_completion(body)
+        except ApiError as exc:
+            gw.metrics.requests.labels(key.tier, str(exc.status)).inc()
+            raise
+        responses, extra = await _infer_all(inference, call, ask, key, policy)
     except ApiError as exc:
+        if ask is None and exc.code in ("UNAUTHENTICATED", "KEY_DISABLED", "FORBIDDEN"):
+            gw.metrics.requests.labels(NO_TIER, str(exc.status)).inc()
         if exc.status < 500:
             logs.limited(log, "request.refused", status=exc.status, code=exc.code)
         where = ("messages" if chat else "prompt") if exc.code == "INVALID_INPUT" else None
-        return render_openai(exc, request_id, where)
+        prompts = 1 if ask is None else len(ask.inputs)
+        return render_openai(exc, request_id, where, prompts)
     except Exception as exc:
         log.exception("request.unexpected_error", request_id=request_id, error=type(exc).__name__)
         return render_openai(ApiError("INTERNAL", "internal error"), request_id, None)
-    head, payload = answer_body(ask, request_id, int(time.time()), responses)
+    limit = _limit(ask, policy, responses[0].model)
+    head, payload = Reply(ask, request_id, int(time.time()), responses, limit).body()
     head += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in extra.items()]
     return 200, head, payload
 
 
+def _limit(ask: Ask, policy: Policy, model: str | None) -> int | None:
+    """The most tokens each output could have: the request's max_tokens, or
+    a transformers model's own max_new_tokens (None: unknown)."""
+    if ask.parameters is not None and ask.parameters.max_tokens is not None:
+        return ask.parameters.max_tokens
+    entry = policy.models.get(model or "")
+    return entry.max_new_tokens if entry is not None and entry.backend == "transformers" else None
+
+
 async def _infer_all(
-    inference: Inference, call: Call, ask: Ask
+    inference: Inference, call: Call, ask: Ask, key: KeyEntry, policy: Policy
 ) -> tuple[list[InferenceResponse], dict[str, str]]:
-    """Each prompt as one request, all at once; the first failure (in the
-    prompts' order) fails the call."""
+    """Each prompt as one request, all at once, under one hold on the key's
+    connections; the first failure cancels the others (their queued
+    requests too) and fails the call."""
     requests = ask.requests()
     if len(requests) == 1:
         response, headers = await inference.infer(_one(call, requests[0], call.request_id))
         return [response], headers
+    holds = inference.gw.holds
+    holds.take(key.id, policy.document.limits.key_connection_share)
     fanout = None if call.on_disconnect is None else Fanout(call.on_disconnect)
     try:
-        outcomes = await asyncio.gather(
-            *(
-                inference.infer(
-                    _one(
-                        call,
-                        request,
-                        f"{call.request_id}-{i}",
-                        None if fanout is None else fanout.hook_of(i),
+        async with asyncio.TaskGroup() as group:
+            tasks = [
+                group.create_task(
+                    inference.infer(
+                        _one(
+                            call,
+                            request,
+                            f"{call.request_id}-{i}",
+                            None if fanout is None else fanout.hook_of(i),
+                            held=True,
+                        )
                     )
                 )
                 for i, request in enumerate(requests)
-            ),
-            return_exceptions=True,
-        )
+            ]
+    except BaseExceptionGroup as failed:
+        raise _first_error(failed) from None
     finally:
+        holds.release(key.id)
         if fanout is not None:
             fanout.close()
-    responses = []
-    for outcome in outcomes:
-        if isinstance(outcome, BaseException):
-            raise outcome
-        responses.append(outcome[0])
-    last = outcomes[-1]
-    return responses, last[1] if isinstance(last, tuple) else {}
+    outcomes = [task.result() for task in tasks]
+    return [response for response, _ in outcomes], outcomes[-1][1]
+
+
+def _first_error(failed: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The group's API error (the client's answer), else its first exception."""
+    for exc in failed.exceptions:
+        if isinstance(exc, ApiError):
+            return exc
+    return failed.exceptions[0]
 
 
 def _one(
-    call: Call, request: InferenceRequest, request_id: str, hook: OnDisconnect | None = None
+    call: Call,
+    request: InferenceRequest,
+    request_id: str,
+    hook: OnDisconnect | None = None,
+    *,
+    held: bool = False,
 ) -> Call:
+    """One prompt's call: its own request id, its body read, its input
+    counted (and, one of several, its own disconnect hook)."""
     return dataclasses.replace(
         call,
         request_id=request_id,
         request=request,
         count_input=True,
-        on_disconnect=hook if hook is not None else call.on_disconnect,
+        held=held,
+        on_disconnect=hook if held else call.on_disconnect,
     )
 
 
@@ -162,6 +201,13 @@ _ERRORS = {
 }
 
 
+# With stream: true, the answer as Server-Sent Events.
+STREAM = Schema(
+    type=OpenAPIType.STRING,
+    description="Server-Sent Events: `data: <chunk JSON>` per chunk, then `data: [DONE]`.",
+)
+
+
 def _operation(struct: type) -> type[Operation]:
     @dataclasses.dataclass
     class _Documented(Operation):
@@ -170,6 +216,9 @@ def _operation(struct: type) -> type[Operation]:
 
         def __post_init__(self) -> None:
             self.request_body = request_body(struct)
+            ok = (self.responses or {}).get("200")
+            if isinstance(ok, OpenAPIResponse) and ok.content is not None:
+                ok.content["text/event-stream"] = OpenAPIMediaType(schema=STREAM)
 
     return _Documented
 

@@ -28,8 +28,12 @@ MAX_TOKEN_CHARS = 16_384
 # A key id from a token: printable ASCII, no spaces (it names Redis fields and
 # appears in usage reports), at most this long.
 TOKEN_KEY_ID = re.compile(r"^[!-~]{1,128}$")
-# Tokens remembered as verified, at most (then forgotten all at once).
+# Tokens remembered as verified, at most (then forgotten all at once), and
+# for at most this long.
 KNOWN_TOKENS_MAX = 10_000
+REMEMBERED_AT_MOST_S = 86_400
+# The smallest RSA key that signs anything here.
+MIN_RSA_BITS = 2048
 # The JWT's compact form: three base64url segments.
 _COMPACT = re.compile(r"^[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]*$")
 
@@ -65,6 +69,9 @@ class SigningKey:
         if "d" in jwk:
             raise ValueError("a private key does not belong in a key set")
         self.key = jwt.PyJWK(jwk).key
+        bits = getattr(self.key, "key_size", MIN_RSA_BITS)
+        if self.kty == "RSA" and bits < MIN_RSA_BITS:
+            raise ValueError(f"an RSA key of {bits} bits is too weak (at least {MIN_RSA_BITS})")
 
     def signs_with(self, alg: str) -> bool:
         if self.alg is not None:
@@ -91,6 +98,8 @@ class Verifier:
         self.want_keys = want_keys
         self._known: dict[str, tuple[KeyEntry, float]] = {}
         self._entries: dict[tuple[str, str], KeyEntry] = {}
+        # A token never stands for an API key's account (its quotas, jobs, models).
+        self._api_key_ids = frozenset(key.id for key in policy.document.keys)
 
     def identify(self, token: str) -> KeyEntry:
         """The key a token stands for, or 401 (not a token this gateway
@@ -105,7 +114,9 @@ class Verifier:
         entry = self._entry(claims)
         if len(self._known) >= KNOWN_TOKENS_MAX:
             self._known.clear()
-        self._known[token] = (entry, float(claims["exp"]) + self.config.leeway_s)
+        # (exp is an integer PyJWT has checked; a huge one is remembered a day)
+        until = min(claims["exp"], int(time.time()) + REMEMBERED_AT_MOST_S)
+        self._known[token] = (entry, until + self.config.leeway_s)
         return entry
 
     def _verified(self, token: str) -> dict[str, Any]:
@@ -113,7 +124,7 @@ class Verifier:
             raise unauthenticated(f"longer than {MAX_TOKEN_CHARS} characters")
         try:
             header = jwt.get_unverified_header(token)
-        except jwt.PyJWTError:
+        except (jwt.PyJWTError, ValueError, TypeError, RecursionError):
             raise unauthenticated("not a well-formed JWT") from None
         alg, kid = header.get("alg"), header.get("kid")
         if not isinstance(alg, str) or alg not in self.config.algorithms:
@@ -137,7 +148,7 @@ class Verifier:
         except jwt.ExpiredSignatureError:
             raise unauthenticated("expired") from None
         except jwt.ImmatureSignatureError:
-            raise unauthenticated("not valid yet (nbf)") from None
+            raise unauthenticated("not valid yet (nbf or iat)") from None
         except jwt.InvalidAudienceError:
             raise unauthenticated("not for this audience") from None
         except jwt.InvalidIssuerError:
@@ -148,6 +159,8 @@ class Verifier:
             raise unauthenticated("bad signature") from None
         except jwt.PyJWTError as exc:
             raise unauthenticated(type(exc).__name__) from None
+        except (ValueError, TypeError, OverflowError, RecursionError):
+            raise unauthenticated("not a well-formed JWT") from None
 
     def _key(self, kid: object) -> SigningKey:
         if kid is None and len(self.keys) == 1:
@@ -166,6 +179,10 @@ class Verifier:
             raise unauthenticated(
                 f"its {config.key_claim!r} claim is not a key id "
                 "(1-128 printable ASCII characters, no spaces)"
+            )
+        if key_id in self._api_key_ids:
+            raise ApiError(
+                "FORBIDDEN", "the token names an API key's id; a token has an account of its own"
             )
         tier = claims.get(config.tier_claim)
         if not isinstance(tier, str) or tier not in policy.tiers:

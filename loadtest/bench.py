@@ -90,6 +90,23 @@ async def one(
         return Sample(tier, 0, (time.perf_counter() - due) * 1000.0, code=type(exc).__name__)
 
 
+# Each route's path, and its body around a request's text.
+ROUTES = {
+    "inference": ("/v1/inference", b'{"input":"', b'"}'),
+    "completions": ("/v1/completions", b'{"model":"default","prompt":"', b'"}'),
+    "chat": (
+        "/v1/chat/completions",
+        b'{"model":"default","messages":[{"role":"user","content":"',
+        b'"}]}',
+    ),
+}
+
+
+def _openai_output(data: dict[str, Any]) -> str:
+    choice = (data.get("choices") or [{}])[0]
+    return str(choice.get("text") or choice.get("message", {}).get("content", ""))
+
+
 async def run(args: argparse.Namespace, keys: dict[str, str]) -> dict[str, Any]:
     """Send on schedule through the lean client (``http_client``): each tick
     sends every request already due, so the sender costs one wake-up per
@@ -104,17 +121,19 @@ async def run(args: argparse.Namespace, keys: dict[str, str]) -> dict[str, Any]:
     total = int(args.rate * args.duration)
     pool = HttpPool(args.url, args.connections)
     host = f"{pool.host}:{pool.port}"
+    path, head, body_end = ROUTES[args.route]
     posts = {
         t: PostTemplate(
             host,
-            "/v1/inference",
+            path,
             {"Authorization": "Bearer " + keys[t], "Content-Type": "application/json"},
         )
         for t in mix
     }
     # The body as bytes around each request's text (plain ASCII: no JSON escaping).
     pad = "x" * max(0, args.input_chars - 20)
-    body_end = b'"}' if not args.timeout_ms else b'","timeout_ms":%d}' % args.timeout_ms
+    if args.timeout_ms and args.route == "inference":
+        body_end = b'","timeout_ms":%d}' % args.timeout_ms
     pending: list[asyncio.Future[tuple[int, bytes]]] = []
     samples: list[Sample] = []
     lags_ms: list[float] = []  # how late each request went out, by the sender's own doing
@@ -127,7 +146,7 @@ async def run(args: argparse.Namespace, keys: dict[str, str]) -> dict[str, Any]:
             lags_ms.append((now - due) * 1000.0)
             tier = rng.choices(tiers, weights)[0]
             text = f"bench-{i}-{tier}-{pad}"
-            reply = pool.request(posts[tier].with_body(b'{"input":"' + text.encode() + body_end))
+            reply = pool.request(posts[tier].with_body(head + text.encode() + body_end))
             reply.add_done_callback(partial(_record, samples, tier, text, due))
             pending.append(reply)
             i += 1
@@ -188,7 +207,7 @@ def _record(
         samples.append(Sample(tier, status, latency, code="unreadable"))
         return
     if status == 200:
-        output = data.get("output", "")
+        output = data.get("output") or _openai_output(data)
         batch = int(data.get("batch_size", 0))
         samples.append(Sample(tier, 200, latency, batch, correct=text in output))
     else:
@@ -272,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=10.0, help="seconds of sending")
     p.add_argument("--mix", default=DEFAULT_MIX, help=f"tier weights (default {DEFAULT_MIX})")
     p.add_argument("--input-chars", type=int, default=DEFAULT_INPUT_CHARS)
+    p.add_argument("--route", choices=sorted(ROUTES), default="inference")
     p.add_argument("--timeout-ms", type=int, default=None, help="timeout_ms sent with each request")
     p.add_argument("--connections", type=int, default=1000, help="client connection pool size")
     p.add_argument("--client-timeout-s", type=float, default=30.0)

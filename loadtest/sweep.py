@@ -154,6 +154,8 @@ def _run_rate(
             args.mix,
             "--input-chars",
             str(args.input_chars),
+            "--route",
+            args.route,
         ],
         stdout=subprocess.DEVNULL,
     )
@@ -224,6 +226,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=DEFAULT_INPUT_CHARS,
         help="characters per input (a tier refuses more than its max_input_chars)",
+    )
+    p.add_argument(
+        "--route",
+        choices=("inference", "completions", "chat"),
+        default="inference",
+        help="the route to load: POST /v1/inference or an OpenAI-compatible one",
     )
     p.add_argument("--log", default=None, help="append the stack's log lines to this file")
     p.add_argument("--json-out", default=None)

@@ -139,6 +139,7 @@ def hostile_tokens(idp: Provider) -> dict[str, tuple[str, int]]:
         "no tier": (idp.token(tier=None), 403),
         "a key id with spaces": (idp.token(sub="alice smith"), 401),
         "a key id that is a number": (idp.token(sub=None, uid=7), 401),
+        "an API key's id": (idp.token(sub="pai"), 403),
         "100 KB": (idp.token(pad="x" * 100_000), 401),
         "garbage": ("a.b.c", 401),
     }
@@ -191,6 +192,13 @@ def test_a_tier_tokens_may_not_claim(idp: Provider, tmp_path: Path) -> None:
     assert refused.value.status == 403
 
 
+def test_a_far_expiry_is_remembered_a_day_at_most(idp: Provider, tmp_path: Path) -> None:
+    check = verifier(idp, tmp_path)
+    assert check.identify(idp.token(exp=10**40)).id == "alice"  # (valid: its provider signed it)
+    ((_, until),) = check._known.values()
+    assert until <= time.time() + 86_400 + 60
+
+
 def test_a_remembered_token_still_expires(idp: Provider, tmp_path: Path) -> None:
     check = verifier(idp, tmp_path, leeway_s=0)
     token = idp.token(exp=int(time.time()) + 2)
@@ -231,12 +239,14 @@ def test_a_verifier_that_could_be_fooled_is_refused(
 def test_a_key_set_keeps_only_public_signing_keys(idp: Provider) -> None:
     keys = idp.jwks()["keys"]
     private = json.loads(RSAAlgorithm.to_jwk(idp.rsa))
+    weak = rsa.generate_private_key(public_exponent=65537, key_size=1024)
     document = {
         "keys": [
             *keys,
             {"kty": "oct", "k": "c2VjcmV0", "kid": "hmac"},  # a shared secret: never
             {**private, "kid": "private"},  # a private key: never
             {**keys[0], "kid": "enc", "use": "enc"},
+            {**json.loads(RSAAlgorithm.to_jwk(weak.public_key())), "kid": "weak"},
             "nonsense",
         ]
     }

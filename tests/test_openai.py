@@ -12,13 +12,15 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import redis
+from infergate.gateway.calls import Fanout
 from infergate.gateway.errors import ApiError
 from infergate.gateway.openai_api import read_chat, read_completion, render_chat
 from infergate.gpu.simulated import sim_output
 from infergate.policies.schema import ChatTemplate
 from infergate.redis_server import RedisServer
 
-from tests.helpers import SECRETS, Cluster, as_yaml, http, policy
+from tests.helpers import SECRETS, Cluster, as_yaml, http, policy, redis_clean, wait_for
 
 MODELS = {
     "small": {"backend": "simulated"},
@@ -216,6 +218,48 @@ def test_errors_are_openais_and_a_spent_quota_costs_one_call(stack: str) -> None
     assert headers["x-should-retry"] == "false"
     assert int(headers["retry-after"]) > 2
     assert len(sent) == 4, sent
+
+
+def test_a_list_holds_one_connection_and_fails_whole(
+    tmp_path: Path, own_redis: RedisServer
+) -> None:
+    """100 prompts on one connection take one of the key's holds (a share
+    of 0.01 is 10 of 1000 connections here), and one prompt the tier
+    refuses fails the call with nothing left queued."""
+    text = as_yaml(policy(limits={"key_connection_share": 0.01}, max_batch_size=100))
+    with Cluster(tmp_path, own_redis.url, text) as cluster:
+        _list_holds_one_connection(cluster)
+
+
+def _list_holds_one_connection(cluster: Cluster) -> None:
+    c = client(cluster.urls[0], "enterprise")
+    prompts = [f"item {i}" for i in range(100)]
+    reply = c.completions.create(model="default", prompt=prompts)
+    assert [ch.text for ch in reply.choices] == [sim_output(p) for p in prompts]
+    with pytest.raises(openai.BadRequestError) as refused:
+        c.completions.create(model="default", prompt=[*prompts[:50], "x" * 4001])
+    assert refused.value.param == "prompt"
+    assert refused.value.response.headers["x-should-retry"] == "false"
+    client_redis = redis.Redis.from_url(cluster.redis_url)
+    wait_for(lambda: redis_clean(client_redis), 10, "nothing left queued")
+    client_redis.close()
+
+
+def test_a_prompt_whose_client_left_is_told_at_once() -> None:
+    """A prompt of a list that starts waiting after its client has gone is
+    told at once (the connection's hook fired before it registered)."""
+
+    async def run() -> list[str]:
+        told: list[str] = []
+        slot: list[Any] = []
+        fanout = Fanout(lambda callback: slot.append(callback))
+        fanout.hook_of(0)(lambda: told.append("first"))
+        slot[0]()  # the connection is lost
+        fanout.hook_of(1)(lambda: told.append("late"))
+        await asyncio.sleep(0)  # (pacing: one turn of the loop runs call_soon)
+        return told
+
+    assert asyncio.run(run()) == ["first", "late"]
 
 
 def test_the_openapi_document_describes_the_routes(stack: str) -> None:
