@@ -6,6 +6,7 @@ told not to retry; and the bodies' own rules, read without a stack."""
 import asyncio
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -179,6 +180,26 @@ def test_fifty_concurrent_calls_async(stack: str) -> None:
     expected = [sim_output(f"question {i}", model="large" if i % 2 else "small") for i in range(25)]
     expected += [sim_output(f"prompt {i}", model="small") for i in range(25)]
     assert outputs == expected
+
+
+def test_fifty_concurrent_calls_sync(stack: str) -> None:
+    """One sync client shared by 50 threads (its connection pool is thread-safe)."""
+    c = client(stack, "enterprise")
+
+    def call(i: int) -> str:
+        if i % 2:
+            reply = c.chat.completions.create(
+                model="small", messages=[{"role": "user", "content": f"sync question {i}"}]
+            )
+            return reply.choices[0].message.content or ""
+        return c.completions.create(model="small", prompt=f"sync prompt {i}").choices[0].text
+
+    with ThreadPoolExecutor(50) as pool:
+        outputs = list(pool.map(call, range(50)))
+    assert outputs == [
+        sim_output(f"sync {'question' if i % 2 else 'prompt'} {i}", model="small")
+        for i in range(50)
+    ]
 
 
 def test_errors_are_openais_and_a_spent_quota_costs_one_call(stack: str) -> None:
