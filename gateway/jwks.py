@@ -8,6 +8,7 @@ and the last good set is kept while the source is down or serves nonsense.
 import asyncio
 import contextlib
 import json
+import os
 import time
 import urllib.request
 from pathlib import Path
@@ -113,8 +114,17 @@ class KeySet:
         self._verifier: Verifier | None = None
         self._next_read_s = 0.0
         self._wanted_at_s = -WANTED_EVERY_S
+        self._asked_at_s = -WANTED_EVERY_S
         self._wake = asyncio.Event()
+        # The file's identity and size when it was last read (a change is read at once).
+        self._stamp: tuple[int, int, int] | None = None
         self.loop = Supervised("jwks", self._step, 0)
+        policy.on_change(self._policy_changed)
+
+    def _policy_changed(self, policy: Policy) -> None:
+        """An operator changed the policy: read the key set again now (how a
+        removed key is cut off at once, whatever refresh_s says)."""
+        self._ask()
 
     def verifier(self, policy: Policy) -> Verifier | None:
         """The verifier for ``policy`` (None: it takes no tokens), made
@@ -134,8 +144,14 @@ class KeySet:
         now = time.monotonic()
         if now - self._wanted_at_s >= WANTED_EVERY_S:
             self._wanted_at_s = now
-            self._next_read_s = 0.0
-            self._wake.set()
+            self._ask()
+
+    def _ask(self) -> None:
+        """Read the set at the next step (and again after a read that
+        this ask came in the middle of)."""
+        self._asked_at_s = time.monotonic()
+        self._next_read_s = 0.0
+        self._wake.set()
 
     async def start(self) -> None:
         """Read the set once before serving (a failure is logged: tokens
@@ -152,7 +168,9 @@ class KeySet:
         config = self.policy.current.document.auth.jwt
         self._wake.clear()  # (a want from here on wakes the next step)
         if config is not None and (
-            _source_of(config) != self._source or time.monotonic() >= self._next_read_s
+            _source_of(config) != self._source
+            or time.monotonic() >= self._next_read_s
+            or (config.jwks_file is not None and _stamp(config.jwks_file) != self._stamp)
         ):
             await self._read(config)
         with contextlib.suppress(TimeoutError):
@@ -161,6 +179,8 @@ class KeySet:
     async def _read(self, config: Jwt) -> None:
         source = _source_of(config)
         started = time.monotonic()
+        if config.jwks_file is not None:
+            self._stamp = _stamp(config.jwks_file)
         try:
             keys = parse_key_set(await asyncio.to_thread(read_source, config))
         except Exception as exc:
@@ -172,12 +192,21 @@ class KeySet:
                 error=f"{type(exc).__name__}: {exc}"[:300],
             )
             return
-        # A kid asked for while this read ran may be newer than what it read.
-        wanted_since = self._wanted_at_s >= started
-        self._next_read_s = 0.0 if wanted_since else time.monotonic() + config.refresh_s
+        # What was asked for while this read ran may be newer than what it read.
+        asked_since = self._asked_at_s >= started
+        self._next_read_s = 0.0 if asked_since else time.monotonic() + config.refresh_s
         if source != self._source or _fingerprint(keys) != _fingerprint(self._keys):
             self._source, self._keys = source, keys
             log.info("jwks.read", source=config.jwks_file or config.jwks_url, kids=sorted(keys))
+
+
+def _stamp(path: str) -> tuple[int, int, int] | None:
+    """What says a file changed: its inode, size and modification time."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _source_of(config: Jwt) -> Source:

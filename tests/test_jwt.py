@@ -365,6 +365,34 @@ def test_rotation_is_read_at_most_once_a_minute_and_an_outage_keeps_the_keys(
     del idp.kids["e2"]
 
 
+def test_a_changed_key_file_is_read_at_once(
+    cluster_factory: Any, idp: Provider, tmp_path: Path
+) -> None:
+    """An operator's edit of the key file takes effect within a second or so
+    (a key added, a leaked key removed), whatever refresh_s says."""
+    path = tmp_path / "jwks.json"
+    cluster = cluster_factory(jwt_policy(idp.jwks(), path))
+    url = cluster.urls[0]
+
+    def infer(token: str) -> int:
+        return http("POST", url + "/v1/inference", {"input": "x"}, bearer(token))[0]
+
+    old_token = idp.token(kid="r1")
+    assert infer(old_token) == 200
+    newcomer = Provider()
+    newcomer.kids = {"r9": newcomer.rsa}
+    # An unknown kid spends the read it may ask for (the next is a minute away).
+    assert infer(newcomer.token(kid="r9")) == 401
+    # The file now holds the newcomer's key and not r1 (leaked, say).
+    new_set = {"keys": [*newcomer.jwks()["keys"], idp.jwks()["keys"][1]]}
+    tmp = tmp_path / "jwks.tmp"
+    tmp.write_text(json.dumps(new_set))
+    tmp.replace(path)
+    wait_for(lambda: infer(newcomer.token(kid="r9")) == 200, 10, "the new key to be read")
+    assert infer(old_token) == 401  # (remembered no longer: its key is gone)
+    assert infer(idp.token(kid="e1")) == 200
+
+
 def test_an_api_key_is_not_shadowed_by_the_verifier(
     cluster_factory: Any, idp: Provider, tmp_path: Path
 ) -> None:
