@@ -37,7 +37,7 @@ log = logs.get(__name__)
 MAX_WAIT_S = 20.0  # a long poll's bound; clients poll again after it
 RECHECK_S = 1.0  # a long poll re-reads the record this often (a missed notice costs this)
 FINAL = frozenset({"succeeded", "failed", "cancelled", "expired"})
-_JOB_ID = re.compile(r"^[0-9a-f]{32}$")
+_JOB_ID = re.compile(r"^[0-9a-f]{32}\Z")
 _IS = defaultdict(
     lambda: "has started",
     {

@@ -9,9 +9,9 @@ import asyncio
 import contextlib
 import json
 import os
+import stat
 import time
 import urllib.request
-from pathlib import Path
 from typing import Any
 
 from infergate.base import logs
@@ -38,14 +38,23 @@ NO_KEYS: dict[str, SigningKey] = {}  # (before the policy's source is read)
 def read_source(config: Jwt) -> bytes:
     """The key set's bytes from its file or URL (blocking: run in a thread)."""
     if config.jwks_file is not None:
-        with Path(config.jwks_file).open("rb") as f:
-            data = f.read(MAX_JWKS_BYTES + 1)
+        data = _read_file(config.jwks_file)
     else:
         assert config.jwks_url is not None
         data = _fetch(config.jwks_url)
     if len(data) > MAX_JWKS_BYTES:
         raise ValueError(f"the key set is over {MAX_JWKS_BYTES} bytes")
     return data
+
+
+def _read_file(path: str) -> bytes:
+    """A regular file's first MAX_JWKS_BYTES + 1 bytes (a FIFO or a device
+    would block or never end: refused, never waited on)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("the key set file is not a regular file")
+        return f.read(MAX_JWKS_BYTES + 1)
 
 
 class _TrustedRedirects(urllib.request.HTTPRedirectHandler):
@@ -109,7 +118,8 @@ class KeySet:
 
     def __init__(self, policy: LivePolicy) -> None:
         self.policy = policy
-        self._source: Source | None = None
+        self._source: Source | None = None  # (of the keys held)
+        self._tried: Source | None = None  # (of the last read, good or not)
         self._keys: dict[str, SigningKey] = {}
         self._verifier: Verifier | None = None
         self._next_read_s = 0.0
@@ -158,7 +168,7 @@ class KeySet:
         are refused until a read succeeds), then keep it."""
         config = self.policy.current.document.auth.jwt
         if config is not None:
-            await self._read(config)
+            await self.read(config)
         self.loop.start()
 
     async def stop(self) -> None:
@@ -167,17 +177,20 @@ class KeySet:
     async def _step(self) -> None:
         config = self.policy.current.document.auth.jwt
         self._wake.clear()  # (a want from here on wakes the next step)
-        if config is not None and (
-            _source_of(config) != self._source
-            or time.monotonic() >= self._next_read_s
-            or (config.jwks_file is not None and _stamp(config.jwks_file) != self._stamp)
-        ):
-            await self._read(config)
+        if config is not None and self.due(config):
+            await self.read(config)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), 1.0)
 
-    async def _read(self, config: Jwt) -> None:
-        source = _source_of(config)
+    def due(self, config: Jwt) -> bool:
+        """Whether to read the set now: a new source, its time (a refresh, a
+        retry, an ask), or its file changed."""
+        if _source_of(config) != self._tried or time.monotonic() >= self._next_read_s:
+            return True
+        return config.jwks_file is not None and _stamp(config.jwks_file) != self._stamp
+
+    async def read(self, config: Jwt) -> None:
+        source = self._tried = _source_of(config)
         started = time.monotonic()
         if config.jwks_file is not None:
             self._stamp = _stamp(config.jwks_file)

@@ -119,6 +119,8 @@ def _decode(decoder: "msgspec.json.Decoder[Any]", body: bytes) -> Any:
         raise invalid(f"invalid request body: {text}", where.group(1) if where else None) from None
     except (msgspec.DecodeError, UnicodeDecodeError):
         raise invalid("the request body is not valid JSON in UTF-8", None) from None
+    except RecursionError:  # (tools, tool_choice, response_format take any JSON)
+        raise invalid("the request body nests too deeply", None) from None
 
 
 def read_completion(body: bytes) -> Ask:

@@ -82,7 +82,9 @@ async def answer_openai(
             gw.metrics.requests.labels(NO_TIER, str(exc.status)).inc()
         if exc.status < 500:
             logs.limited(log, "request.refused", status=exc.status, code=exc.code)
-        where = ("messages" if chat else "prompt") if exc.code == "INVALID_INPUT" else None
+        # (an input the tier refuses is the prompt's or the messages' fault)
+        read = ask is not None and exc.code == "INVALID_INPUT"
+        where = ("messages" if chat else "prompt") if read else None
         prompts = 1 if ask is None else len(ask.inputs)
         return render_openai(exc, request_id, where, prompts)
     except Exception as exc:
@@ -174,7 +176,9 @@ def _one(
 
 
 def _raw(status: int, headers: Headers, payload: bytes) -> Response[Any]:
+    # (the media type alone: Litestar adds the charset of a text type itself)
     content_type = dict(headers).get(b"content-type", b"application/json").decode()
+    content_type = content_type.split(";")[0]
     return Response(
         payload,
         status_code=status,
@@ -192,13 +196,14 @@ _ERRORS = {
         (401, "unauthenticated: no or unknown API key, or an invalid token"),
         (403, "key_disabled, or forbidden: a model or tier this caller may not use"),
         (404, "model_not_found"),
-        (413, "the body is over the byte limit"),
         (429, "rate_limited (retry-after; x-should-retry: false when it resets later)"),
         (500, "inference_failed: the backend failed on this input"),
         (503, "service_overloaded"),
         (504, "timeout"),
     )
 }
+# Refused by the edge before the route reads the body: the gateway's own shape.
+_ERRORS[413] = error_spec("PAYLOAD_TOO_LARGE: the body is over the byte limit")
 
 
 # With stream: true, the answer as Server-Sent Events.

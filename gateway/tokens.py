@@ -27,7 +27,7 @@ log = logs.get(__name__)
 MAX_TOKEN_CHARS = 16_384
 # A key id from a token: printable ASCII, no spaces (it names Redis fields and
 # appears in usage reports), at most this long.
-TOKEN_KEY_ID = re.compile(r"^[!-~]{1,128}$")
+TOKEN_KEY_ID = re.compile(r"^[!-~]{1,128}\Z")
 # Tokens remembered as verified, at most (then forgotten all at once), and
 # for at most this long.
 KNOWN_TOKENS_MAX = 10_000
@@ -35,7 +35,7 @@ REMEMBERED_AT_MOST_S = 86_400
 # The smallest RSA key that signs anything here.
 MIN_RSA_BITS = 2048
 # The JWT's compact form: three base64url segments.
-_COMPACT = re.compile(r"^[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]*$")
+_COMPACT = re.compile(r"^[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]*\Z")
 
 # The algorithms a key of each type signs with (a key that names its own
 # ``alg`` signs with that one only).
@@ -114,8 +114,9 @@ class Verifier:
         entry = self._entry(claims)
         if len(self._known) >= KNOWN_TOKENS_MAX:
             self._known.clear()
-        # (exp is an integer PyJWT has checked; a huge one is remembered a day)
-        until = min(claims["exp"], int(time.time()) + REMEMBERED_AT_MOST_S)
+        # (exp is what PyJWT read as an integer: a number, or a string of
+        # one; a huge one is remembered a day)
+        until = min(int(claims["exp"]), int(time.time()) + REMEMBERED_AT_MOST_S)
         self._known[token] = (entry, until + self.config.leeway_s)
         return entry
 

@@ -33,8 +33,8 @@ from infergate.policies.schema import (
 )
 from limits import parse_many
 
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
-_KEY_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}\Z")
+_KEY_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
 _MSGSPEC_PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
 _RATE_HINT = "write e.g. '100/second' or '5000/minute' (several: a list)"
 # A request body carries one input: no policy may let a client send more.

@@ -4,8 +4,10 @@ claims as the key id and tier of quotas and models; the key set read off the
 request path, refreshed on rotation at most once a minute, and kept while
 its source is down. Real processes, a real Redis, a real HTTP key server."""
 
+import asyncio
 import base64
 import json
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +20,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from infergate.gateway.errors import ApiError
-from infergate.gateway.jwks import parse_key_set
+from infergate.gateway.jwks import KeySet, parse_key_set, read_source
 from infergate.gateway.tokens import Verifier
 from infergate.policies import PolicyError, parse_policy
 from jwt.algorithms import ECAlgorithm, RSAAlgorithm
@@ -140,6 +142,7 @@ def hostile_tokens(idp: Provider) -> dict[str, tuple[str, int]]:
         "a key id with spaces": (idp.token(sub="alice smith"), 401),
         "a key id that is a number": (idp.token(sub=None, uid=7), 401),
         "an API key's id": (idp.token(sub="pai"), 403),
+        "an API key's id and a line feed": (idp.token(sub="pai\n"), 401),
         "100 KB": (idp.token(pad="x" * 100_000), 401),
         "garbage": ("a.b.c", 401),
     }
@@ -197,6 +200,57 @@ def test_a_far_expiry_is_remembered_a_day_at_most(idp: Provider, tmp_path: Path)
     assert check.identify(idp.token(exp=10**40)).id == "alice"  # (valid: its provider signed it)
     ((_, until),) = check._known.values()
     assert until <= time.time() + 86_400 + 60
+
+
+def test_an_exp_that_is_a_string_of_digits(idp: Provider, tmp_path: Path) -> None:
+    """PyJWT reads it as a number: a token its provider signed so is good."""
+    token = idp.token(exp=str(int(time.time()) + 600))
+    assert verifier(idp, tmp_path).identify(token).id == "alice"
+
+
+def test_a_failed_read_waits_its_retry(idp: Provider, tmp_path: Path) -> None:
+    """A source that fails is tried again after RETRY_S, not at each step;
+    a new source, or a changed file, at once."""
+
+    class Live:
+        def __init__(self, policy: Any) -> None:
+            self.current = policy
+
+        def on_change(self, listener: Any) -> None:
+            pass
+
+    missing = tmp_path / "missing.json"
+    text = jwt_policy({}, tmp_path / "unused.json").replace(
+        str(tmp_path / "unused.json"), str(missing)
+    )
+    policy = parse_policy(text)
+    config = policy.document.auth.jwt
+    assert config is not None
+
+    async def run() -> list[bool]:
+        keys = KeySet(Live(policy))  # type: ignore[arg-type]
+        seen = [keys.due(config)]
+        await keys.read(config)  # fails: no file
+        seen.append(keys.due(config))
+        missing.write_text(json.dumps(idp.jwks()))  # the file appears
+        seen.append(keys.due(config))
+        await keys.read(config)
+        seen.append(keys.due(config))
+        return seen
+
+    assert asyncio.run(run()) == [True, False, True, False]
+
+
+def test_a_key_file_that_would_block_is_refused(tmp_path: Path, idp: Provider) -> None:
+    fifo = tmp_path / "jwks.fifo"
+    os.mkfifo(fifo)
+    text = jwt_policy({}, tmp_path / "unused.json").replace(
+        str(tmp_path / "unused.json"), str(fifo)
+    )
+    config = parse_policy(text).document.auth.jwt
+    assert config is not None
+    with pytest.raises(ValueError, match="not a regular file"):
+        read_source(config)
 
 
 def test_a_remembered_token_still_expires(idp: Provider, tmp_path: Path) -> None:

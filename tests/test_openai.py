@@ -341,6 +341,17 @@ def test_what_a_body_becomes() -> None:
         with pytest.raises(ApiError) as refused:
             (read_chat(body, None) if b"messages" in body else read_completion(body))
         assert (refused.value.status, refused.value.param) == (400, param), body
+    arrays, objects = b"[" * 2000 + b"]" * 2000, b'{"a":' * 2000 + b"1" + b"}" * 2000
+    for field, nested in (
+        (b"tools", arrays),
+        (b"tool_choice", objects),
+        (b"response_format", objects),
+    ):
+        body = (
+            b'{"messages": [{"role": "user", "content": "a"}], "' + field + b'": ' + nested + b"}"
+        )
+        with pytest.raises(ApiError, match="nests too deeply"):
+            read_chat(body, None)
     with pytest.raises(ApiError, match="list of 1-100"):
         read_completion(json.dumps({"prompt": ["a"] * 101}).encode())
     with pytest.raises(ApiError, match="no user message"):
