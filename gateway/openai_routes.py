@@ -206,10 +206,14 @@ _ERRORS = {
 _ERRORS[413] = error_spec("PAYLOAD_TOO_LARGE: the body is over the byte limit")
 
 
-# With stream: true, the answer as Server-Sent Events.
+# With stream: true, the answer as Server-Sent Events: each event's fields.
 STREAM = Schema(
-    type=OpenAPIType.STRING,
-    description="Server-Sent Events: `data: <chunk JSON>` per chunk, then `data: [DONE]`.",
+    type=OpenAPIType.OBJECT,
+    description="One Server-Sent Event: `data` is a chunk's JSON, the last one `[DONE]`.",
+    properties={
+        "data": Schema(type=OpenAPIType.STRING),
+        "event": Schema(type=OpenAPIType.STRING),
+    },
 )
 
 
