@@ -207,6 +207,8 @@ class Stack:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.redis_url = redis_url
+        self.gateways = gateways
+        self.keys = Keys(namespace)
         args = [
             "up",
             "--port",
@@ -239,9 +241,23 @@ class Stack:
         if not self.proc.alive():
             raise AssertionError("infergate up exited:\n" + self.proc.output()[-3000:])
         try:
-            return http("GET", self.url + "/readyz", timeout=1)[0] == 200
+            if http("GET", self.url + "/readyz", timeout=1)[0] != 200:
+                return False
         except OSError:
             return False
+        # ``up`` is ready once one gateway answers; the others may not be
+        # listening yet, and the kernel spreads connections only over those that are.
+        return self.gateways_beating() >= self.gateways
+
+    def gateways_beating(self) -> int:
+        """Gateways of this stack's namespace whose heartbeat is live (each
+        beats only once serving, and it listens before it serves)."""
+        client = redis.Redis.from_url(self.redis_url)
+        try:
+            ids = [m.decode() for m in client.smembers(self.keys.members("gateway"))]
+            return sum(1 for i in ids if client.exists(self.keys.heartbeat("gateway", i)))
+        finally:
+            client.close()
 
     def infer(self, tier: str, text: str, **extra: Any) -> tuple[int, dict[str, str], Any]:
         return http("POST", self.url + "/v1/inference", {"input": text, **extra}, auth(tier))
