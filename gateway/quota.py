@@ -71,7 +71,8 @@ class Quota:
         out = [self._charge(item, key_id, "requests", 1) for item in parse_rates(rates)]
         if cost_limit:
             out += [self._charge(item, key_id, "cost", 0) for item in parse_rates((cost_limit,))]
-        return out
+        # A limit written twice is one window (admit.lua reads each window once).
+        return list({c.counter.key: c for c in out}.values())
 
     def _charge(self, item: RateLimitItem, key_id: str, kind: str, cost: int) -> Charge:
         name = item.key_for(key_id, "requests" if kind == "requests" else "chars")

@@ -12,6 +12,7 @@ from infergate.base.queue.forming import new_batch_id
 from infergate.base.queue.inputs import Beside
 from infergate.base.queue.resp import RawConnection
 from infergate.base.queue.store import Store
+from infergate.base.tiers import TIERS
 from redis.asyncio.client import PubSub
 from redis.exceptions import ConnectionError as RedisConnectionError
 
@@ -91,19 +92,9 @@ class GatewayQueue:
         self.keys = store.keys
         self.gateway_id = gateway_id
         self._on_handed = on_handed  # a request handed straight to a worker (``admit``)
-        keys = self.keys
-        # What admit.lua reads and writes to hand a request straight to a worker.
-        self._straight_keys = (
-            keys.ready,
-            keys.batch_rule,
-            keys.last_dispatch,
-            keys.stats,
-            *keys.queues,
-            *keys.job_queues,
-            *keys.fair_queues,
-        )
-        self._worker_heartbeats = keys.heartbeat("worker", "")  # + a worker id
-        self._handoffs = keys.handoff("")  # + a worker id
+        # admit.lua names the keys that handing a request straight to a worker
+        # reads and writes from the model's prefix and these (not sent per request).
+        self._tier_names = " ".join(TIERS)
 
     def counter_key(self, name: str) -> str:
         """A limit's sliding window, named as the ``limits`` library names its
@@ -148,13 +139,12 @@ class GatewayQueue:
                 round(place.recent_weight * 1000),
             )
             if straight:
-                names += self._straight_keys
                 args += (
                     new_batch_id(),
                     self.gateway_id,
                     clock.now_ms(),
-                    self._worker_heartbeats,
-                    self._handoffs,
+                    keys.prefix,
+                    self._tier_names,
                 )
         reply = await self.store.pipelined.call(self.store.scripts.admit, names, args)
         if reply[2]:

@@ -4,8 +4,8 @@
 -- Each limit is a sliding window of ten buckets: a hash (field: the bucket's
 -- index, t * 10 // window; value: what was charged in it) that holds every
 -- bucket overlapping the last window (eleven: the oldest one in full), with
--- their sum ('s') as of the newest bucket ('l'): a request reads three fields
--- (and, once a bucket, the ones that left). A
+-- their sum ('s') as of the newest bucket ('l'): a request reads four fields
+-- (and, once a bucket, the ones that left) and writes two, in two commands. A
 -- request is admitted while the eleven buckets' sum plus its cost stays
 -- within the limit plus a tenth (floor), and the last ten buckets' within the
 -- limit: every span of one window lies inside the eleven buckets counted when
@@ -42,9 +42,6 @@
 -- KEYS[1..n] the windows  KEYS[n+1] fq:{tier}  KEYS[n+2] doorbell
 --   KEYS[n+3] fair:{tier}  (without those three: charge only)
 -- KEYS[n+4] the input's key, when one is stored beside (ARGV[3n+3] > 0)
--- KEYS[s..] (to hand it straight; s is n+4, or n+5 after an input's key)
---   ready, batch-rule, last-dispatch, stats, then every queue:{tier},
---   jobs:{tier} and fq:{tier}
 -- ARGV[1] n  ARGV[2] the envelope (when queued)
 -- ARGV[3i], ARGV[3i+1], ARGV[3i+2] limit i's cost, amount and window (s)
 -- ARGV[3n+3] the input's time to live in ms (0: none stored beside)
@@ -53,9 +50,12 @@
 --   thousandths), the tier's allowance (requests; 0: no share check), the
 --   weights (thousandths) of the keys the gateway admitted in the last second
 -- ARGV[3n+10..3n+14] (to hand it straight) the batch id, who forms it (the
---   gateway), now (epoch ms), the worker heartbeat key prefix, the worker
---   hand-off list prefix (the batch goes to batches:{worker} of the worker
---   whose credit paid for it: that worker, and no other, runs it)
+--   gateway), now (epoch ms), the model's key prefix and its tiers (names,
+--   space-separated, highest first). The keys it reads then are named from
+--   the prefix (Keys in keys.py), not sent with every request: ready,
+--   batch-rule, last-dispatch, stats, every queue:{tier}, jobs:{tier} and
+--   fq:{tier}, the workers' heartbeats, and batches:{worker} of the worker
+--   whose credit paid for it (that worker, and no other, runs it).
 -- Returns {admitted (1; 0: over a limit; 2: over its key's share),
 --          queued (1 or 0), handed straight (1 or 0),
 --          count_1, ttl_ms_1, ..., count_n, ttl_ms_n, the first limit
@@ -64,7 +64,6 @@
 -- (refused) or until its oldest charge leaves it (-2: nothing charged).
 local n = tonumber(ARGV[1])
 local input_ttl = tonumber(ARGV[3 * n + 3] or '0') or 0
-local straight_from = input_ttl > 0 and n + 5 or n + 4
 local fa = 3 * n + 5  -- the first argument of the fair queue
 local sa = 3 * n + 10  -- the first argument to hand it straight
 local time = redis.call('TIME')
@@ -84,29 +83,30 @@ end
 
 local function window(key, current, window_ms)
   -- the eleven buckets' sum as of bucket `current`, what the oldest of them
-  -- holds (so the last ten's is the difference), and whether the window is
-  -- new. The buckets that left since the sum was last moved on are deleted
+  -- holds (so the last ten's is the difference), whether the window is
+  -- new, and what bucket `current` holds. The buckets that left since the sum was last moved on are deleted
   -- and taken off it, then and there (refused or not), and its expiry set
   -- again; a hash that cannot be read, or holds anything but counts there,
   -- starts over, empty.
-  local raw = redis.pcall('HMGET', key, 'l', 's', tostring(current - 10))
+  local raw = redis.pcall('HMGET', key, 'l', 's', tostring(current - 10), tostring(current))
   if type(raw) ~= 'table' or raw.err then
     redis.call('DEL', key)
-    return 0, 0, true
+    return 0, 0, true, 0
   end
   if not raw[1] then
     -- new (or planted without its newest bucket: it starts over)
-    if raw[2] or raw[3] then redis.call('DEL', key) end
-    return 0, 0, true
+    if raw[2] or raw[3] or raw[4] then redis.call('DEL', key) end
+    return 0, 0, true, 0
   end
-  local last, sum, oldest = number(raw[1]), number(raw[2] or 0), number(raw[3] or 0)
-  if last == nil or sum == nil or oldest == nil or last > current then
+  local last, sum = number(raw[1]), number(raw[2] or 0)
+  local oldest, now_held = number(raw[3] or 0), number(raw[4] or 0)
+  if last == nil or sum == nil or oldest == nil or now_held == nil or last > current then
     -- (one ahead of Redis's clock, which stepped back, would count until
     -- the clock reached it)
     redis.call('DEL', key)
-    return 0, 0, true
+    return 0, 0, true, 0
   end
-  if last == current then return sum, oldest, false end
+  if last == current then return sum, oldest, false, now_held end
   -- (a charge in bucket b leaves the window at (b + 11) tenths: 1.1
   -- windows from the start of b at most)
   local expiry = math.ceil(window_ms * 11 / 10) + 1000
@@ -119,7 +119,7 @@ local function window(key, current, window_ms)
       local amount = number(amounts[j] or 0)
       if amount == nil then
         redis.call('DEL', key)
-        return 0, 0, true
+        return 0, 0, true, 0
       end
       sum = sum - amount
     end
@@ -127,7 +127,7 @@ local function window(key, current, window_ms)
   end
   redis.call('HSET', key, 's', sum, 'l', tostring(current))
   redis.call('PEXPIRE', key, expiry)
-  return sum, oldest, false
+  return sum, oldest, false, now_held
 end
 
 local function room(key, current, cost, amount, eleven, ten, window_ms)
@@ -157,9 +157,9 @@ for i = 1, n do
   local key, cost = KEYS[i], tonumber(ARGV[3 * i])
   local amount, window_ms = tonumber(ARGV[3 * i + 1]), tonumber(ARGV[3 * i + 2]) * 1000
   local current = math.floor(now * 10 / window_ms)
-  local eleven, oldest, new = window(key, current, window_ms)
+  local eleven, oldest, new, now_held = window(key, current, window_ms)
   local ten = eleven - oldest
-  windows[i] = {eleven, new, window_ms}
+  windows[i] = {eleven, new, window_ms, now_held}
   sums[i], buckets[i] = ten, current
   -- until the window is as it was before any charge: the current bucket
   -- leaves the last ten (the x-ratelimit-reset-requests header)
@@ -229,14 +229,19 @@ end
 local function hand_straight()
   -- the envelope as a batch of its own, to an idle worker; false if it
   -- must be queued instead
-  local d = straight_from
-  local ready, rule_key, last_key, stats = KEYS[d], KEYS[d + 1], KEYS[d + 2], KEYS[d + 3]
+  local prefix = ARGV[sa + 3]
+  local ready = prefix .. 'ready'
   -- (no idle worker first: under load, the one check made)
   if redis.call('LLEN', ready) == 0 then return false end
-  for i = d + 4, #KEYS do
-    if redis.call('EXISTS', KEYS[i]) == 1 then return false end
+  local rule_key, last_key, stats = prefix .. 'batch-rule', prefix .. 'last-dispatch', prefix .. 'stats'
+  local ntiers = 0
+  for tier in string.gmatch(ARGV[sa + 4], '%S+') do
+    ntiers = ntiers + 1
+    for _, kind in ipairs({'queue:', 'jobs:', 'fq:'}) do
+      if redis.call('EXISTS', prefix .. kind .. tier) == 1 then return false end
+    end
   end
-  local interval = pacing_interval(rule_key, (#KEYS - d - 3) / 3)
+  local interval = pacing_interval(rule_key, ntiers)
   if interval == nil then return false end
   local at = tonumber(ARGV[sa + 2])
   local last = math.min(tonumber(redis.pcall('GET', last_key)) or 0, at)
@@ -247,7 +252,7 @@ local function hand_straight()
   if stats_kind ~= 'hash' and stats_kind ~= 'none' then return false end
   -- The oldest idle live worker's credit, as a dispatcher would take it
   -- (idle_worker.lua); the batch goes to that worker's hand-off list.
-  local _, handoff = idle_worker(ready, ARGV[sa + 3], ARGV[sa + 4])
+  local _, handoff = idle_worker(ready, prefix .. 'hb:worker:', prefix .. 'batches:')
   if not handoff then return false end
   -- The batch as take.lua writes it (and wire.encode_batch).
   redis.call('LPUSH', handoff, '{"id":' .. cjson.encode(ARGV[sa]) .. ',"dispatcher":'
@@ -271,12 +276,14 @@ local function queue_fairly()
   local ends = string.format('%.17g', start + cost * 1000 / math.max(weight, 1))
   -- (written from what was read, so a planted value that is no number
   -- counts as none, instead of failing the step)
-  redis.call('HSET', state, 'f:' .. key_id, ends, 'n:' .. key_id, math.max(waiting, 0) + 1)
   if waiting <= 0 then
-    redis.call('HSET', state, 'w:' .. key_id, weight, 'w', math.max(weights, 0) + weight)
+    redis.call('HSET', state, 'f:' .. key_id, ends, 'n:' .. key_id, 1,
+      'w:' .. key_id, weight, 'w', math.max(weights, 0) + weight)
+  else
+    redis.call('HSET', state, 'f:' .. key_id, ends, 'n:' .. key_id, waiting + 1)
   end
-  redis.call('LPUSH', KEYS[n + 2], '1')
-  redis.call('LTRIM', KEYS[n + 2], 0, 0)
+  -- (one ring is enough: a dispatcher that waits takes it at once)
+  if redis.call('LLEN', KEYS[n + 2]) == 0 then redis.call('LPUSH', KEYS[n + 2], '1') end
   return 1
 end
 
@@ -284,19 +291,14 @@ local reply = {admitted, 0, 0}
 if admitted == 1 then
   for i = 1, n do
     local key, cost_i = KEYS[i], tonumber(ARGV[3 * i])
-    local eleven, new, window_ms = windows[i][1], windows[i][2], windows[i][3]
+    local eleven, new, window_ms, held = unpack(windows[i])
     local bucket = tostring(buckets[i])
-    -- (a value HINCRBY cannot add to, planted: the window starts over)
-    if type(redis.pcall('HINCRBY', key, bucket, cost_i)) ~= 'number' then
-      redis.call('DEL', key)
-      redis.call('HINCRBY', key, bucket, cost_i)
-      eleven, new = 0, true
-    end
+    -- (both read and checked above, in this same step: written, not added)
     if new then
-      redis.call('HSET', key, 's', eleven + cost_i, 'l', bucket)
+      redis.call('HSET', key, bucket, cost_i, 's', eleven + cost_i, 'l', bucket)
       redis.call('PEXPIRE', key, math.ceil(window_ms * 11 / 10) + 1000)
     else
-      redis.call('HINCRBY', key, 's', cost_i)
+      redis.call('HSET', key, bucket, held + cost_i, 's', eleven + cost_i)
     end
     sums[i] = sums[i] + cost_i
     if ttls[i] < 0 then ttls[i] = math.ceil((buckets[i] + 10) * window_ms / 10) - now end
@@ -304,7 +306,7 @@ if admitted == 1 then
   if input_ttl > 0 then redis.call('SET', KEYS[n + 4], ARGV[3 * n + 4], 'PX', input_ttl) end
   -- (a key of another type on the way: queued, as without a worker idle)
   local handable, handed = false, false
-  if #KEYS >= straight_from then handable, handed = pcall(hand_straight) end
+  if queued and ARGV[sa + 4] then handable, handed = pcall(hand_straight) end
   if handable and handed then
     reply[3] = 1
   elseif queued then
