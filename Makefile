@@ -80,7 +80,7 @@ bench: install         ## open-loop benchmark against a running `make up-loadtes
 	$(BIN)/python -m infergate.loadtest.bench --keys loadtest/keys.json --rate $${RATE:-1000} --duration $${DURATION:-20}
 
 sweep: install         ## the README's throughput table: its own stack, several rates, CPU per process kind
-	$(BIN)/python -m infergate.loadtest.sweep --rates $${RATES:-10,1000,2000,3000,4000} --duration $${DURATION:-20} $${SWEEP_ARGS}
+	$(BIN)/python -m infergate.loadtest.sweep --rates $${RATES:-10,1000,2000,3000,4000} --duration $${DURATION:-20} --costs-out $${COSTS:-loadtest/costs.json} $${SWEEP_ARGS}
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

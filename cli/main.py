@@ -20,7 +20,7 @@ import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from infergate import __version__, usage
+from infergate import __version__, plan, usage
 
 if TYPE_CHECKING:
     from infergate.base.probes import Probes
@@ -261,6 +261,7 @@ def _tool_parsers(sub: Any) -> None:
     new.add_argument("--id", required=True)
     new.add_argument("--admin", action="store_true")
     usage.add_parser(sub)
+    plan.add_parser(sub)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -290,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         return _keys_new(args)
     if args.command == "usage":
         return usage.run(args)
+    if args.command == "plan":
+        return plan.run(args)
     return 2
 
 

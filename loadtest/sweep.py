@@ -26,7 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from infergate.base.capacity import ROLES, Costs, Measured, fit
 from infergate.loadtest.bench import DEFAULT_INPUT_CHARS, DEFAULT_MIX
+from infergate.policies import load_policy
 
 KINDS = ("gateway", "dispatcher", "worker", "redis", "loadgen")
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -235,6 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--log", default=None, help="append the stack's log lines to this file")
     p.add_argument("--json-out", default=None)
+    p.add_argument(
+        "--costs-out",
+        default=None,
+        help="fit each role's costs (idle, per request, per batch) and keep them in this "
+        "file, beside those of other input lengths (infergate plan reads it)",
+    )
     args = p.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
     speed_s = machine_speed_s()
@@ -285,7 +293,44 @@ def main(argv: list[str] | None = None) -> int:
             log.close()
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(reports, indent=2))
+    if args.costs_out:
+        write_costs(Path(args.costs_out), measured(args, reports))
     return 0
+
+
+def measured(args: argparse.Namespace, reports: list[dict[str, Any]]) -> Measured:
+    """Each role's fitted costs, from the rates the stack kept up with."""
+    kept = [r for r in reports if r["tiers"]["all"]["success_rate"] >= 0.99]
+    if len(kept) < 2:
+        raise SystemExit("sweep: --costs-out needs two rates or more that the stack kept up with")
+    points = {role: [_point(r, role) for r in kept] for role in ROLES}
+    busy = [r for r in kept if r["rate"] >= 100] or kept
+    return Measured(
+        input_chars=args.input_chars,
+        roles={role: fit(points[role]) for role in ROLES},
+        loadgen_us=round(sum(r["cpu_us_per_request"]["loadgen"] for r in busy) / len(busy), 1),
+        workers=args.workers,
+        gateways=args.gateways,
+        batch_ms=args.sim_latency_ms,
+        max_batch=load_policy(args.policy).document.batching.max_batch_size,
+        cores=os.cpu_count() or 1,
+    )
+
+
+def _point(report: dict[str, Any], role: str) -> tuple[float, float, float]:
+    """(requests/s, mean batch, cores) of one role in one run."""
+    rate = report["sent"] / report["elapsed_s"]
+    cores = report["cpu_us_per_request"][role] * rate / 1e6
+    return rate, report["tiers"]["all"]["mean_batch"], cores
+
+
+def write_costs(path: Path, new: Measured) -> None:
+    try:
+        costs = Costs.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        costs = Costs(machine=f"{os.cpu_count()} cores, {os.uname().machine}")
+    path.write_text(json.dumps(costs.with_measured(new).to_json(), indent=2) + "\n")
+    print(f"costs at {new.input_chars} characters written to {path}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,149 @@
+"""``infergate plan``: the gateways, dispatchers, Redis shards and GPU
+workers a target load needs, from the per-role costs ``make sweep`` measured
+(``loadtest/costs.json``: base/capacity.py says how they are modelled).
+
+The costs are the machine's they were measured on: a plan is in its cores.
+"""
+
+import argparse
+import json
+import math
+import sys
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from infergate.base.capacity import Costs, Plan, Target, ceiling, plan
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("plan", help="size a deployment for a target load from measured costs")
+    p.add_argument("--rps", type=_positive, help="average requests per second")
+    p.add_argument("--peak", type=_at_least_one, default=1.0, help="peak over average (3: 3x)")
+    p.add_argument("--input-chars", type=_whole, default=2000, help="characters per input")
+    p.add_argument("--batch-ms", type=_positive, default=100.0, help="the backend's batch time")
+    p.add_argument("--max-batch", type=_batch, default=100, help="inputs per batch (1-100)")
+    p.add_argument(
+        "--utilization",
+        type=_share,
+        default=0.7,
+        help="the most each role may be busy at peak (0-1; default 0.7)",
+    )
+    p.add_argument("--costs", default=None, help="a costs file (default: the one shipped)")
+    p.add_argument(
+        "--ceiling",
+        action="store_true",
+        help="instead: the rate the measured stack tops out at on the machine it was measured on",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        costs = _costs(args.costs)
+    except (OSError, ValueError) as exc:
+        print(f"infergate plan: {exc}", file=sys.stderr)
+        return 2
+    if args.ceiling:
+        print(_render_ceiling(costs, args.input_chars))
+        return 0
+    if args.rps is None:
+        print("infergate plan: --rps is required (or --ceiling)", file=sys.stderr)
+        return 2
+    target = Target(
+        args.rps, args.peak, args.input_chars, args.batch_ms, args.max_batch, args.utilization
+    )
+    print(_render(costs, target, plan(costs, target)))
+    return 0
+
+
+def _costs(path: str | None) -> Costs:
+    if path is None:
+        text = resources.files("infergate.loadtest").joinpath("costs.json").read_text("utf-8")
+    else:
+        with Path(path).open("rb") as f:
+            raw = f.read(1 << 20)  # (a costs file is a few KB)
+        text = raw.decode("utf-8", errors="replace")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"the costs file is not JSON: {exc}") from None
+    return Costs.from_json(data)
+
+
+def _render(costs: Costs, t: Target, p: Plan) -> str:
+    lengths = ", ".join(str(m.input_chars) for m in costs.measured)
+    cores = p.cores_at_peak
+    return "\n".join(
+        [
+            f"{t.rps:g} req/s, peaks x{t.peak:g} ({p.peak_rps:g} req/s), {t.input_chars}-character"
+            f" inputs, batches of up to {t.max_batch} taking {t.batch_ms:g} ms,"
+            f" every role at most {t.utilization:.0%} busy at peak",
+            f"(costs measured on {costs.machine}, at {lengths} characters: a plan in its cores)",
+            "",
+            f"  GPU workers      {p.workers:>6}   one GPU each; batches of {p.batch_at_peak:g}"
+            f" at peak, {p.batch_at_average:g} at average",
+            f"  gateway cores    {p.gateway_cores:>6}   one gateway process a core;"
+            f" {cores['gateway']:g} busy at peak",
+            f"  dispatchers      {p.dispatchers:>6}   {cores['dispatcher']:g} cores busy at peak"
+            " (run one more: one can die)",
+            f"  Redis shards     {p.shards:>6}   one primary each (its scripts run on one"
+            f" thread); {cores['redis']:g} cores busy at peak",
+            f"  worker host CPU  {math.ceil(p.worker_host_cores):>6}   cores beside the GPUs;"
+            f" {cores['worker']:g} busy at peak",
+        ]
+    )
+
+
+def _render_ceiling(costs: Costs, input_chars: int) -> str:
+    m = min(costs.measured, key=lambda x: abs(x.input_chars - input_chars))
+    top = ceiling(costs, input_chars)
+    return (
+        f"{top:.0f} req/s: where the stack measured ({m.gateways} gateways, {m.workers} workers"
+        f" of {m.batch_ms:g} ms batches, the load generator beside them) uses every core"
+        f" of the machine it was measured on ({costs.machine}), at {input_chars}-character inputs"
+    )
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def _positive(text: str) -> float:
+    value = _number(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be above 0")
+    return value
+
+
+def _at_least_one(text: str) -> float:
+    value = _number(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be 1 or more")
+    return value
+
+
+def _share(text: str) -> float:
+    value = _number(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be above 0 and at most 1")
+    return value
+
+
+def _whole(text: str) -> int:
+    value = _number(text)
+    if value != int(value) or value < 1 or value > 10_000_000:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a whole number from 1 to 10000000")
+    return int(value)
+
+
+def _batch(text: str) -> int:
+    value = _whole(text)
+    if value > 100:
+        raise argparse.ArgumentTypeError(f"{text!r}: the backend takes at most 100 inputs a batch")
+    return value
