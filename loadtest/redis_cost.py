@@ -15,17 +15,15 @@ import argparse
 import collections
 import hashlib
 import json
-import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import redis
 from infergate.base.queue.scripts import source
-from infergate.loadtest.sweep import cpu_s, free_port, redis_of, wait_ready
+from infergate.loadtest.sweep import cpu_s, local_stack
 
 SCRIPTS = (
     "admit", "fleet", "take", "offer_credit", "ack_batch", "ensure_credit", "requeue", "retry",
@@ -126,31 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", default=str(HERE / "policy.yaml"))
     p.add_argument("--keys", default=str(HERE / "keys.json"))
     args = p.parse_args(argv)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # up starts its own
-    up = subprocess.Popen(
-        [
-            sys.executable, "-m", "infergate", "up", "--port", str(port),
-            "--workers", str(args.workers), "--gateways", str(args.gateways),
-            "--sim-latency-ms", "100", "--policy", args.policy,
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        wait_ready(url)
-        time.sleep(2.0)  # pacing: every worker's first heartbeat is in the fleet view
-        redis_pid, redis_port = redis_of(up.pid)
-        with redis.Redis(port=redis_port) as client:
-            measure(args, url, redis_pid, client)
-    finally:
-        up.terminate()
-        try:
-            up.wait(30)
-        except subprocess.TimeoutExpired:
-            up.kill()
+    with (
+        local_stack(sys.executable, args.workers, args.gateways, 100, args.policy) as stack,
+        redis.Redis(port=stack.redis_port) as client,
+    ):
+        measure(args, stack.url, stack.redis_pid, client)
     return 0
 
 

@@ -13,6 +13,7 @@ Linux only (/proc). Everything runs on this machine, as the README's table says.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -22,8 +23,9 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 from infergate.base.capacity import ROLES, Costs, Measured, fit
@@ -205,6 +207,51 @@ def render(report: dict[str, Any]) -> str:
     )
 
 
+class Stack(NamedTuple):
+    url: str
+    up_pid: int
+    redis_pid: int
+    redis_port: int
+
+
+@contextlib.contextmanager
+def local_stack(
+    python: str,
+    workers: int,
+    gateways: int,
+    latency_ms: int,
+    policy: str,
+    log_path: str | None = None,
+) -> Iterator[Stack]:
+    """``infergate up`` with its own Redis on a free port, ready (and every
+    worker in the fleet view), stopped on the way out."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # up starts its own
+    with contextlib.ExitStack() as closing:
+        log = closing.enter_context(Path(log_path).open("ab")) if log_path else None
+        up = subprocess.Popen(
+            [
+                python, "-m", "infergate", "up", "--port", str(port),
+                "--workers", str(workers), "--gateways", str(gateways),
+                "--sim-latency-ms", str(latency_ms), "--policy", policy,
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=log or subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            wait_ready(url)
+            time.sleep(2.0)  # pacing: every worker's first heartbeat is in the fleet view
+            yield Stack(url, up.pid, *redis_of(up.pid))
+        finally:
+            up.terminate()
+            try:
+                up.wait(30)
+            except subprocess.TimeoutExpired:
+                up.kill()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m infergate.loadtest.sweep", description=__doc__.split("\n\n")[0]
@@ -248,49 +295,16 @@ def main(argv: list[str] | None = None) -> int:
     speed_s = machine_speed_s()
     print(f"machine: 5M pure-Python additions in {speed_s} s (best of 3)", flush=True)
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # up starts its own
-    log = Path(args.log).open("ab") if args.log else None  # noqa: SIM115 (closed below)
-    up = subprocess.Popen(
-        [
-            args.stack_python,
-            "-m",
-            "infergate",
-            "up",
-            "--port",
-            str(port),
-            "--workers",
-            str(args.workers),
-            "--gateways",
-            str(args.gateways),
-            "--sim-latency-ms",
-            str(args.sim_latency_ms),
-            "--policy",
-            args.policy,
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=log or subprocess.DEVNULL,
-    )
     reports = []
-    try:
-        wait_ready(url)
-        time.sleep(2.0)  # pacing: every worker's first heartbeat is in the fleet view
-        redis_pid, args.redis_port = redis_of(up.pid)
+    with local_stack(
+        args.stack_python, args.workers, args.gateways, args.sim_latency_ms, args.policy, args.log
+    ) as stack:
+        url, up_pid, redis_pid, args.redis_port = stack
         for rate in rates:
-            report = run_rate(args, url, args.keys, rate, up.pid, redis_pid)
+            report = run_rate(args, url, args.keys, rate, up_pid, redis_pid)
             report["machine_speed_s"] = speed_s
             print(render(report), flush=True)
             reports.append(report)
-    finally:
-        up.terminate()
-        try:
-            up.wait(30)
-        except subprocess.TimeoutExpired:
-            up.kill()
-        if log is not None:
-            log.close()
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(reports, indent=2))
     if args.costs_out:
