@@ -116,7 +116,12 @@ async def _infer_all(
         response, headers = await inference.infer(_one(call, requests[0], call.request_id))
         return [response], headers
     holds = inference.gw.holds
-    holds.take(key.id, policy.document.limits.key_connection_share)
+    try:
+        holds.take(key.id, policy.document.limits.key_connection_share)
+    except ApiError as exc:
+        # (counted as Inference.infer counts a single request's refusal)
+        inference.gw.metrics.requests.labels(key.tier, str(exc.status)).inc()
+        raise
     fanout = None if call.on_disconnect is None else Fanout(call.on_disconnect)
     try:
         async with asyncio.TaskGroup() as group:
