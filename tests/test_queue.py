@@ -840,6 +840,18 @@ async def test_admit_starts_over_from_windows_it_cannot_trust(q: Faces) -> None:
     assert 0 < refused.ttls_ms[0] <= 66_000
 
 
+async def test_a_planted_doorbell_goes_and_the_request_is_queued_and_rung(q: Faces) -> None:
+    """A doorbell of another type is no doorbell: the admit replaces it (it
+    is not a failed step after the request was charged and queued)."""
+    await q.redis.set(q.keys.doorbell, "planted")
+    admitted = await q.gateway.admit([], "free", env(1, "free"))
+    assert admitted.queued
+    assert await q.redis.lrange(q.keys.doorbell, 0, -1) == [b"1"]
+    # Rung once, however many wait.
+    await q.gateway.admit([], "free", env(2, "free"))
+    assert await q.redis.llen(q.keys.doorbell) == 1
+
+
 async def test_a_heartbeat_of_another_type_reads_as_expired(q: Faces) -> None:
     now = clock.now_ms()
     await q.store.beat(wire.Heartbeat("worker", "w-ok", now, now, batch_ms=100.0), 5_000)

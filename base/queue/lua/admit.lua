@@ -73,8 +73,10 @@ local admitted = 1
 local refused_by = 0  -- the first limit without room (1-based; 0: none)
 
 local function number(raw)
-  -- a count as HINCRBY writes it, or nil if it is not one (planted: text,
-  -- '0x10', ' 5', '1e3', 'nan', or past 18 digits)
+  -- a count as the script writes it (Redis writes a Lua number that is a
+  -- whole number below 2^53 in digits: a window that grew past that starts
+  -- over), or nil if it is not one (planted: text, '0x10', ' 5', '1e3',
+  -- 'nan', or past 18 digits)
   if type(raw) == 'string' and not (#raw <= 18 and string.find(raw, '^%-?%d+$')) then
     return nil
   end
@@ -283,7 +285,10 @@ local function queue_fairly()
     redis.call('HSET', state, 'f:' .. key_id, ends, 'n:' .. key_id, waiting + 1)
   end
   -- (one ring is enough: a dispatcher that waits takes it at once)
-  if redis.call('LLEN', KEYS[n + 2]) == 0 then redis.call('LPUSH', KEYS[n + 2], '1') end
+  -- (a key of another type, planted, is no doorbell: it goes)
+  local rings = redis.pcall('LLEN', KEYS[n + 2])
+  if type(rings) ~= 'number' then redis.call('DEL', KEYS[n + 2]) rings = 0 end
+  if rings == 0 then redis.call('LPUSH', KEYS[n + 2], '1') end
   return 1
 end
 
