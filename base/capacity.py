@@ -98,8 +98,8 @@ def _measured(m: dict[str, object]) -> Measured:
     sizes = {
         k: int(_count(m[k])) for k in ("input_chars", "workers", "gateways", "max_batch", "cores")
     }
-    if min(sizes["workers"], sizes["max_batch"], sizes["cores"]) <= 0 or _count(m["batch_ms"]) <= 0:
-        raise TypeError("workers, batch_ms, max_batch and cores must be above 0")
+    if min(sizes["workers"], sizes["max_batch"], sizes["cores"]) <= 0 or _count(m["batch_ms"]) < 1:
+        raise TypeError("workers, max_batch and cores must be above 0, batch_ms 1 or more")
     return Measured(
         roles={r: RoleCost(**{k: _count(v) for k, v in roles[r].items()}) for r in ROLES},
         loadgen_us=_count(m["loadgen_us"]),
@@ -108,13 +108,18 @@ def _measured(m: dict[str, object]) -> Measured:
     )
 
 
+# The most any number of a costs file may be (cores, µs, counts): far past
+# any machine's, and small enough that no sum or product of them overflows.
+MAX_COST = 1e12
+
+
 def _count(value: object) -> float:
-    """A cost file's number: finite, 0 or more (TypeError otherwise)."""
+    """A cost file's number: 0 to ``MAX_COST`` (TypeError otherwise)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{value!r} is not a number")
-    if not (math.isfinite(value) and value >= 0):
-        raise TypeError(f"{value!r} is not a finite number of 0 or more")
-    return value
+        raise TypeError(f"{str(value)[:40]!r} is not a number")
+    if not 0 <= value <= MAX_COST:  # (False for NaN; an int of any size compares)
+        raise TypeError(f"{str(value)[:40]!r} is not a number from 0 to {MAX_COST:g}")
+    return float(value)
 
 
 def fit(points: Sequence[tuple[float, float, float]]) -> RoleCost:
@@ -194,7 +199,7 @@ def plan(costs: Costs, target: Target) -> Plan:
     ``target.utilization`` busy: the workers at that share of full batches
     (paced batches hold rate x batch time / workers each), one core per
     gateway process, dispatcher and Redis shard (a shard's scripts run on
-    one thread)."""
+    one thread), and a dispatcher for each shard at least."""
     roles = costs.at(target.input_chars)
     peak = target.rps * target.peak
     per_worker = target.max_batch * 1000.0 / target.batch_ms  # requests/s, full batches
@@ -206,14 +211,16 @@ def plan(costs: Costs, target: Target) -> Plan:
     def processes(role: str) -> int:
         return max(1, math.ceil(busy[role] / target.utilization))
 
+    shards = processes("redis")
     return Plan(
         peak_rps=peak,
         workers=workers,
         batch_at_peak=round(batch, 1),
         batch_at_average=round(average, 1),
         gateway_cores=processes("gateway"),
-        dispatchers=processes("dispatcher"),
-        shards=processes("redis"),
+        # (each shard's queues are taken by dispatchers of its own)
+        dispatchers=max(processes("dispatcher"), shards),
+        shards=shards,
         worker_host_cores=round(busy["worker"], 2),
         cores_at_peak={r: round(v, 2) for r, v in busy.items()},
     )
@@ -235,7 +242,7 @@ def ceiling(costs: Costs, input_chars: int) -> float:
     low, high = 0.0, m.workers * m.max_batch * 1000.0 / m.batch_ms  # the workers' own bound
     if used(high) <= m.cores:
         return high
-    for _ in range(60):
+    while high - low > 1e-6 * high:
         mid = (low + high) / 2
         low, high = (mid, high) if used(mid) <= m.cores else (low, mid)
     return low

@@ -18,16 +18,18 @@ from infergate.base.capacity import Costs, Plan, Target, ceiling, plan
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("plan", help="size a deployment for a target load from measured costs")
-    p.add_argument("--rps", type=_positive, help="average requests per second")
-    p.add_argument("--peak", type=_at_least_one, default=1.0, help="peak over average (3: 3x)")
+    p.add_argument("--rps", type=_rate, help="average requests per second (up to 1e8)")
+    p.add_argument("--peak", type=_peak, default=1.0, help="peak over average (3: 3x; up to 100)")
     p.add_argument("--input-chars", type=_whole, default=2000, help="characters per input")
-    p.add_argument("--batch-ms", type=_positive, default=100.0, help="the backend's batch time")
+    p.add_argument(
+        "--batch-ms", type=_batch_ms, default=100.0, help="the backend's batch time (1 ms to 1 h)"
+    )
     p.add_argument("--max-batch", type=_batch, default=100, help="inputs per batch (1-100)")
     p.add_argument(
         "--utilization",
         type=_share,
         default=0.7,
-        help="the most each role may be busy at peak (0-1; default 0.7)",
+        help="the most each role may be busy at peak (0.01-1; default 0.7)",
     )
     p.add_argument("--costs", default=None, help="a costs file (default: the one shipped)")
     p.add_argument(
@@ -40,7 +42,7 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         costs = _costs(args.costs)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         print(f"infergate plan: {exc}", file=sys.stderr)
         return 2
     if args.ceiling:
@@ -84,10 +86,18 @@ def _render(costs: Costs, t: Target, p: Plan) -> str:
             f" at peak, {p.batch_at_average:g} at average",
             f"  gateway cores    {p.gateway_cores:>6}   one gateway process a core;"
             f" {cores['gateway']:g} busy at peak",
-            f"  dispatchers      {p.dispatchers:>6}   {cores['dispatcher']:g} cores busy at peak"
-            " (run one more: one can die)",
+            f"  dispatchers      {p.dispatchers:>6}   {cores['dispatcher']:g} cores busy at peak,"
+            " one a shard at least (run one more: one can die)",
             f"  Redis shards     {p.shards:>6}   one primary each (its scripts run on one"
             f" thread); {cores['redis']:g} cores busy at peak",
+            *(
+                [
+                    "                   (one deployment is one primary today: more shards are"
+                    " as many namespaces, each with its own keys, dispatchers and workers)"
+                ]
+                if p.shards > 1
+                else []
+            ),
             f"  worker host CPU  {math.ceil(p.worker_host_cores):>6}   cores beside the GPUs;"
             f" {cores['worker']:g} busy at peak",
         ]
@@ -114,25 +124,29 @@ def _number(text: str) -> float:
     return value
 
 
-def _positive(text: str) -> float:
+def _within(text: str, low: float, high: float, low_open: bool = False) -> float:
     value = _number(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be above 0")
+    if not (low < value if low_open else low <= value) or value > high:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} must be {'above' if low_open else 'from'} {low:g} {'and at most' if low_open else 'to'} {high:g}"
+        )
     return value
 
 
-def _at_least_one(text: str) -> float:
-    value = _number(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be 1 or more")
-    return value
+def _rate(text: str) -> float:
+    return _within(text, 0, 1e8, low_open=True)
+
+
+def _peak(text: str) -> float:
+    return _within(text, 1, 100)
+
+
+def _batch_ms(text: str) -> float:
+    return _within(text, 1, 3_600_000)
 
 
 def _share(text: str) -> float:
-    value = _number(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be above 0 and at most 1")
-    return value
+    return _within(text, 0.01, 1)
 
 
 def _whole(text: str) -> int:

@@ -254,6 +254,9 @@ def summarize(
             "p99_ms": round(percentile(ok, 99), 1),
             "max_ms": round(ok[-1], 1) if ok else None,
             "mean_batch": round(sum(batch_sizes) / len(batch_sizes), 1) if batch_sizes else 0.0,
+            # The batches they came in (a batch of n is 1/n of each of its n
+            # answers): requests over this is the mean per batch, not per request.
+            "batches": round(sum(1 / max(b, 1) for b in batch_sizes), 1),
             "statuses": dict(sorted(statuses.items())),
             "wrong_outputs": sum(1 for s in group if s.status == 200 and not s.correct),
         }

@@ -314,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def measured(args: argparse.Namespace, reports: list[dict[str, Any]]) -> Measured:
     """Each role's fitted costs, from the rates the stack kept up with."""
+    if args.sim_latency_ms <= 0:
+        raise SystemExit("sweep: --costs-out needs a batch time (--sim-latency-ms) above 0")
     kept = [r for r in reports if r["tiers"]["all"]["success_rate"] >= 0.99]
     if len(kept) < 2:
         raise SystemExit("sweep: --costs-out needs two rates or more that the stack kept up with")
@@ -335,16 +337,38 @@ def _point(report: dict[str, Any], role: str) -> tuple[float, float, float]:
     """(requests/s, mean batch, cores) of one role in one run."""
     rate = report["sent"] / report["elapsed_s"]
     cores = report["cpu_us_per_request"][role] * rate / 1e6
-    return rate, report["tiers"]["all"]["mean_batch"], cores
+    answered = report["tiers"]["all"]
+    batch = answered["ok"] / answered["batches"] if answered.get("batches") else 1.0
+    return rate, batch, cores
 
 
 def write_costs(path: Path, new: Measured) -> None:
+    """Keep ``new`` beside the other input lengths of the file, if they were
+    measured on this machine; else the file starts over."""
+    machine = this_machine()
     try:
         costs = Costs.from_json(json.loads(path.read_text()))
-    except (OSError, ValueError):
-        costs = Costs(machine=f"{os.cpu_count()} cores, {os.uname().machine}")
+    except FileNotFoundError:
+        costs = Costs(machine)
+    except (OSError, ValueError, ArithmeticError, RecursionError) as exc:
+        print(f"sweep: {path} is not a costs file ({exc}): it starts over", flush=True)
+        costs = Costs(machine)
+    if costs.machine != machine:
+        print(f"sweep: {path} was measured on {costs.machine}: it starts over", flush=True)
+        costs = Costs(machine)
     path.write_text(json.dumps(costs.with_measured(new).to_json(), indent=2) + "\n")
     print(f"costs at {new.input_chars} characters written to {path}", flush=True)
+
+
+def this_machine() -> str:
+    """The machine, as a costs file names it: its cores and CPU model."""
+    model = os.uname().machine
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return f"{os.cpu_count()} cores, {model}"
 
 
 if __name__ == "__main__":

@@ -133,7 +133,11 @@ def test_the_command_plans_the_design_documents_peak_from_the_shipped_costs() ->
     )
     assert out.returncode == 0, out.stderr
     assert "30000 req/s" in out.stdout
-    lines = {line.split()[0]: line for line in out.stdout.splitlines() if line.startswith("  ")}
+    lines = {
+        line.split()[0]: line
+        for line in out.stdout.splitlines()
+        if line.startswith("  ") and not line.strip().startswith("(")
+    }
     assert set(lines) == {"GPU", "gateway", "dispatchers", "Redis", "worker"}
     assert f"{math.ceil(30_000 / (640 * 0.7))}" in lines["GPU"]
     ceiling_out = run_plan("--ceiling", "--input-chars", "2000")
@@ -148,6 +152,8 @@ def test_the_command_plans_the_design_documents_peak_from_the_shipped_costs() ->
         ["--rps", "-1"],
         ["--rps", "nan"],
         ["--rps", "1e400"],
+        ["--rps", "1e308", "--peak", "2"],
+        ["--rps", "1", "--batch-ms", "1e300", "--max-batch", "1", "--utilization", "1e-300"],
         ["--rps", "100", "--peak", "0.5"],
         ["--rps", "100", "--max-batch", "101"],
         ["--rps", "100", "--max-batch", "2.5"],
@@ -156,6 +162,8 @@ def test_the_command_plans_the_design_documents_peak_from_the_shipped_costs() ->
         ["--rps", "100", "--costs", "/nonexistent/costs.json"],
         ["--rps", "100", "--costs", "COSTS_GARBAGE"],
         ["--rps", "100", "--costs", "COSTS_HOSTILE"],
+        ["--rps", "100", "--costs", "COSTS_HUGE"],
+        ["--rps", "100", "--costs", "COSTS_DEEP"],
     ],
 )
 def test_the_command_refuses_bad_input_with_a_message(args: list[str], tmp_path: Path) -> None:
@@ -163,7 +171,21 @@ def test_the_command_refuses_bad_input_with_a_message(args: list[str], tmp_path:
     garbage.write_bytes(b"\xff\x00not json")
     hostile = tmp_path / "hostile.json"
     hostile.write_text(json.dumps({"machine": "m", "measured": [{"workers": "9"}]}))
-    args = [{"COSTS_GARBAGE": str(garbage), "COSTS_HOSTILE": str(hostile)}.get(a, a) for a in args]
+    huge = tmp_path / "huge.json"
+    measurement = Costs("m", [measured(2000, 200.0)]).to_json()["measured"]
+    assert isinstance(measurement, list)
+    huge.write_text(
+        json.dumps({"machine": "m", "measured": [{**measurement[0], "workers": 10**400}]})
+    )
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 200_000)
+    files = {
+        "COSTS_GARBAGE": garbage,
+        "COSTS_HOSTILE": hostile,
+        "COSTS_HUGE": huge,
+        "COSTS_DEEP": deep,
+    }
+    args = [str(files[a]) if a in files else a for a in args]
     out = run_plan(*args)
     assert out.returncode == 2, out
     assert "Traceback" not in out.stderr
