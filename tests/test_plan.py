@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from infergate.base.capacity import ROLES, Costs, Measured, RoleCost, Target, ceiling, fit, plan
+from infergate.loadtest.plan_check import verdict
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -190,3 +191,16 @@ def test_the_command_refuses_bad_input_with_a_message(args: list[str], tmp_path:
     assert out.returncode == 2, out
     assert "Traceback" not in out.stderr
     assert out.stderr.strip()
+
+
+def test_the_check_names_where_the_p99_crossed_the_bound_for_good() -> None:
+    def run(rate: float, p99_ms: float) -> dict[str, object]:
+        return {"rate": rate, "tiers": {"all": {"p99_ms": p99_ms, "success_rate": 1.0}}}
+
+    noisy = [run(1403, 305), run(1650, 703), run(1782, 494), run(1898, 534), run(2145, 2275)]
+    said = verdict(1650, noisy)
+    assert "between 1782 and 1898" in said
+    assert "crossed once below it, at 1650" in said
+    assert "within 13.1%" in said
+    assert "every rate" in verdict(1000, [run(900, 600), run(1000, 700)])
+    assert "highest rate" in verdict(1000, [run(900, 100), run(1000, 200)])
