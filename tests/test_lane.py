@@ -322,9 +322,6 @@ async def _serve_60_requests(worker: Worker, backend: "Counting") -> dict[str, i
                     answered[result.id] = answered.get(result.id, 0) + 1
     finally:
         watching.cancel()
-        # (retrieved: a task left failed is finalised later, by the garbage
-        # collector, wherever the process is then)
-        await asyncio.gather(watching, return_exceptions=True)
         stop.set()
         await asyncio.wait_for(serving, 30)
         await pubsub.aclose()
