@@ -119,7 +119,7 @@ class Inference:
             else:
                 response, headers = await self._infer(call, started)
         except ApiError as exc:
-            self.gw.metrics.requests.labels(exc.tier or NO_TIER, str(exc.status)).inc()
+            self.count_refused(exc)
             raise
         answered, duration, queue_wait = self.gw.metrics.answered[response.tier]
         answered.inc()
@@ -146,6 +146,10 @@ class Inference:
             span.set_attribute("infergate.batch_size", response.batch_size)
             span.set_attribute("infergate.queue_ms", response.queue_ms)
             return response, headers, tracing.trace_id(span)
+
+    def count_refused(self, exc: ApiError) -> None:
+        """A request answered with an error, in infergate_requests_total."""
+        self.gw.metrics.requests.labels(exc.tier or NO_TIER, str(exc.status)).inc()
 
     async def _infer(self, call: Call, started: float) -> tuple[InferenceResponse, dict[str, str]]:
         if self.gw.draining:

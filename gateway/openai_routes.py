@@ -119,8 +119,8 @@ async def _infer_all(
     try:
         holds.take(key.id, policy.document.limits.key_connection_share)
     except ApiError as exc:
-        # (counted as Inference.infer counts a single request's refusal)
-        inference.gw.metrics.requests.labels(key.tier, str(exc.status)).inc()
+        exc.tier = key.tier
+        inference.count_refused(exc)
         raise
     fanout = None if call.on_disconnect is None else Fanout(call.on_disconnect)
     try:

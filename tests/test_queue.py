@@ -13,6 +13,8 @@ import msgspec
 import pytest
 from infergate.base import clock, wire
 from infergate.base.errors import STORE_ERRORS
+from infergate.base.keys import Keys
+from infergate.base.queue import scripts
 from infergate.base.queue.dead_letters import DEAD_LETTER_CAP
 from infergate.base.queue.dispatcher import DispatcherQueue
 from infergate.base.queue.forming import Rule, TakeResult
@@ -838,6 +840,33 @@ async def test_admit_starts_over_from_windows_it_cannot_trust(q: Faces) -> None:
     refused = await q.gateway.admit([Counter(keys[6], 1, 5, 60)])
     assert not refused.admitted
     assert 0 < refused.ttls_ms[0] <= 66_000
+
+
+@pytest.mark.parametrize("model", ["default", "large"])
+def test_the_names_admit_lua_gives_the_keys_it_hands_off_with_are_keys_names(model: str) -> None:
+    """admit.lua names the keys of a straight hand-off from the model's
+    prefix (they are not sent with every request): each name it writes is
+    the one Keys gives."""
+    keys = Keys("ns").of_model(model)
+    source = scripts.source("admit")
+    named = {
+        "ready": keys.ready,
+        "batch-rule": keys.batch_rule,
+        "last-dispatch": keys.last_dispatch,
+        "stats": keys.stats,
+        "hb:worker:": keys.heartbeat("worker", ""),
+        "batches:": keys.handoff(""),
+    }
+    for tier in TIERS:
+        named |= {
+            f"queue:{tier}": keys.queue(tier),
+            f"jobs:{tier}": keys.job_queue(tier),
+            f"fq:{tier}": keys.fair_queue(tier),
+        }
+    for suffix, name in named.items():
+        assert name == keys.prefix + suffix
+        kind = suffix.split(":")[0] + ":" if suffix.split(":")[-1] in TIERS else suffix
+        assert f"'{kind}'" in source, kind
 
 
 async def test_a_planted_doorbell_goes_and_the_request_is_queued_and_rung(q: Faces) -> None:

@@ -86,10 +86,10 @@ end
 local function window(key, current, window_ms)
   -- the eleven buckets' sum as of bucket `current`, what the oldest of them
   -- holds (so the last ten's is the difference), whether the window is
-  -- new, and what bucket `current` holds. The buckets that left since the sum was last moved on are deleted
-  -- and taken off it, then and there (refused or not), and its expiry set
-  -- again; a hash that cannot be read, or holds anything but counts there,
-  -- starts over, empty.
+  -- new, and what bucket `current` holds. The buckets that left since the
+  -- sum was last moved on are deleted and taken off it, then and there
+  -- (refused or not), and its expiry set again; a hash that cannot be
+  -- read, or holds anything but counts there, starts over, empty.
   local raw = redis.pcall('HMGET', key, 'l', 's', tostring(current - 10), tostring(current))
   if type(raw) ~= 'table' or raw.err then
     redis.call('DEL', key)
