@@ -9,7 +9,8 @@
 
 Every flag can also be set by an ``INFERGATE_<FLAG>`` environment variable
 (``--sim-latency-ms`` is ``INFERGATE_SIM_LATENCY_MS``); ``REDIS_URL`` sets
-the Redis of every component.
+the Redis of every component (several URLs, separated by whitespace: the
+deployment's shards, base/queue/shards.py).
 """
 
 import argparse
@@ -18,12 +19,13 @@ import dataclasses
 import os
 import sys
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from infergate import __version__, plan, usage
 
 if TYPE_CHECKING:
     from infergate.base.probes import Probes
+    from infergate.base.settings import ProcessSettings
     from infergate.policies.live import LivePolicy
     from prometheus_client import CollectorRegistry
 
@@ -105,11 +107,12 @@ def _process(args: argparse.Namespace, role: str) -> dict[str, Any]:
 
 
 def _check_redis_url(url: str) -> None:
-    """Exit with a message (never the password) if the Redis URL cannot work."""
-    from infergate.base.queue import redis_url
+    """Exit with a message (never the password) if a Redis URL cannot work
+    (several, separated by whitespace: the deployment's shards)."""
+    from infergate.base.queue import shards
 
     try:
-        redis_url.check(url)
+        shards.urls(url)
     except ValueError as exc:
         print(f"infergate: REDIS_URL / --redis-url: {exc}", file=sys.stderr)
         sys.exit(2)
@@ -129,6 +132,7 @@ def _up_parser(sub: Any) -> None:
         worker_range,
     )
     _add(up, "--dispatchers", 1, "dispatcher processes", int)
+    _add(up, "--shards", 1, "Redis servers to start, one shard each (not with REDIS_URL)", int)
     _add(up, "--gateways", 1, "gateway processes (sharing the port)", int)
     _add(up, "--sim-latency-ms", 100, "simulated batch time", float)
     _add(up, "--policy", None, "policy file (default: the built-in demo policy with fresh keys)")
@@ -344,7 +348,7 @@ def _live_policy(args: argparse.Namespace, required: bool) -> "LivePolicy":
         text = read_policy_text(path, max_bytes)
         return LivePolicy(parse_policy(text, path), path, text=text, max_bytes=max_bytes)
     except PolicyError as exc:
-        copy = fetch_policy(args.redis_url, args.namespace)
+        copy = fetch_policy(args.redis_url.split()[0], args.namespace)  # (the first shard's)
         if copy is None:
             print(
                 "infergate: the policy is not valid, and Redis holds no last valid one:\n"
@@ -384,6 +388,7 @@ def _gateway(args: argparse.Namespace) -> int:
 
 def _dispatcher(args: argparse.Namespace) -> int:
     from infergate.base import runtime
+    from infergate.base.shard_group import one_or_group
     from infergate.dispatcher.service import Dispatcher, DispatcherSettings
     from infergate.serving import serve_model
 
@@ -391,13 +396,23 @@ def _dispatcher(args: argparse.Namespace) -> int:
     live = _live_policy(args, required=False)
     if serve_model(args, live, "dispatcher") is None:
         return 2
-    dispatcher = Dispatcher(settings, live)
+    dispatcher = one_or_group([Dispatcher(s, live) for s in _per_shard(settings)])
     with _side_port(args, dispatcher.registry, dispatcher.probes()):
         return runtime.run(dispatcher.serve)
 
 
+S = TypeVar("S", bound="ProcessSettings")
+
+
+def _per_shard(settings: S) -> list[S]:
+    """One process's settings for each Redis shard it serves."""
+    return [dataclasses.replace(settings, redis_url=url) for url in settings.redis_url.split()]
+
+
 def _worker(args: argparse.Namespace) -> int:
     from infergate.base import runtime
+    from infergate.base.shard_group import one_or_group
+    from infergate.gpu.gate import Gate, GatedBackend
     from infergate.gpu.worker import Worker, WorkerSettings
     from infergate.serving import backend_for, serve_model
 
@@ -416,11 +431,18 @@ def _worker(args: argparse.Namespace) -> int:
         usage_retention_s=round(document.usage.retention_days * 86_400),
         max_batch=document.batching.max_batch_size,
     )
-    worker = Worker(settings, backend)
+    each = _per_shard(settings)
+    if len(each) > 1:  # (one backend, one call at a time, for every shard's loop)
+        gate = Gate()
+        members = [Worker(s, GatedBackend(backend, gate, i)) for i, s in enumerate(each)]
+    else:
+        members = [Worker(settings, backend)]
+    worker = one_or_group(members)
     with _side_port(args, worker.registry, worker.probes()):
         # (its batch's hang timeout, as measured then, and 10 s to answer it)
         return runtime.run(
-            worker.serve, shutdown_grace_s=lambda: worker.runner.hang_timeout_ms / 1000.0 + 10.0
+            worker.serve,
+            shutdown_grace_s=lambda: max(w.runner.hang_timeout_ms for w in members) / 1000.0 + 10.0,
         )
 
 

@@ -24,7 +24,7 @@ from types import FrameType
 
 from infergate.base import logs
 from infergate.base.loops import Backoff
-from infergate.base.queue import redis_url
+from infergate.base.queue import redis_url, shards
 from infergate.base.queue.scale_signal import SignalReader
 from infergate.policies import PolicyError, load_policy
 from infergate.policies.demo import ADMIN_TIER, demo_policy
@@ -337,6 +337,9 @@ def run_stack(args: argparse.Namespace) -> int:
     logs.configure("up", "up")
     if not _metrics_ports_fit(args):
         return 2
+    if not 1 <= args.shards <= shards.MAX_SHARDS:
+        print(f"infergate up: --shards is 1-{shards.MAX_SHARDS}", file=sys.stderr)
+        return 2
     if args.models and args.workers[0] != args.workers[1]:
         print(
             "infergate up: --models gives each model's workers; not with --workers MIN:MAX",
@@ -357,21 +360,42 @@ def run_stack(args: argparse.Namespace) -> int:
         url = os.environ.get("REDIS_URL")
         if url:
             try:
-                redis_url.check(url)
+                given = shards.urls(url)
             except ValueError as exc:
                 print(f"infergate up: REDIS_URL: {exc}", file=sys.stderr)
                 return 2
+            if not _autoscaled_on_one(args, len(given)):
+                return 2
             return _run(args, policy_path, url, stop_requested)
+        if not _autoscaled_on_one(args, args.shards):
+            return 2
+        servers: list[RedisServer] = []
         try:
-            redis_server = RedisServer().start()
+            for _ in range(args.shards):
+                servers.append(RedisServer().start())
+                log.info("up.redis_started", url=servers[-1].url)
         except RuntimeError as exc:
             print(f"infergate up: cannot start Redis: {exc}", file=sys.stderr)
+            for server in servers:
+                server.close()
             return 1
-        log.info("up.redis_started", url=redis_server.url)
         try:
-            return _run(args, policy_path, redis_server.url, stop_requested)
+            return _run(args, policy_path, " ".join(s.url for s in servers), stop_requested)
         finally:
-            redis_server.close()
+            for server in servers:
+                server.close()
+
+
+def _autoscaled_on_one(args: argparse.Namespace, shard_count: int) -> bool:
+    """The autoscaling signal is one shard's: ``--workers MIN:MAX`` needs one."""
+    if shard_count > 1 and args.workers[0] != args.workers[1]:
+        print(
+            "infergate up: --workers MIN:MAX follows one Redis's signal; "
+            "give a worker count with several shards",
+            file=sys.stderr,
+        )
+        return False
+    return True
 
 
 def _run(args: argparse.Namespace, policy_path: str, url: str, stop: list[int]) -> int:
@@ -446,6 +470,6 @@ def _say_ready(args: argparse.Namespace, url: str) -> None:
     print(
         f"infergate up: ready at http://{args.host}:{args.port} "
         f"({args.gateways} gateway, {args.dispatchers} dispatcher, {workers}; "
-        f"Redis {redis_url.redact(url)})",
+        f"Redis {' '.join(redis_url.redact(u) for u in url.split())})",
         file=sys.stderr,
     )

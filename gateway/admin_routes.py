@@ -27,6 +27,10 @@ from litestar.status_codes import HTTP_200_OK
 MODEL = Annotated[
     str | None, Parameter(max_length=200, description="the model (default: the policy's)")
 ]
+SHARD = Annotated[
+    int,
+    Parameter(ge=0, le=63, description="the Redis shard, 0 first (a deployment of several)"),
+]
 
 
 def error_spec(description: str) -> ResponseSpec:
@@ -51,7 +55,7 @@ def admin_only(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRout
 ADMIN_ERRORS = {
     401: error_spec("UNAUTHENTICATED: no or unknown API key"),
     403: error_spec("FORBIDDEN: not an admin key"),
-    404: error_spec("MODEL_NOT_FOUND: no such model is served"),
+    404: error_spec("MODEL_NOT_FOUND: no such model is served; NOT_FOUND: no such shard"),
 }
 
 
@@ -89,8 +93,9 @@ async def dead_letters(
         int, Parameter(ge=1, le=MAX_LISTED, description="newest first (and at most 8 MB)")
     ] = 20,
     model: MODEL = None,
+    shard: SHARD = 0,
 ) -> DeadLetters:
-    return await _operators(request).dead_letters(limit, model)
+    return await _operators(request).dead_letters(limit, model, shard)
 
 
 @delete(
@@ -101,9 +106,9 @@ async def dead_letters(
     security=[{"bearer": []}],
 )
 async def purge_dead_letters(
-    request: Request[Any, Any, Any], model: MODEL = None
+    request: Request[Any, Any, Any], model: MODEL = None, shard: SHARD = 0
 ) -> DeadLettersPurged:
-    return await _operators(request).purge_dead_letters(model)
+    return await _operators(request).purge_dead_letters(model, shard)
 
 
 @get(
@@ -133,5 +138,7 @@ async def admin_usage(
     responses=ADMIN_ERRORS,
     security=[{"bearer": []}],
 )
-async def status(request: Request[Any, Any, Any], model: MODEL = None) -> StatusResponse:
-    return await _operators(request).status(model)
+async def status(
+    request: Request[Any, Any, Any], model: MODEL = None, shard: SHARD = 0
+) -> StatusResponse:
+    return await _operators(request).status(model, shard)

@@ -208,6 +208,10 @@ class Readiness(msgspec.Struct):
     draining: bool
     # Redis refuses writes for want of memory: new work is refused (503).
     redis_full: bool = False
+    # The Redis shards, and those this gateway can serve keys on now (ready
+    # while one is: a shard that is down refuses only its own keys).
+    shards: int = 1
+    shards_ready: int = 1
 
 
 class WorkerStatus(msgspec.Struct):

@@ -263,7 +263,16 @@ async def healthz() -> dict[str, str]:
 async def readyz(request: Request[Any, Any, Any]) -> Response[Readiness]:
     gw = _gateway(request)
     ready = gw.ready()
-    body = Readiness(ready, gw.redis_ok(), gw.workers_alive(), gw.draining, gw.store.full)
+    shards = range(len(gw.shards))
+    body = Readiness(
+        ready,
+        gw.redis_ok(),
+        max(gw.workers_alive(i) for i in shards),
+        gw.draining,
+        any(gw.full(i) for i in shards),
+        len(shards),
+        sum(gw.ready_on(i) for i in shards),
+    )
     return Response(body, status_code=HTTP_200_OK if ready else HTTP_503_SERVICE_UNAVAILABLE)
 
 

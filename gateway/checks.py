@@ -41,10 +41,10 @@ def check_capacity(gw: Gateway, lane: ModelLane, policy: Policy, key: KeyEntry) 
     estimate with no Redis round trip, made before the quota is charged,
     so under overload a refusal costs next to nothing."""
     tier_name = key.tier
-    if gw.store.full:
+    if lane.store.full:
         gw.count_refused(key, "redis_full", lane, for_capacity=False)
         raise redis_full()
-    if not gw.ready_for_replies():
+    if not gw.ready_for_replies(lane.shard):
         gw.count_refused(key, "redis", lane, for_capacity=False)
         raise redis_unreachable()
     if lane.fleet.workers_alive == 0:

@@ -318,11 +318,11 @@ class Inference:
                 envelope,
                 beside,
                 allowance,
-                self.gw.shares.recent_weight(key.tier, model=lane.name) if allowance else 0.0,
+                self.gw.shares.recent_weight(key.tier, model=lane.label) if allowance else 0.0,
             )
         except STORE_ERRORS as exc:
-            error = self.gw.store_failed(exc)
-            reason = "redis_full" if self.gw.store.full else "redis"
+            error = self.gw.store_failed(exc, lane.shard)
+            reason = "redis_full" if lane.store.full else "redis"
             self.gw.count_refused(key, reason, lane, for_capacity=False)
             raise error from exc
         headers = quota.headers()
@@ -396,7 +396,7 @@ class Inference:
             await lane.queue.enqueue(envelope.tier, *lane.queue.stored(envelope), place)
         except STORE_ERRORS as exc:
             logs.limited(log, "request.enqueue_failed", level="warning", error=type(exc).__name__)
-            raise self.gw.store_failed(exc) from exc
+            raise self.gw.store_failed(exc, lane.shard) from exc
 
 
 async def wait_for_reply(

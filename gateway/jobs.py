@@ -54,7 +54,6 @@ class Jobs:
     def __init__(self, gateway: Gateway, inference: Inference) -> None:
         self.gateway = gateway
         self.inference = inference
-        self.queue = gateway.queue
 
     async def submit(self, call: Call) -> tuple[JobAccepted, dict[str, str]]:
         """Who, input, quota, then the job is queued: never refused for
@@ -63,7 +62,8 @@ class Jobs:
         gw = self.gateway
         policy = gw.policy.current
         key = gw.authenticate(call.authorization, policy)
-        if gw.store.full:
+        shard = gw.shard_of(key.id)
+        if shard.store.full:
             raise redis_full()
         body, tier, lane = self.inference.read_body(call.body, policy, key)
         params = body.parameters or Parameters()
@@ -91,10 +91,10 @@ class Jobs:
                 envelope, jobs.max_queued_per_key, round(jobs.result_ttl_s * 1000)
             )
             if not accepted:
-                await gw.quota.refund(key, tier, len(body.input))
+                await shard.quota.refund(key, tier, len(body.input))
                 headers = _refunded(headers)
         except STORE_ERRORS as exc:
-            raise gw.store_failed(exc) from exc
+            raise gw.store_failed(exc, shard.index) from exc
         if not accepted:
             raise ApiError(
                 "RATE_LIMITED",
@@ -157,10 +157,11 @@ class Jobs:
         key = self.gateway.authenticate(authorization, self.gateway.policy.current)
         if not _JOB_ID.match(job_id):
             raise _not_found()
+        shard = self.gateway.shard_of(key.id)
         try:
-            status = await self.queue.cancel_job(job_id, key.id)
+            status = await shard.queue.cancel_job(job_id, key.id)
         except STORE_ERRORS as exc:
-            raise self.gateway.store_failed(exc) from exc
+            raise self.gateway.store_failed(exc, shard.index) from exc
         if status is None:
             raise _not_found()
         if status != "cancelled":
@@ -173,10 +174,11 @@ class Jobs:
     async def _read(self, job_id: str, key_id: str) -> JobView:
         if not _JOB_ID.match(job_id):
             raise _not_found()
+        shard = self.gateway.shard_of(key_id)
         try:
-            record = await self.queue.job(job_id)
+            record = await shard.queue.job(job_id)
         except STORE_ERRORS as exc:
-            raise self.gateway.store_failed(exc) from exc
+            raise self.gateway.store_failed(exc, shard.index) from exc
         if record.get("key_id") != key_id:
             raise _not_found()  # another key's job reads exactly as no job
         return _view(job_id, record)

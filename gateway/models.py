@@ -6,6 +6,8 @@ model's arrival rates and demand: its own admission and autoscaling signal).
 Every model of the policy has a lane from the gateway's start, or from the
 policy that first lists it; a model a new policy drops loses its lane (its
 fleet view and heartbeat stop; a request already on its way is answered).
+On a deployment of several Redis shards a model has a lane on each, and a
+request takes the one on its key's shard (``base/queue/shards.py``).
 """
 
 import asyncio
@@ -33,6 +35,7 @@ class ModelLane:
     def __init__(
         self,
         name: str,
+        shard: int,
         store: Store,
         gateway_id: str,
         started_ms: int,
@@ -42,6 +45,10 @@ class ModelLane:
     ) -> None:
         fleet_refresh_ms, interval_ms, ttl_ms = beats
         self.name = name
+        self.shard = shard
+        # The model, and its shard's index on a deployment of several (in
+        # metrics and the fair share's recent keys: a key competes on its shard).
+        self.label = name if shard == 0 else f"{name}@{shard}"
         self.store = store
         self.queue = GatewayQueue(store, gateway_id, on_handed)
         self.fleet = FleetView(store, fleet_refresh_ms)
@@ -87,22 +94,38 @@ class ModelLane:
 
 
 class Lanes:
-    """The gateway's lanes, by model name, and which one a request takes."""
+    """The gateway's lanes, by model name (one per shard), and which one a request takes."""
 
-    def __init__(self, make: Callable[[str], ModelLane], gateway_id: str) -> None:
+    def __init__(
+        self,
+        make: Callable[[str, int], ModelLane],
+        gateway_id: str,
+        shards: int = 1,
+        shard_of: Callable[[str], int] = lambda key_id: 0,
+    ) -> None:
         self._make = make
         self._gateway_id = gateway_id
-        self.by_name: dict[str, ModelLane] = {}
+        self._shards = shards
+        self._shard_of = shard_of
+        self.by_name: dict[str, list[ModelLane]] = {}
         self._starting: set[asyncio.Task[None]] = set()
 
     def __iter__(self) -> Iterator[ModelLane]:
-        return iter(list(self.by_name.values()))  # (a copy: a policy change may edit it)
+        # (a copy: a policy change may edit it)
+        return iter([lane for lanes in list(self.by_name.values()) for lane in lanes])
+
+    def on_shard(self, shard: int) -> list[ModelLane]:
+        return [lanes[shard] for lanes in list(self.by_name.values())]
+
+    def _made(self, name: str) -> list[ModelLane]:
+        lanes = self.by_name[name] = [self._make(name, i) for i in range(self._shards)]
+        return lanes
 
     async def start(self, policy: Policy) -> None:
         for name in policy.models:
             if name not in self.by_name:  # (a policy change may have made it already)
-                lane = self.by_name[name] = self._make(name)
-                await lane.start()
+                for lane in self._made(name):
+                    await lane.start()
 
     async def started(self) -> None:
         """Every lane a policy change began is started (before they stop)."""
@@ -115,10 +138,11 @@ class Lanes:
         view is read, a refresh away), none for a model it no longer lists."""
         for name in policy.models:
             if name not in self.by_name:
-                lane = self.by_name[name] = self._make(name)
-                self._background(lane.start())
+                for lane in self._made(name):
+                    self._background(lane.start())
         for name in [n for n in self.by_name if n not in policy.models]:
-            self._background(self.by_name.pop(name).stop(self._gateway_id))
+            for lane in self.by_name.pop(name):
+                self._background(lane.stop(self._gateway_id))
 
     def _background(self, step: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(step)
@@ -132,8 +156,8 @@ class Lanes:
 
     def route(self, policy: Policy, key: KeyEntry, model: str | None) -> ModelLane:
         """The lane of the model a request names (the policy's default when it
-        names none): 404 for a model the policy does not list, 403 for one
-        this key may not use."""
+        names none), on the key's shard: 404 for a model the policy does not
+        list, 403 for one this key may not use."""
         name = policy.default_model if model is None else model
         if name not in policy.models:
             raise ApiError(
@@ -143,16 +167,18 @@ class Lanes:
             )
         if not policy.may_use(key, name):
             raise ApiError("FORBIDDEN", f"this key may not use the model {name!r}", param="model")
-        lane = self.by_name.get(name)
-        if lane is None:  # listed by a policy this instant; its lane is on its way
+        lanes = self.by_name.get(name)
+        if lanes is None:  # listed by a policy this instant; its lane is on its way
             self.follow(policy)
-            lane = self.by_name[name]
-        return lane
+            lanes = self.by_name[name]
+        return lanes[self._shard_of(key.id)]
 
-    def named(self, policy: Policy, model: str | None) -> ModelLane:
-        """An operator's view of one model (the default when none is named)."""
+    def named(self, policy: Policy, model: str | None, shard: int = 0) -> ModelLane:
+        """An operator's view of one model (the default when none is named) on one shard."""
         name = policy.default_model if model is None else model
-        lane = self.by_name.get(name)
-        if lane is None:
+        lanes = self.by_name.get(name)
+        if lanes is None:
             raise ApiError("MODEL_NOT_FOUND", f"no model {name[:80]!r} is served here")
-        return lane
+        if not 0 <= shard < len(lanes):
+            raise ApiError("NOT_FOUND", f"no shard {shard}: the shards here are 0-{len(lanes) - 1}")
+        return lanes[shard]

@@ -20,7 +20,7 @@ from infergate.gateway.api import (
     UsageReport,
     WorkerStatus,
 )
-from infergate.gateway.errors import ApiError
+from infergate.gateway.errors import ApiError, redis_unreachable
 from infergate.gateway.service import Gateway
 from infergate.policies import KeyEntry
 
@@ -66,20 +66,24 @@ class Operators:
         changed = await self.gw.policy.reload()
         return ReloadResult(changed, self.gw.policy.current.version, self.gw.policy.error)
 
-    async def dead_letters(self, limit: int, model: str | None = None) -> DeadLetters:
-        lane = self.gw.lanes.named(self.gw.policy.current, model)
+    async def dead_letters(
+        self, limit: int, model: str | None = None, shard: int = 0
+    ) -> DeadLetters:
+        lane = self.gw.lanes.named(self.gw.policy.current, model, shard)
         try:
             total, batches = await lane.queue.dead_letters(limit)
         except STORE_ERRORS as exc:
-            raise self.gw.store_failed(exc) from exc
+            raise self.gw.store_failed(exc, shard) from exc
         return DeadLetters(total, batches)
 
-    async def purge_dead_letters(self, model: str | None = None) -> DeadLettersPurged:
-        lane = self.gw.lanes.named(self.gw.policy.current, model)
+    async def purge_dead_letters(
+        self, model: str | None = None, shard: int = 0
+    ) -> DeadLettersPurged:
+        lane = self.gw.lanes.named(self.gw.policy.current, model, shard)
         try:
             purged = await lane.queue.purge_dead_letters()
         except STORE_ERRORS as exc:
-            raise self.gw.store_failed(exc) from exc
+            raise self.gw.store_failed(exc, shard) from exc
         log.info("admin.dead_letters_purged", purged=purged)
         return DeadLettersPurged(purged)
 
@@ -92,20 +96,25 @@ class Operators:
         kept_ms = round(self.gw.policy.current.document.usage.retention_days * DAY_MS)
         since_ms = max(now_ms - DAY_MS if since is None else _epoch_ms(since), now_ms - kept_ms)
         since_ms = min(since_ms, now_ms)
-        lane = self.gw.lanes.named(self.gw.policy.current, model)
+        policy = self.gw.policy.current
+        self.gw.lanes.named(policy, model)  # (404 for a model not served)
+        name = policy.default_model if model is None else model
+        # Every shard's: a key's usage is on its shard, or on two for a while
+        # after a shard is added.
+        stores = [shard.store.of_model(name) for shard in self.gw.shards]
         try:
-            rows = await usage.read(lane.store, since_ms, now_ms, key_id)
+            rows = await usage.read(stores, since_ms, now_ms, key_id)
         except STORE_ERRORS as exc:
-            raise self.gw.store_failed(exc) from exc
+            raise redis_unreachable() from exc  # (a read: which shard failed changes nothing)
         rows.sort(key=lambda r: (-getattr(r, sort), r.key_id))
         return UsageReport(_iso(since_ms - since_ms % usage.HOUR_MS), _iso(now_ms), rows)
 
-    async def status(self, model: str | None = None) -> StatusResponse:
-        lane = self.gw.lanes.named(self.gw.policy.current, model)
+    async def status(self, model: str | None = None, shard: int = 0) -> StatusResponse:
+        lane = self.gw.lanes.named(self.gw.policy.current, model, shard)
         try:
             fleet = await lane.store.fleet_status()
         except STORE_ERRORS as exc:
-            raise self.gw.store_failed(exc) from exc
+            raise self.gw.store_failed(exc, shard) from exc
         policy = self.gw.policy.current.for_model(lane.name)
         max_batch = policy.document.batching.max_batch_size
         stats = fleet.counters

@@ -21,6 +21,7 @@ from infergate.base.metrics import (
     watch_policy_and_redis,
 )
 from infergate.base.probes import Probes
+from infergate.base.queue import shards
 from infergate.base.queue.gateway import GatewayQueue
 from infergate.base.queue.policy_copy import keep_policy
 from infergate.base.queue.store import Store
@@ -49,6 +50,23 @@ class GatewaySettings(ProcessSettings):
     fleet_refresh_ms: int = 50
 
 
+@dataclass(frozen=True)
+class Shard:
+    """One Redis primary of the deployment, as this gateway reaches it."""
+
+    index: int
+    name: str  # (its identity for the hash: shards.py)
+    store: Store
+    queue: GatewayQueue  # (the deployment's keys on it: replies, jobs)
+    quota: Quota
+
+    @classmethod
+    def connect(cls, index: int, url: str, settings: GatewaySettings) -> "Shard":
+        store = Store.connect(url, settings.namespace, name="gateway:" + settings.process_id)
+        queue = GatewayQueue(store, settings.process_id)
+        return cls(index, shards.identity(url), store, queue, Quota(queue))
+
+
 class Gateway:
     def __init__(
         self,
@@ -60,16 +78,17 @@ class Gateway:
         self.holds = Holds(max_connections)
         self.id = settings.process_id
         self.policy = policy
-        self.store = Store.connect(
-            settings.redis_url, settings.namespace, name="gateway:" + self.id
-        )
-        self.queue = GatewayQueue(self.store, self.id)  # (the deployment's keys: replies, jobs)
+        self.shards = [
+            Shard.connect(i, url, settings) for i, url in enumerate(shards.urls(settings.redis_url))
+        ]
+        self._shard_names = [shard.name for shard in self.shards]
         self.registry = CollectorRegistry()
         self.metrics = GatewayMetrics(self.registry)
-        self.replies = ReplyRouter(self.queue, on_ignored=self.metrics.replies_ignored.inc)
-        self.quota = Quota(self.queue)
+        self.replies = ReplyRouter(
+            [shard.queue for shard in self.shards], on_ignored=self.metrics.replies_ignored.inc
+        )
         self.started_ms = clock.now_ms()
-        self.lanes = Lanes(self._lane, self.id)
+        self.lanes = Lanes(self._lane, self.id, len(self.shards), self.shard_index)
         policy.keep_with(self._keep_policy)
         policy.on_change(self.lanes.follow)
         watch_policy_and_redis(self.metrics, policy, self.redis_ok)
@@ -77,17 +96,27 @@ class Gateway:
         self._readings: dict[str, FleetReading] = {}
         self.registry.register(FleetCollector(lambda: self._readings))
         self.metrics_reading = Supervised("metrics-reading", self._refresh_reading, 1.0)
-        self.shares = Shares(self.store, self.metrics)
+        self.shares = Shares(
+            lambda model, key_id: self.shard_of(key_id).store.of_model(model), self.metrics
+        )
         self.shares_flush = Supervised("usage-refusals", self._flush_shares, 5.0)
         self.draining = False
         self.key_set = KeySet(policy)
         self.authenticator = Authenticator(self.key_set)
 
-    def _lane(self, model: str) -> ModelLane:
+    def shard_index(self, key_id: str) -> int:
+        return shards.shard_of(key_id, self._shard_names)
+
+    def shard_of(self, key_id: str) -> Shard:
+        """The shard that holds a key's quotas, queue places, jobs and usage."""
+        return self.shards[shards.shard_of(key_id, self._shard_names)]
+
+    def _lane(self, model: str, shard: int) -> ModelLane:
         settings = self.settings
         return ModelLane(
             model,
-            self.store.of_model(model),
+            shard,
+            self.shards[shard].store.of_model(model),
             self.id,
             self.started_ms,
             (settings.fleet_refresh_ms, settings.heartbeat_interval_ms, settings.heartbeat_ttl_ms),
@@ -95,18 +124,24 @@ class Gateway:
             self.metrics.cache_bypassed.inc,
         )
 
-    def redis_ok(self) -> bool:
-        """Every model's fleet view was read, and lately (one Redis serves them all)."""
-        lanes = list(self.lanes)
+    def redis_ok(self, shard: int | None = None) -> bool:
+        """Every model's fleet view was read, and lately, on ``shard`` (every
+        shard when none is named: one Redis serves all of a shard's models)."""
+        lanes = list(self.lanes) if shard is None else self.lanes.on_shard(shard)
         return bool(lanes) and all(lane.fleet.redis_ok for lane in lanes)
 
-    def workers_alive(self) -> int:
-        return sum(lane.fleet.workers_alive for lane in self.lanes)
+    def workers_alive(self, shard: int = 0) -> int:
+        """The workers alive on ``shard`` (a worker serves every shard)."""
+        return sum(lane.fleet.workers_alive for lane in self.lanes.on_shard(shard))
+
+    def full(self, shard: int) -> bool:
+        """``shard``'s Redis said it is out of memory, and has not said otherwise since."""
+        return self.shards[shard].store.full
 
     def count_admitted(self, key: KeyEntry, lane: ModelLane) -> None:
         """A request was let in (charged and queued, or handed to a worker)."""
         lane.count_admitted(key)
-        self.shares.admitted(key, lane.name)
+        self.shares.admitted(key, lane.label)
 
     def count_refused(
         self, key: KeyEntry, reason: str, lane: ModelLane | None, for_capacity: bool = True
@@ -129,7 +164,7 @@ class Gateway:
                 continue
             reading = self._fleet_reading(lane)
             if reading is not None:
-                readings[lane.name] = reading
+                readings[lane.label] = reading
         self._readings = readings
 
     def _fleet_reading(self, lane: ModelLane) -> FleetReading | None:
@@ -147,33 +182,40 @@ class Gateway:
         waits = {t: lane.admission.estimate_wait_ms(policy, t) / 1000.0 for t in TIERS}
         return dataclasses.replace(reading, estimated_wait_s=waits)
 
-    def ready_for_replies(self) -> bool:
-        """Redis answers, the fleet view is fresh, AND this gateway listens on
-        its reply channel: a request admitted while the subscription is down
-        (after a Redis restart) would have its reply published to no one."""
-        return self.redis_ok() and self.replies.listening()
+    def ready_for_replies(self, shard: int) -> bool:
+        """``shard``'s Redis answers, its fleet view is fresh, AND this gateway
+        listens on its reply channel there: a request admitted while the
+        subscription is down (after a Redis restart) would have its reply
+        published to no one."""
+        return self.redis_ok(shard) and self.replies.listening(shard)
 
-    def ready(self) -> bool:
-        """Takes requests now: ready for replies, on the fleet's clock, a
-        worker alive, not draining, and Redis not out of memory."""
+    def ready_on(self, shard: int) -> bool:
         return (
-            self.ready_for_replies()
-            and clock.aligned()
-            and self.workers_alive() > 0
-            and not self.draining
-            and not self.store.full
+            self.ready_for_replies(shard)
+            and self.workers_alive(shard) > 0
+            and not self.shards[shard].store.full
         )
 
-    def store_failed(self, exc: BaseException) -> ApiError:
-        """The client's error for a Redis call that failed: Redis out of
-        memory is its own state, said as such; otherwise it is unreachable
-        (and, if it did not answer at all, this gateway is not ready until
-        the fleet view reads it again)."""
+    def ready(self) -> bool:
+        """Takes requests now: on the fleet's clock, not draining, and on at
+        least one shard ready for replies, with a worker alive and Redis not
+        out of memory (a shard that is down refuses only its own keys)."""
+        return (
+            clock.aligned()
+            and not self.draining
+            and any(self.ready_on(shard.index) for shard in self.shards)
+        )
+
+    def store_failed(self, exc: BaseException, shard: int) -> ApiError:
+        """The client's error for a call to ``shard``'s Redis that failed:
+        Redis out of memory is its own state, said as such; otherwise it is
+        unreachable (and, if it did not answer at all, that shard is not
+        ready here until its fleet view reads it again)."""
         if out_of_memory(exc):
-            self.store.saw_full()
+            self.shards[shard].store.saw_full()
             return redis_full()
         if isinstance(exc, UNAVAILABLE):
-            for lane in self.lanes:
+            for lane in self.lanes.on_shard(shard):
                 lane.fleet.mark_unreachable()
         return redis_unreachable()
 
@@ -190,7 +232,14 @@ class Gateway:
         return all(lane.heartbeat.alive() for lane in self.lanes)
 
     async def _keep_policy(self, policy: Policy, text: str) -> None:
-        await keep_policy(self.store, policy.version, text)
+        failed: BaseException | None = None
+        for shard in self.shards:  # (every shard that answers keeps it)
+            try:
+                await keep_policy(shard.store, policy.version, text)
+            except STORE_ERRORS as exc:
+                failed = exc
+        if failed is not None:
+            raise failed
 
     async def start(self) -> None:
         if self.policy.error is None:
@@ -224,5 +273,6 @@ class Gateway:
                 await lane.stop(self.id)
             except STORE_ERRORS as exc:
                 log.warning("gateway.retire_failed", model=lane.name, error=type(exc).__name__)
-        await self.store.close()
+        for shard in self.shards:
+            await shard.store.close()
         log.info("gateway.stopped", gateway_id=self.id)

@@ -36,8 +36,8 @@ def jain(values: list[float]) -> float:
 
 
 class Shares:
-    def __init__(self, store: Store, metrics: GatewayMetrics) -> None:
-        self.store = store
+    def __init__(self, store_for: Callable[[str, str], Store], metrics: GatewayMetrics) -> None:
+        self.store_for = store_for  # (model, key id): where the key's usage is kept
         self.metrics = metrics
         # Refusals not in usage yet, by (model, key id, tier).
         self._unsent: Counter[tuple[str, str, str]] = Counter()
@@ -88,12 +88,14 @@ class Shares:
         (kept for the next one if Redis fails), and close the window if due."""
         self._close_window()
         unsent, self._unsent = self._unsent, Counter()
-        by_model: dict[str, list[usage.Charge]] = {}
+        by_store: dict[tuple[str, int], tuple[Store, list[usage.Charge]]] = {}
         for (model, key_id, tier), n in unsent.items():
-            by_model.setdefault(model, []).append(usage.Charge(key_id, tier, refused=n))
+            store = self.store_for(model, key_id)
+            _, charges = by_store.setdefault((model, id(store.redis)), (store, []))
+            charges.append(usage.Charge(key_id, tier, refused=n))
         try:
-            for model, charges in by_model.items():
-                await usage.charge(self.store.of_model(model), charges, clock.now_ms(), retention_s)
+            for (model, _), (store, charges) in by_store.items():
+                await usage.charge(store, charges, clock.now_ms(), retention_s)
                 for charge in charges:
                     del unsent[model, charge.key_id, charge.tier]
         except BaseException:

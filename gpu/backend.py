@@ -40,24 +40,28 @@ class Backend(Protocol):
 
 class Prompts(list[str]):
     """The inputs of one backend call, with the slot each one fills (``keys``:
-    identical greedy inputs share one) and, when any is sampled, each one's
-    temperature. A slice keeps them."""
+    identical greedy inputs share one), when any is sampled each one's
+    temperature, and the index of the highest tier among them (``rank``: a
+    worker serving several shards runs the best-ranked waiting call first,
+    ``gate.py``). A slice keeps them."""
 
     def __init__(
         self,
         inputs: list[str],
         keys: list[Hashable],
         temperatures: list[float] | None = None,
+        rank: int = 0,
     ) -> None:
         super().__init__(inputs)
         self.keys = keys
         self.temperatures = temperatures
+        self.rank = rank
 
     def __getitem__(self, i):  # type: ignore[no-untyped-def]
         if not isinstance(i, slice):
             return list.__getitem__(self, i)
         temperatures = None if self.temperatures is None else self.temperatures[i]
-        return Prompts(list.__getitem__(self, i), self.keys[i], temperatures)
+        return Prompts(list.__getitem__(self, i), self.keys[i], temperatures, self.rank)
 
 
 def run(backend: Backend, inputs: list[str]) -> list[str]:
@@ -65,7 +69,7 @@ def run(backend: Backend, inputs: list[str]) -> list[str]:
     temperatures = getattr(inputs, "temperatures", None)
     if temperatures is None:
         return backend.infer(inputs)
-    return backend.infer_sampled(list(inputs), temperatures)
+    return backend.infer_sampled(inputs, temperatures)
 
 
 def slot_keys(inputs: list[str]) -> list[Hashable]:

@@ -40,9 +40,11 @@ import msgspec
 from infergate.base import clock, wire
 from infergate.base.queue.forming import TakeResult, new_batch_id
 from infergate.base.queue.inputs import any_beside
+from infergate.base.tiers import TIERS
 from infergate.gpu.backend import Backend, Prompts, run
 
 Future = concurrent.futures.Future
+RANKS = {tier: i for i, tier in enumerate(TIERS)}
 
 
 def live_envelopes(batch: wire.Batch, now_ms: int) -> list[wire.Envelope]:
@@ -72,9 +74,10 @@ def distinct_inputs(live: list[wire.Envelope]) -> Prompts:
         if key not in slots:
             slots[key] = env
     inputs = [wire.input_of(e) for e in slots.values()]
+    rank = min((RANKS.get(e.tier, len(TIERS)) for e in live), default=len(TIERS))
     if not sampled:
-        return Prompts(inputs, list(slots))
-    return Prompts(inputs, list(slots), [e.temperature for e in slots.values()])
+        return Prompts(inputs, list(slots), None, rank)
+    return Prompts(inputs, list(slots), [e.temperature for e in slots.values()], rank)
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ from infergate.base.settings import ProcessSettings
 from infergate.gpu.answers import Answers, Finished, Tally
 from infergate.gpu.backend import MAX_BATCH, Backend
 from infergate.gpu.batch_loop import BatchLoop
+from infergate.gpu.gate import GatedBackend
 from infergate.gpu.lane import Lane, Running
 from infergate.gpu.runner import ANSWERED_WITH_TAKE_MAX, BatchRunner
 from prometheus_client import CollectorRegistry
@@ -92,10 +93,12 @@ class Worker:
         # stops counting this worker while it finishes its batch.
         self.stopping = asyncio.Event()
         # The backend's thread; under load it takes and starts the next batch itself.
+        # Shared with other shards' loops (gate.py): the lane takes only while none waits.
+        self.gated = backend if isinstance(backend, GatedBackend) else None
         self.lane = Lane(
             backend,
             self._blocking_take,
-            lambda: not self.stopping.is_set(),
+            lambda: not self.stopping.is_set() and not (self.gated and self.gated.contended()),
             ANSWERED_WITH_TAKE_MAX,
             self._blocking_take.with_inputs,
         )
@@ -115,7 +118,9 @@ class Worker:
             lambda: self.stopping,
             self.grace_left,
         )
-        self.loop = BatchLoop(self.runner, settings.pull_timeout_s, self.exit_hung, self.grace_left)
+        self.loop = BatchLoop(
+            self.runner, settings.pull_timeout_s, self.exit_hung, self.grace_left, self.gated
+        )
         self.metrics.busy.set_function(lambda: 1.0 if self.loop.busy else 0.0)
         self.metrics.redis_up.set_function(lambda: 1.0 if self.heartbeat.healthy else 0.0)
         self.started_ms = clock.now_ms()

@@ -235,7 +235,9 @@ async def test_keys_seen_lately_share_the_allowance_though_nothing_of_theirs_wai
 
 
 def test_the_gateway_remembers_the_keys_of_the_last_second() -> None:
-    shares = Shares(cast(Store, object()), GatewayMetrics(CollectorRegistry()))
+    shares = Shares(
+        lambda model, key_id: cast(Store, object()), GatewayMetrics(CollectorRegistry())
+    )
     shares.admitted(KeyEntry("a", "paid", "0" * 64, weight=1.0))
     shares.admitted(KeyEntry("b", "paid", "0" * 64, weight=2.0))
     shares.admitted(KeyEntry("c", "free", "0" * 64))

@@ -78,21 +78,23 @@ async def charge(store: Store, charges: Sequence[Charge], now_ms: int, retention
 
 
 async def read(
-    store: Store, since_ms: int, until_ms: int, key_id: str | None = None
+    store: Store | Sequence[Store], since_ms: int, until_ms: int, key_id: str | None = None
 ) -> list[KeyUsage]:
     """Every key's usage in the hours from ``since_ms`` to ``until_ms``
     (whole hours: the hour ``since_ms`` falls in counts whole), most GPU time
-    first. A field that does not read as a count is skipped (Redis contents
-    are not trusted)."""
+    first, summed over ``store`` when it is several (a deployment's shards:
+    a key moved to a shard added later has usage on both). A field that does
+    not read as a count is skipped (Redis contents are not trusted)."""
     hours = range(since_ms // HOUR_MS, until_ms // HOUR_MS + 1)
     totals: dict[tuple[str, str], list[int]] = {}
     # A day at a time: between two round trips the gateway serves requests
     # (a long read is up to 400 days of hours).
-    for first in range(0, len(hours), 24):
-        async with store.redis.pipeline(transaction=False) as pipe:
-            for hour in hours[first : first + 24]:
-                pipe.hgetall(store.keys.usage(hour))
-            _add(totals, await pipe.execute(raise_on_error=False), key_id)
+    for one in [store] if isinstance(store, Store) else store:
+        for first in range(0, len(hours), 24):
+            async with one.redis.pipeline(transaction=False) as pipe:
+                for hour in hours[first : first + 24]:
+                    pipe.hgetall(one.keys.usage(hour))
+                _add(totals, await pipe.execute(raise_on_error=False), key_id)
     rows = [
         KeyUsage(key, tier, counts[0], counts[1], counts[2] / 1000.0, counts[3])
         for (key, tier), counts in totals.items()

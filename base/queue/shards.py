@@ -1,0 +1,76 @@
+"""One deployment over several Redis primaries (shards): ``REDIS_URL`` may
+name several, separated by whitespace, and every process is given the
+same list. One primary runs Lua on one thread, so it caps the request
+rate; shards multiply it.
+
+A key (its quotas, its queue place and fair share, its jobs, its usage)
+lives on one shard, chosen by rendezvous hashing: each shard scores the
+key by a hash of its identity and the key's id, and the highest score
+wins. A shard added later takes about 1/(N+1) of the keys and moves no
+key between the others; a shard's identity is its address (host, port
+and db; a Sentinel service's name), never its place in the list or its
+credentials, so the list may be reordered and passwords rotated.
+
+A gateway routes each request to its key's shard; a dispatcher and a
+worker serve every shard.
+"""
+
+import hashlib
+from collections.abc import Sequence
+from functools import lru_cache
+from urllib.parse import parse_qsl, urlsplit
+
+from infergate.base.queue import redis_url
+
+MAX_SHARDS = 64
+
+
+def urls(text: str) -> list[str]:
+    """The shards' URLs, in order, each checked (``ValueError`` with a
+    message fit for an operator, quoting no part of a URL)."""
+    found = text.split()
+    if not found:
+        raise ValueError("no Redis URL given")
+    if len(found) > MAX_SHARDS:
+        raise ValueError(f"at most {MAX_SHARDS} Redis URLs (shards), got {len(found)}")
+    for n, url in enumerate(found, 1):
+        try:
+            redis_url.check(url)
+        except ValueError as exc:
+            raise ValueError(f"URL {n} of {len(found)}: {exc}") from None
+    names = [identity(url) for url in found]
+    if len(set(names)) < len(names):
+        raise ValueError("two Redis URLs name the same server and db: each shard is its own")
+    return found
+
+
+def identity(url: str) -> str:
+    """What names a shard for the hash: where it is, not how it is reached."""
+    parts = urlsplit(url)
+    if redis_url.is_sentinel(url):
+        target = redis_url.parse_sentinel(url)
+        db = target.connection.get("db", 0)
+        return f"sentinel/{target.service_name}/{db}"
+    if parts.scheme.lower() == "unix":
+        db = dict(parse_qsl(parts.query)).get("db", "0")
+        return f"unix{parts.path}/{db}"
+    host = (parts.hostname or "localhost").lower()
+    db = parts.path.strip("/") or "0"
+    return f"{host}:{parts.port or 6379}/{db}"
+
+
+@lru_cache(maxsize=65_536)
+def _pick(key_id: str, names: tuple[str, ...]) -> int:
+    best, best_score = 0, b""
+    for index, name in enumerate(names):
+        score = hashlib.blake2b(f"{name}\0{key_id}".encode(), digest_size=8).digest()
+        if score > best_score:
+            best, best_score = index, score
+    return best
+
+
+def shard_of(key_id: str, names: Sequence[str]) -> int:
+    """The index, in ``names``, of the shard that holds ``key_id``."""
+    if len(names) == 1:
+        return 0
+    return _pick(key_id, tuple(names))

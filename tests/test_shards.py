@@ -1,0 +1,315 @@
+"""One deployment over two Redis shards: each key's work on its own shard,
+both shards carrying load, quotas exact across gateways, the priority
+between tiers held across shards by the worker's gate, and a shard that
+dies refusing only its own keys while the other's are served."""
+
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from infergate.base.queue import shards
+from infergate.gpu.gate import Gate
+from infergate.redis_server import RedisServer
+
+from tests.helpers import (
+    Cluster,
+    as_yaml,
+    assert_redis_clean,
+    auth,
+    http,
+    key_entry,
+    policy,
+    stats,
+    wait_for,
+)
+
+ADMIN = auth("admin")
+
+# -- the hash --------------------------------------------------------------------
+
+
+def test_a_key_has_one_shard_spread_evenly_and_a_new_shard_moves_only_its_share() -> None:
+    two = [shards.identity(f"redis://10.0.0.{i}:6379/0") for i in (1, 2)]
+    three = [*two, shards.identity("redis://10.0.0.3:6379/0")]
+    before = [shards.shard_of(f"key-{i}", two) for i in range(6000)]
+    after = [shards.shard_of(f"key-{i}", three) for i in range(6000)]
+    assert 2700 < before.count(0) < 3300
+    moved = [(b, a) for b, a in zip(before, after, strict=True) if a != b]
+    assert all(a == 2 for _, a in moved)  # (only to the new shard)
+    assert 1700 < len(moved) < 2300
+    # Reordered URLs, a password added: no key moves.
+    reordered = [shards.identity(u) for u in ("redis://:pw@10.0.0.2:6379", "redis://10.0.0.1/0")]
+    assert [shards.shard_of(f"key-{i}", reordered) for i in range(200)] == [
+        1 - b for b in before[:200]
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "no Redis URL"),
+        ("redis://a:1/0 redis://a:1/0", "same server"),
+        ("redis://a:1/0 http://:secret@b/0", "URL 2 of 2"),
+        (" ".join(f"redis://h{i}:1/0" for i in range(65)), "at most 64"),
+    ],
+)
+def test_a_bad_list_of_urls_is_refused_without_quoting_it(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message) as caught:
+        shards.urls(text)
+    assert "secret" not in str(caught.value)
+
+
+# -- the gate ---------------------------------------------------------------------
+
+
+def _run_on(gate: Gate, order: list[str], shard: int, rank: int, name: str, s: float) -> None:
+    with gate.turn(shard, rank):
+        order.append(name)
+        time.sleep(s)
+
+
+def _start(target: Callable[[], None]) -> threading.Thread:
+    thread = threading.Thread(target=target)
+    thread.start()
+    return thread
+
+
+def test_the_gate_runs_the_best_tier_next_and_waits_for_the_shard_that_just_ran() -> None:
+    gate, order = Gate(hold_s=0.5), []
+    first = _start(lambda: _run_on(gate, order, 0, 0, "a-enterprise", 0.2))
+    wait_for(lambda: order, 2, "the first call")
+    free = _start(lambda: _run_on(gate, order, 1, 2, "b-free", 0.0))
+    first.join()
+    # Shard 0 comes back within the hold with another enterprise batch: it
+    # runs before the free batch that waited all along.
+    time.sleep(0.05)
+    second = _start(lambda: _run_on(gate, order, 0, 0, "a-enterprise-2", 0.0))
+    for thread in (free, second):
+        thread.join(5)
+    assert order == ["a-enterprise", "a-enterprise-2", "b-free"]
+
+
+def test_the_gate_takes_turns_between_shards_of_one_tier_and_never_runs_two_at_once() -> None:
+    gate, order, running = Gate(hold_s=0.01), [], []
+
+    def loop(shard: int) -> None:
+        for _ in range(5):
+            with gate.turn(shard, 1):
+                running.append(shard)
+                assert len(running) == 1
+                order.append(shard)
+                time.sleep(0.02)
+                running.remove(shard)
+
+    threads = [_start(lambda s=s: loop(s)) for s in (0, 1)]
+    for thread in threads:
+        thread.join(10)
+    assert sorted(order) == [0] * 5 + [1] * 5
+    switches = sum(1 for a, b in itertools.pairwise(order) if a != b)
+    assert switches >= 7  # (turns, not one shard's five then the other's)
+
+
+def test_a_reserved_turn_is_kept_for_its_call_and_freed_when_unused() -> None:
+    gate, order = Gate(hold_s=0.0, reserved_s=0.3), []
+    gate.reserve(0, 2)
+    waiting = _start(lambda: _run_on(gate, order, 1, 0, "b-enterprise", 0.0))
+    time.sleep(0.05)
+    assert gate.contended(0) and order == []  # (a better rank waits: the turn is kept)
+    _run_on(gate, order, 0, 2, "a-free", 0.0)  # (its call: no second wait)
+    waiting.join(5)
+    assert order == ["a-free", "b-enterprise"]
+    gate.reserve(0, 1)
+    gate.cancel(0)  # (nothing to run)
+    _run_on(gate, order, 1, 1, "b-now", 0.0)
+    gate.reserve(0, 1)  # (never used: it lapses)
+    started = time.monotonic()
+    _run_on(gate, order, 1, 1, "b-after-lapse", 0.0)
+    assert 0.2 < time.monotonic() - started < 2.0
+    assert order[-2:] == ["b-now", "b-after-lapse"]
+
+
+# -- a deployment on two shards ------------------------------------------------------
+
+
+@pytest.fixture
+def two_redis() -> Iterator[list[RedisServer]]:
+    servers = [RedisServer().start(), RedisServer().start()]
+    try:
+        yield servers
+    finally:
+        for server in servers:
+            server.close()
+
+
+def _keys_by_shard(urls: list[str], tier: str, per_shard: int) -> list[list[str]]:
+    names = [shards.identity(u) for u in urls]
+    found: list[list[str]] = [[] for _ in urls]
+    i = 0
+    while any(len(f) < per_shard for f in found):
+        key_id = f"{tier[:3]}-{i}"
+        i += 1
+        shard = found[shards.shard_of(key_id, names)]
+        if len(shard) < per_shard:
+            shard.append(key_id)
+    return found
+
+
+def _policy(keys: list[str], tier_of: Callable[[str], str], **extra: Any) -> str:
+    entries = tuple(key_entry(k, tier_of(k), "s-" + k, **extra.get(k, {})) for k in keys)
+    return as_yaml(policy(extra_keys=entries, max_batch_size=10))
+
+
+def _infer(url: str, key_id: str, text: str, timeout: float = 30.0) -> tuple[int, Any]:
+    status, _, body = http(
+        "POST",
+        url + "/v1/inference",
+        {"input": text},
+        {"Authorization": "Bearer s-" + key_id},
+        timeout=timeout,
+    )
+    return status, body
+
+
+def test_both_shards_carry_load_and_every_request_gets_its_own_answer(
+    tmp_path: Path, two_redis: list[RedisServer]
+) -> None:
+    urls = [s.url for s in two_redis]
+    ent, fre = _keys_by_shard(urls, "enterprise", 2), _keys_by_shard(urls, "free", 2)
+    keys = [k for group in (*ent, *fre) for k in group]
+    text = _policy(keys, lambda k: "enterprise" if k.startswith("ent") else "free")
+    with Cluster(tmp_path, " ".join(urls), text, gateways=2, workers=2) as cluster:
+        _wait_both_shards(cluster)
+        jobs = [(cluster.urls[i % 2], keys[i % len(keys)], f"input {i}") for i in range(240)]
+        with ThreadPoolExecutor(48) as pool:
+            answers = list(pool.map(lambda j: _infer(*j), jobs))
+        for (_, _key_id, sent), (status, body) in zip(jobs, answers, strict=True):
+            assert status == 200, body
+            assert body["output"].endswith(sent)
+        clients = [redis.Redis.from_url(u) for u in urls]
+        for client in clients:
+            assert stats(client).get("requests_batched", 0) >= 60  # (each about half)
+        wait_for(lambda: all(_clean(c) for c in clients), 10, "both shards left clean")
+        for client in clients:
+            assert_redis_clean(client)
+        status, _, ready = http("GET", cluster.urls[0] + "/readyz")
+        assert (status, ready["shards"], ready["shards_ready"]) == (200, 2, 2)
+
+
+def _wait_both_shards(cluster: Cluster) -> None:
+    for url in cluster.urls:
+        wait_for(
+            lambda u=url: (
+                http("GET", u + "/readyz")[2]["shards_ready"] == 2
+                and all(
+                    http("GET", f"{u}/v1/status?shard={i}", headers=ADMIN)[2]["workers_alive"] == 2
+                    for i in (0, 1)
+                )
+            ),
+            30,
+            "both shards ready with both workers",
+        )
+
+
+def _clean(client: redis.Redis) -> bool:
+    try:
+        assert_redis_clean(client)
+    except AssertionError:
+        return False
+    return True
+
+
+def test_a_quota_is_exact_over_two_gateways_on_each_shard(
+    tmp_path: Path, two_redis: list[RedisServer]
+) -> None:
+    urls = [s.url for s in two_redis]
+    (a,), (b,) = _keys_by_shard(urls, "paid", 1)
+    limited = {k: {"rate_limits": ["25/minute"]} for k in (a, b)}
+    text = _policy([a, b], lambda k: "paid", **limited)
+    with Cluster(tmp_path, " ".join(urls), text, gateways=2, workers=2) as cluster:
+        _wait_both_shards(cluster)
+        jobs = [(cluster.urls[i % 2], key, f"q {key} {i}") for key in (a, b) for i in range(60)]
+        with ThreadPoolExecutor(40) as pool:
+            answers = list(pool.map(lambda j: _infer(*j), jobs))
+        for key in (a, b):
+            mine = [s for (_, k, _), (s, _) in zip(jobs, answers, strict=True) if k == key]
+            assert mine.count(200) == 25, (key, sorted(set(mine)))
+            assert mine.count(429) == 35
+
+
+def test_a_shard_that_dies_refuses_only_its_keys_and_the_other_is_served(
+    tmp_path: Path, two_redis: list[RedisServer]
+) -> None:
+    urls = [s.url for s in two_redis]
+    (alive, *_), (doomed, *_) = _keys_by_shard(urls, "enterprise", 2)
+    text = _policy([alive, doomed], lambda k: "enterprise")
+    with Cluster(tmp_path, " ".join(urls), text, gateways=2, workers=2) as cluster:
+        _wait_both_shards(cluster)
+        results: dict[str, list[tuple[int, float]]] = {alive: [], doomed: []}
+        stop = threading.Event()
+
+        def load(key_id: str, n: int) -> None:
+            i = 0
+            while not stop.is_set():
+                started = time.monotonic()
+                status, _ = _infer(cluster.urls[i % 2], key_id, f"{key_id} {n} {i}", timeout=20)
+                results[key_id].append((status, time.monotonic() - started))
+                i += 1
+
+        threads = [_start(lambda k=k, n=n: load(k, n)) for k in (alive, doomed) for n in range(4)]
+        wait_for(lambda: len(results[doomed]) >= 20, 30, "load on both shards")
+        two_redis[1].kill()
+        killed_at = {k: len(v) for k, v in results.items()}
+        wait_for(lambda: len(results[alive]) >= killed_at[alive] + 60, 60, "the live shard served")
+        # What was waiting on the dead shard ends at its deadline (504); new
+        # requests of its keys are refused at once (503).
+        refused = lambda: [t for s, t in results[doomed][killed_at[doomed] :] if s == 503]  # noqa: E731
+        wait_for(lambda: len(refused()) >= 8, 60, "the dead shard's keys refused")
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+        assert not any(t.is_alive() for t in threads)  # (every request answered)
+        assert {s for s, _ in results[alive]} == {200}
+        assert {s for s, _ in results[doomed][killed_at[doomed] :]} <= {200, 503, 504}
+        assert max(refused()) < 5.0
+        status, _, ready = http("GET", cluster.urls[1] + "/readyz")
+        assert (status, ready["shards_ready"]) == (200, 1)
+        # The shard back (empty: its Redis kept nothing): its keys are served again.
+        two_redis[1].restart()
+        wait_for(lambda: _infer(cluster.urls[0], doomed, "back")[0] == 200, 60, "shard back")
+        assert_redis_clean(redis.Redis.from_url(urls[0]))
+
+
+def test_the_priority_between_tiers_holds_across_shards_within_one_batch(
+    tmp_path: Path, two_redis: list[RedisServer]
+) -> None:
+    """One worker, enterprise work on one shard and free work on the other,
+    sent together: the free requests answered before the last enterprise
+    one are at most about one batch's worth (taking turns would answer half)."""
+    urls = [s.url for s in two_redis]
+    (ent, *_), _ = _keys_by_shard(urls, "enterprise", 1)
+    _, (fre, *_) = _keys_by_shard(urls, "free", 1)
+    text = _policy([ent, fre], lambda k: "enterprise" if k == ent else "free")
+    with Cluster(tmp_path, " ".join(urls), text, gateways=1, workers=1) as cluster:
+        for url in cluster.urls:
+            wait_for(lambda u=url: http("GET", u + "/readyz")[2]["shards_ready"] == 2, 30, "shards")
+        jobs = [(ent if i % 2 else fre, f"p {i}") for i in range(120)]
+        done: list[tuple[float, str, int]] = []
+
+        def one(job: tuple[str, str]) -> None:
+            status, _ = _infer(cluster.urls[0], *job)
+            done.append((time.monotonic(), job[0], status))
+
+        with ThreadPoolExecutor(120) as pool:
+            list(pool.map(one, jobs))
+        assert {s for _, _, s in done} == {200}
+        done.sort()
+        last_enterprise = max(i for i, (_, key, _) in enumerate(done) if key == ent)
+        free_before = sum(1 for _, key, _ in done[:last_enterprise] if key == fre)
+        print(f"free answered before the last enterprise: {free_before} of 60 (batch 10)")
+        assert free_before <= 20
