@@ -199,7 +199,7 @@ def plan(costs: Costs, target: Target) -> Plan:
     ``target.utilization`` busy: the workers at that share of full batches
     (paced batches hold rate x batch time / workers each), one core per
     gateway process, dispatcher and Redis shard (a shard's scripts run on
-    one thread), and a dispatcher for each shard at least."""
+    one thread; a dispatcher process serves every shard)."""
     roles = costs.at(target.input_chars)
     peak = target.rps * target.peak
     per_worker = target.max_batch * 1000.0 / target.batch_ms  # requests/s, full batches
@@ -218,8 +218,7 @@ def plan(costs: Costs, target: Target) -> Plan:
         batch_at_peak=round(batch, 1),
         batch_at_average=round(average, 1),
         gateway_cores=processes("gateway"),
-        # (each shard's queues are taken by dispatchers of its own)
-        dispatchers=max(processes("dispatcher"), shards),
+        dispatchers=processes("dispatcher"),
         shards=shards,
         worker_host_cores=round(busy["worker"], 2),
         cores_at_peak={r: round(v, 2) for r, v in busy.items()},

@@ -87,13 +87,13 @@ def _render(costs: Costs, t: Target, p: Plan) -> str:
             f"  gateway cores    {p.gateway_cores:>6}   one gateway process a core;"
             f" {cores['gateway']:g} busy at peak",
             f"  dispatchers      {p.dispatchers:>6}   {cores['dispatcher']:g} cores busy at peak,"
-            " one a shard at least (run one more: one can die)",
+            " each serving every shard (run one more: one can die)",
             f"  Redis shards     {p.shards:>6}   one primary each (its scripts run on one"
             f" thread); {cores['redis']:g} cores busy at peak",
             *(
                 [
-                    "                   (one deployment is one primary today: more shards are"
-                    " as many namespaces, each with its own keys, dispatchers and workers)"
+                    "                   (REDIS_URL names them all, separated by spaces: each"
+                    " key lives on one; every worker and dispatcher serves them all)"
                 ]
                 if p.shards > 1
                 else []

@@ -88,7 +88,6 @@ def test_the_gate_runs_the_best_tier_next_and_waits_for_the_shard_that_just_ran(
     first.join()
     # Shard 0 comes back within the hold with another enterprise batch: it
     # runs before the free batch that waited all along.
-    time.sleep(0.05)
     second = _start(lambda: _run_on(gate, order, 0, 0, "a-enterprise-2", 0.0))
     for thread in (free, second):
         thread.join(5)
@@ -119,8 +118,8 @@ def test_a_reserved_turn_is_kept_for_its_call_and_freed_when_unused() -> None:
     gate, order = Gate(hold_s=0.0, reserved_s=0.3), []
     gate.reserve(0, 2)
     waiting = _start(lambda: _run_on(gate, order, 1, 0, "b-enterprise", 0.0))
-    time.sleep(0.05)
-    assert gate.contended(0) and order == []  # (a better rank waits: the turn is kept)
+    wait_for(lambda: gate.contended(0), 2, "shard 1 waiting")
+    assert order == []  # (a better rank waits: the turn is kept)
     _run_on(gate, order, 0, 2, "a-free", 0.0)  # (its call: no second wait)
     waiting.join(5)
     assert order == ["a-free", "b-enterprise"]
