@@ -5,6 +5,13 @@ each forming its batches from its own shard's queues, and one backend that
 still runs one call at a time. The gate decides whose call runs next when
 the backend frees: the call whose batch holds the highest tier, then the
 one waiting longest (so shards with the same tiers waiting take turns).
+A batch costs the backend its time however few it holds, so strict
+priority between shards would starve a shard of lower tiers while a
+shard of higher ones runs small batches that one shard's batches would
+have filled with the lower tiers. So a call passed over for a higher
+tier goes next when the call that passed it was not nearly full
+(``full_at``): as in one shard, a lower tier runs in what the higher ones
+leave free, and waits while they fill whole batches.
 
 Batches are formed late here too: a member whose call just ended takes
 its next batch at once only while no other member waits (``contended``);
@@ -32,10 +39,14 @@ HOLD_S = 0.010
 # A turn reserved and not used by a call within this long lapses (the
 # member found nothing to run, or failed before its call).
 RESERVED_S = 1.0
+PASSED = -1  # (the rank of a call passed over once)
 
 
 class Gate:
-    def __init__(self, hold_s: float = HOLD_S, reserved_s: float = RESERVED_S) -> None:
+    def __init__(
+        self, full_at: int = 90, hold_s: float = HOLD_S, reserved_s: float = RESERVED_S
+    ) -> None:
+        self.full_at = full_at
         self.hold_s = hold_s
         self.reserved_s = reserved_s
         self._cond = threading.Condition()
@@ -46,6 +57,7 @@ class Gate:
         self._tickets = itertools.count()
         self._held_for: int | None = None  # the shard whose call just ended
         self._held_until = 0.0
+        self._passing: int | None = None  # the rank of a call running not nearly full
 
     def contended(self, shard: int) -> bool:
         """Another shard's member waits for a turn, or has it."""
@@ -69,27 +81,34 @@ class Gate:
                 self._cond.notify_all()
 
     @contextmanager
-    def turn(self, shard: int, rank: int) -> Iterator[None]:
-        """Hold the backend for one call of ``shard`` whose best tier is ``rank``."""
+    def turn(self, shard: int, rank: int, size: int = 0) -> Iterator[None]:
+        """Hold the backend for one call of ``shard`` of ``size`` inputs
+        whose best tier is ``rank``."""
         with self._cond:
             if self._owner != shard or self._calling or self._lapsed():
                 self._acquire(shard, rank, calling=True)
             self._calling = True
+            if size < self.full_at:  # (those it passes over go next)
+                self._passing = rank
+                self._waiting = [(PASSED if r > rank else r, t, s) for r, t, s in self._waiting]
+                heapq.heapify(self._waiting)
         try:
             yield
         finally:
             with self._cond:
-                self._owner, self._calling = None, False
+                self._owner, self._calling, self._passing = None, False, None
                 self._held_for, self._held_until = shard, time.monotonic() + self.hold_s
                 self._cond.notify_all()
 
     def _acquire(self, shard: int, rank: int, calling: bool) -> None:
-        me = (rank, next(self._tickets), shard)
-        heapq.heappush(self._waiting, me)
+        ticket = next(self._tickets)
+        if self._passing is not None and rank > self._passing:
+            rank = PASSED  # (passed over by the call running now)
+        heapq.heappush(self._waiting, (rank, ticket, shard))
         if self._held_for == shard:
             self._held_for = None  # (it came back: the choice may be made)
         self._cond.notify_all()
-        while not self._may_run(me):
+        while not self._may_run(ticket):
             self._cond.wait(self._wait_s())
         heapq.heappop(self._waiting)
         self._owner, self._calling = shard, calling
@@ -103,8 +122,8 @@ class Gate:
             and (time.monotonic() >= self._reserved_until)
         )
 
-    def _may_run(self, me: tuple[int, int, int]) -> bool:
-        if self._waiting[0] != me:
+    def _may_run(self, ticket: int) -> bool:
+        if self._waiting[0][1] != ticket:
             return False
         if self._owner is not None and not self._lapsed():
             return False
@@ -140,7 +159,7 @@ class GatedBackend:
     @contextmanager
     def _turn(self, inputs: list[str]) -> Iterator[None]:
         rank = getattr(inputs, "rank", len(TIERS))
-        with self.gate.turn(self.shard, rank):
+        with self.gate.turn(self.shard, rank, len(inputs)):
             self.last_rank = rank
             yield
 

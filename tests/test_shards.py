@@ -68,8 +68,10 @@ def test_a_bad_list_of_urls_is_refused_without_quoting_it(text: str, message: st
 # -- the gate ---------------------------------------------------------------------
 
 
-def _run_on(gate: Gate, order: list[str], shard: int, rank: int, name: str, s: float) -> None:
-    with gate.turn(shard, rank):
+def _run_on(
+    gate: Gate, order: list[str], shard: int, rank: int, name: str, s: float, size: int = 10
+) -> None:
+    with gate.turn(shard, rank, size):
         order.append(name)
         time.sleep(s)
 
@@ -80,22 +82,33 @@ def _start(target: Callable[[], None]) -> threading.Thread:
     return thread
 
 
-def test_the_gate_runs_the_best_tier_next_and_waits_for_the_shard_that_just_ran() -> None:
-    gate, order = Gate(hold_s=0.5), []
-    first = _start(lambda: _run_on(gate, order, 0, 0, "a-enterprise", 0.2))
+@pytest.mark.parametrize(
+    ("size", "expected"),
+    [
+        # A full batch of enterprise: shard 0 comes back within the hold with
+        # another, which runs before the free batch that waited all along.
+        (10, ["a-enterprise", "a-enterprise-2", "b-free"]),
+        # A batch with room left: the free batch it passed over goes next.
+        (3, ["a-enterprise", "b-free", "a-enterprise-2"]),
+    ],
+)
+def test_the_gate_runs_the_best_tier_next_unless_it_passed_over_one_with_room(
+    size: int, expected: list[str]
+) -> None:
+    gate, order = Gate(full_at=10, hold_s=0.5), []
+    first = _start(lambda: _run_on(gate, order, 0, 0, "a-enterprise", 0.2, size))
     wait_for(lambda: order, 2, "the first call")
     free = _start(lambda: _run_on(gate, order, 1, 2, "b-free", 0.0))
+    wait_for(lambda: gate.contended(0), 2, "the free batch waiting")
     first.join()
-    # Shard 0 comes back within the hold with another enterprise batch: it
-    # runs before the free batch that waited all along.
     second = _start(lambda: _run_on(gate, order, 0, 0, "a-enterprise-2", 0.0))
     for thread in (free, second):
         thread.join(5)
-    assert order == ["a-enterprise", "a-enterprise-2", "b-free"]
+    assert order == expected
 
 
 def test_the_gate_takes_turns_between_shards_of_one_tier_and_never_runs_two_at_once() -> None:
-    gate, order, running = Gate(hold_s=0.01), [], []
+    gate, order, running = Gate(full_at=10, hold_s=0.01), [], []
 
     def loop(shard: int) -> None:
         for _ in range(5):
@@ -115,7 +128,7 @@ def test_the_gate_takes_turns_between_shards_of_one_tier_and_never_runs_two_at_o
 
 
 def test_a_reserved_turn_is_kept_for_its_call_and_freed_when_unused() -> None:
-    gate, order = Gate(hold_s=0.0, reserved_s=0.3), []
+    gate, order = Gate(full_at=10, hold_s=0.0, reserved_s=0.3), []
     gate.reserve(0, 2)
     waiting = _start(lambda: _run_on(gate, order, 1, 0, "b-enterprise", 0.0))
     wait_for(lambda: gate.contended(0), 2, "shard 1 waiting")
