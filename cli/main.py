@@ -433,8 +433,8 @@ def _worker(args: argparse.Namespace) -> int:
     )
     each = _per_shard(settings)
     if len(each) > 1:  # (one backend, one call at a time, for every shard's loop)
-        gate = Gate(full_at=max(1, settings.max_batch * 9 // 10))
-        members = [Worker(s, GatedBackend(backend, gate, i)) for i, s in enumerate(each)]
+        gate = Gate(backend, settings.max_batch)
+        members = [Worker(s, GatedBackend(gate, i)) for i, s in enumerate(each)]
     else:
         members = [Worker(settings, backend)]
     worker = one_or_group(members)

@@ -54,7 +54,7 @@ class BatchLoop:
         self.running: Running | None = None
         self.unsure = False
         # The last batch's answer, going out while the next batch runs.
-        self.answering: asyncio.Task[bool] | None = None
+        self.answering: asyncio.Task[None] | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
         backoff = Backoff(base_s=0.1, cap_s=2.0)
@@ -112,8 +112,6 @@ class BatchLoop:
         same step when that answer is small."""
         self.busy = True
         finished = await self.runner.handle(data, lane_call)
-        if self.gated is not None:
-            self.gated.cancel()  # (a turn reserved for a batch with nothing to run)
         stepped = await self._lane_step()
         # At most two batches in processing: the last answer went out
         # while this batch ran (as a rule, long before it returned).
@@ -125,8 +123,6 @@ class BatchLoop:
             self._answer_later(finished, stop, data)
             if stepped.taken.credit_lost:
                 await self._restore_credit(stop)
-        elif stepped is None and self._turn_first(stop):
-            await self._take_in_turn(finished, data, stop)
         else:
             answer = finished.answer() if finished.size <= ANSWERED_WITH_TAKE_MAX else None
             step = stepped.step if stepped else None  # the lane's, which failed
@@ -137,27 +133,8 @@ class BatchLoop:
                 # the reaper.
                 self._answer_later(finished, stop, data)
         self.busy = self.following is not None
-
-    def _turn_first(self, stop: asyncio.Event) -> bool:
-        """Another shard's loop waits for the shared backend: this one's next
-        batch is taken in its own turn, not now (``gate.py``)."""
-        return self.gated is not None and not stop.is_set() and self.gated.contended()
-
-    async def _take_in_turn(self, finished: Finished, data: bytes, stop: asyncio.Event) -> None:
-        """Answer ``data`` now (its ack left to the take), wait for this
-        loop's turn at the backend meanwhile, then take the next batch,
-        acking ``data``: formed at the last moment, as without the gate."""
-        assert self.gated is not None
-        self.lane.answered.clear()
-        answering = asyncio.create_task(self.answer(finished, stop, data, acked=False))
-        await asyncio.to_thread(self.gated.reserve)
-        try:
-            if not await answering:  # (left for the reaper: nothing more is taken)
-                return
-            _, self.following = await self.take_next(data, stop, ack=True)
-        finally:
-            if self.following is None:
-                self.gated.cancel()
+        if self.gated is not None and self.following is None:
+            self.gated.pass_turn()  # (nothing taken: the next call is not waited for)
 
     async def _lane_step(self) -> Stepped | None:
         """What the lane's take after this batch's call did, if it ran one.
@@ -205,12 +182,7 @@ class BatchLoop:
             log.warning("worker.credit_restored", worker_id=self.worker_id)
 
     async def take_next(
-        self,
-        ran: bytes,
-        stop: asyncio.Event,
-        answer: Answer | None = None,
-        step: str | None = None,
-        ack: bool = False,
+        self, ran: bytes, stop: asyncio.Event, answer: Answer | None = None, step: str | None = None
     ) -> tuple[bool, bytes | None]:
         """The backend is free: the next batch, formed straight into
         processing (or the credit offered when there is none to take), with
@@ -235,7 +207,7 @@ class BatchLoop:
         async def take() -> None:
             nonlocal following
             taken = await self.queue.take_next(
-                ran, step, clock.now_ms(), replies, keep, inputs_done, usage, ack
+                ran, step, clock.now_ms(), replies, keep, inputs_done, usage
             )
             if taken.credit_lost:
                 await self._keep_credit_offered()
@@ -266,18 +238,15 @@ class BatchLoop:
         log_drops(taken)
         return taken.batch
 
-    async def answer(
-        self, finished: Finished, stop: asyncio.Event, batch: bytes, acked: bool = True
-    ) -> bool:
-        """Build the replies and publish them, and ack (unless not ``acked``:
-        the next take acks): retried for as long as the worker lives (the
-        work is done); once stopping, for ``publish_grace_s``, after which
-        the batch stays in processing and the reaper runs it again. Returns
-        whether it went out."""
+    async def answer(self, finished: Finished, stop: asyncio.Event, batch: bytes) -> None:
+        """Build the replies and publish them, and ack: retried for as long
+        as the worker lives (the work is done); once stopping, for
+        ``publish_grace_s``, after which the batch stays in processing and
+        the reaper runs it again."""
         answer = finished.answer()
         # Decided once, so every attempt is the same step: a worker stopping
         # takes its credit back with the ack.
-        leaving = acked and stop.is_set()
+        leaving = stop.is_set()
 
         async def publish() -> None:
             await self.queue.answer_batch(
@@ -288,7 +257,6 @@ class BatchLoop:
                 leaving=leaving,
                 inputs_done=answer.inputs_done,
                 usage=answer.usage,
-                acked=acked,
             )
 
         try:
@@ -299,9 +267,8 @@ class BatchLoop:
                 grace_after_stop_s=self._grace_left,
             ):
                 self.lane.answered.set()
-                return True
-            log.error("batch.left_for_the_reaper", worker_id=self.worker_id)
-            return False
+            else:
+                log.error("batch.left_for_the_reaper", worker_id=self.worker_id)
         finally:
             answer.report()
 

@@ -1,176 +1,220 @@
 """One backend serving several Redis shards (``base/queue/shards.py``).
 
 A worker serves every shard of its deployment: one batch loop per shard,
-each forming its batches from its own shard's queues, and one backend that
-still runs one call at a time. The gate decides whose call runs next when
-the backend frees: the call whose batch holds the highest tier, then the
-one waiting longest (so shards with the same tiers waiting take turns).
-A batch costs the backend its time however few it holds, so strict
-priority between shards would starve a shard of lower tiers while a
-shard of higher ones runs small batches that one shard's batches would
-have filled with the lower tiers. So a call passed over for a higher
-tier goes next when the call that passed it was not nearly full
-(``full_at``): as in one shard, a lower tier runs in what the higher ones
-leave free, and waits while they fill whole batches.
+each forming its batches from its own shard's queues the moment the
+backend returns, as with one shard, and one backend that still runs one
+call at a time. Each loop's call comes here, and the backend's calls are
+filled from the inputs of every call waiting, in priority order (the
+call whose batch holds the highest tier first, then the one waiting
+longest), up to ``max_inputs``: two shards' batches of 45 run as one call
+of 90, and when they hold more than one call, the rest of a batch runs
+first in the next (its loop is answered when all of it has run). So a
+lower tier fills the room the higher ones leave, and waits while they
+fill whole calls, as on one shard; a batch costs the backend its time
+once, however the keys are spread.
 
-Batches are formed late here too: a member whose call just ended takes
-its next batch at once only while no other member waits (``contended``);
-otherwise it answers what it ran, then waits for a turn (``reserve``) with
-the rank of its last batch as its guess of what it will take, and takes
-when the turn is its own, so no batch waits at the gate while another
-runs (one formed by a dispatcher for an idle member may, once). The gate
-keeps the backend for up to ``hold_s`` after a call for the member that
-ran it, so its next turn is chosen with everyone's. A lower tier's batch
-runs ahead of a higher tier's request on another shard only when the
-guess was one batch out of date: one batch's worth at most.
+The gate waits a moment (``hold_s``) for the loops whose calls just ended:
+they form their next batches at once, and those are filled in too; a
+loop that finds nothing to take says so (``pass_turn``) and is not
+waited for. A backend call of several loops' inputs that fails is run
+again part by part, so an input that fails its backend fails only its
+own loop's call (which isolates it as with one shard).
 """
 
-import heapq
-import itertools
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from infergate.base.tiers import TIERS
-from infergate.gpu.backend import Backend
+from infergate.gpu.backend import MAX_BATCH, Backend, BackendError
 
-HOLD_S = 0.010
-# A turn reserved and not used by a call within this long lapses (the
-# member found nothing to run, or failed before its call).
-RESERVED_S = 1.0
-PASSED = -1  # (the rank of a call passed over once)
+HOLD_S = 0.030
+
+
+class _Call:
+    """One loop's call: its inputs, given to backend calls in order, and
+    what came back for each."""
+
+    def __init__(
+        self,
+        shard: int,
+        rank: int,
+        ticket: int,
+        inputs: list[str],
+        temperatures: list[float] | None,
+    ) -> None:
+        self.shard, self.rank, self.ticket = shard, rank, ticket
+        self.inputs, self.temperatures = inputs, temperatures
+        self.outputs: list[str] = [""] * len(inputs)
+        self.given = 0  # inputs given to a backend call so far
+        self.answered = 0  # inputs answered (or failed) so far
+        self.error: BaseException | None = None
+
+    def order(self) -> tuple[int, int]:
+        return self.rank, self.ticket
+
+    def done(self) -> bool:
+        return self.answered == len(self.inputs)
+
+
+class _Part:
+    """Some of a call's inputs in one backend call."""
+
+    def __init__(self, call: _Call, start: int, end: int) -> None:
+        self.call, self.start, self.end = call, start, end
+
+    def inputs(self) -> list[str]:
+        return self.call.inputs[self.start : self.end]
+
+    def temperatures(self) -> list[float]:
+        given = self.call.temperatures
+        return [0.0] * (self.end - self.start) if given is None else given[self.start : self.end]
 
 
 class Gate:
-    def __init__(
-        self, full_at: int = 90, hold_s: float = HOLD_S, reserved_s: float = RESERVED_S
-    ) -> None:
-        self.full_at = full_at
+    def __init__(self, backend: Backend, max_inputs: int = MAX_BATCH, hold_s: float = HOLD_S):
+        self.backend = backend
+        self.max_inputs = max(1, min(MAX_BATCH, max_inputs))
         self.hold_s = hold_s
-        self.reserved_s = reserved_s
         self._cond = threading.Condition()
-        self._owner: int | None = None  # the shard whose turn it is
-        self._calling = False  # (its call runs; else it is reserved)
-        self._reserved_until = 0.0
-        self._waiting: list[tuple[int, int, int]] = []  # (rank, ticket, shard): a heap
-        self._tickets = itertools.count()
-        self._held_for: int | None = None  # the shard whose call just ended
+        self._busy = False
+        self._waiting: list[_Call] = []  # calls with inputs not given yet
+        self._tickets = 0
+        self._expected: set[int] = set()  # the shards whose calls just ended
         self._held_until = 0.0
-        self._passing: int | None = None  # the rank of a call running not nearly full
+        self.together = 0  # backend calls that ran more than one shard's inputs
 
-    def contended(self, shard: int) -> bool:
-        """Another shard's member waits for a turn, or has it."""
+    def call(
+        self, shard: int, rank: int, inputs: list[str], temperatures: list[float] | None
+    ) -> list[str]:
+        """Run ``inputs`` of ``shard`` (best tier ``rank``) in the backend
+        calls to come, beside the other shards' inputs; blocks until done."""
         with self._cond:
-            return any(s != shard for _, _, s in self._waiting) or self._owner not in (
-                None,
-                shard,
-            )
+            self._tickets += 1
+            me = _Call(shard, rank, self._tickets, inputs, temperatures)
+            self._waiting.append(me)
+            self._expected.discard(shard)
+            self._cond.notify_all()
+            while not me.done():
+                if not self._leads(me):
+                    self._cond.wait(self._wait_s())
+                    continue
+                parts = self._fill()
+                self._busy = True
+                self._cond.release()
+                try:
+                    self._run(parts)
+                finally:
+                    self._cond.acquire()
+                    self._ended(parts)
+        if me.error is not None:
+            raise me.error
+        return me.outputs
 
-    def reserve(self, shard: int, rank: int) -> None:
-        """Wait for ``shard``'s turn, for a batch it has not taken yet whose
-        best tier is likely ``rank``; its next call runs in it (``turn``)."""
+    def pass_turn(self, shard: int) -> None:
+        """``shard``'s loop has nothing to run now: the gate does not wait for it."""
         with self._cond:
-            self._acquire(shard, rank, calling=False)
-
-    def cancel(self, shard: int) -> None:
-        """``shard`` reserved a turn and has nothing to run in it."""
-        with self._cond:
-            if self._owner == shard and not self._calling:
-                self._owner = None
+            if shard in self._expected:
+                self._expected.discard(shard)
                 self._cond.notify_all()
 
-    @contextmanager
-    def turn(self, shard: int, rank: int, size: int = 0) -> Iterator[None]:
-        """Hold the backend for one call of ``shard`` of ``size`` inputs
-        whose best tier is ``rank``."""
-        with self._cond:
-            if self._owner != shard or self._calling or self._lapsed():
-                self._acquire(shard, rank, calling=True)
-            self._calling = True
-            if size < self.full_at:  # (those it passes over go next)
-                self._passing = rank
-                self._waiting = [(PASSED if r > rank else r, t, s) for r, t, s in self._waiting]
-                heapq.heapify(self._waiting)
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._owner, self._calling, self._passing = None, False, None
-                self._held_for, self._held_until = shard, time.monotonic() + self.hold_s
-                self._cond.notify_all()
-
-    def _acquire(self, shard: int, rank: int, calling: bool) -> None:
-        ticket = next(self._tickets)
-        if self._passing is not None and rank > self._passing:
-            rank = PASSED  # (passed over by the call running now)
-        heapq.heappush(self._waiting, (rank, ticket, shard))
-        if self._held_for == shard:
-            self._held_for = None  # (it came back: the choice may be made)
-        self._cond.notify_all()
-        while not self._may_run(ticket):
-            self._cond.wait(self._wait_s())
-        heapq.heappop(self._waiting)
-        self._owner, self._calling = shard, calling
-        self._reserved_until = time.monotonic() + self.reserved_s
-        self._cond.notify_all()  # (the others wait on what this turn is now)
-
-    def _lapsed(self) -> bool:
-        return (
-            self._owner is not None
-            and not self._calling
-            and (time.monotonic() >= self._reserved_until)
-        )
-
-    def _may_run(self, ticket: int) -> bool:
-        if self._waiting[0][1] != ticket:
+    def _leads(self, me: _Call) -> bool:
+        """``me`` runs the next backend call: it is first, the backend is
+        free, and the loops of the last call are back (or had their moment)."""
+        if self._busy or not self._waiting or min(self._waiting, key=_Call.order) is not me:
             return False
-        if self._owner is not None and not self._lapsed():
-            return False
-        return self._held_for is None or time.monotonic() >= self._held_until
+        return not self._expected or time.monotonic() >= self._held_until
 
     def _wait_s(self) -> float | None:
-        now = time.monotonic()
-        ends = [self._held_until] if self._held_for is not None else []
-        if self._owner is not None and not self._calling:
-            ends.append(self._reserved_until)
-        return max(0.0, min(ends) - now) if ends else None
+        if self._busy or not self._expected:
+            return None
+        return max(0.0, self._held_until - time.monotonic())
+
+    def _fill(self) -> list[_Part]:
+        """The next backend call: the waiting calls' inputs, best tier first,
+        up to ``max_inputs`` (a call may be split over two)."""
+        parts, room = [], self.max_inputs
+        for call in sorted(self._waiting, key=_Call.order):
+            if room == 0:
+                break
+            take = min(room, len(call.inputs) - call.given)
+            parts.append(_Part(call, call.given, call.given + take))
+            call.given += take
+            room -= take
+        self._waiting = [c for c in self._waiting if c.given < len(c.inputs)]
+        return parts
+
+    def _ended(self, parts: list[_Part]) -> None:
+        self._busy = False
+        ended = {part.call.shard for part in parts if part.call.done()}
+        self._expected, self._held_until = ended, time.monotonic() + self.hold_s
+        self._cond.notify_all()
+
+    def _run(self, parts: list[_Part]) -> None:
+        """One backend call for every part, and part by part if that fails
+        (so a part's error is its own call's)."""
+        if len({id(part.call) for part in parts}) > 1:
+            try:
+                outputs = self._backend_call(parts)
+            except Exception:
+                pass  # (run again part by part, below)
+            else:
+                self.together += 1
+                at = 0
+                for part in parts:
+                    size = part.end - part.start
+                    self._answer(part, outputs[at : at + size], None)
+                    at += size
+                return
+        for part in parts:
+            try:
+                self._answer(part, self._backend_call([part]), None)
+            except BaseException as exc:
+                self._answer(part, None, exc)
+
+    @staticmethod
+    def _answer(part: _Part, outputs: list[str] | None, error: BaseException | None) -> None:
+        call = part.call
+        if outputs is not None:
+            call.outputs[part.start : part.end] = outputs
+        if error is not None and call.error is None:
+            call.error = error
+        call.answered += part.end - part.start
+
+    def _backend_call(self, parts: list[_Part]) -> list[str]:
+        inputs = [text for part in parts for text in part.inputs()]
+        if all(part.call.temperatures is None for part in parts):
+            outputs = self.backend.infer(inputs)
+        else:
+            temperatures = [t for part in parts for t in part.temperatures()]
+            outputs = self.backend.infer_sampled(inputs, temperatures)
+        if len(outputs) != len(inputs):
+            raise BackendError(f"the backend answered {len(outputs)} of {len(inputs)} inputs")
+        return outputs
 
 
 class GatedBackend:
     """One shard's face of a backend shared through a gate."""
 
-    def __init__(self, backend: Backend, gate: Gate, shard: int) -> None:
-        self.backend = backend
-        self.name = backend.name
-        self.fingerprint = backend.fingerprint
+    def __init__(self, gate: Gate, shard: int) -> None:
+        self.backend = gate.backend
+        self.name = gate.backend.name
+        self.fingerprint = gate.backend.fingerprint
         self.gate = gate
         self.shard = shard
-        self.last_rank = len(TIERS)  # (the best tier of its last call: the next one's guess)
 
     def infer(self, inputs: list[str]) -> list[str]:
-        with self._turn(inputs):
-            return self.backend.infer(list(inputs))
+        return self.gate.call(self.shard, _rank(inputs), list(inputs), None)
 
     def infer_sampled(self, inputs: list[str], temperatures: list[float]) -> list[str]:
-        with self._turn(inputs):
-            return self.backend.infer_sampled(list(inputs), temperatures)
-
-    @contextmanager
-    def _turn(self, inputs: list[str]) -> Iterator[None]:
-        rank = getattr(inputs, "rank", len(TIERS))
-        with self.gate.turn(self.shard, rank, len(inputs)):
-            self.last_rank = rank
-            yield
-
-    def contended(self) -> bool:
-        return self.gate.contended(self.shard)
-
-    def reserve(self) -> None:
-        self.gate.reserve(self.shard, self.last_rank)
-
-    def cancel(self) -> None:
-        self.gate.cancel(self.shard)
+        return self.gate.call(self.shard, _rank(inputs), list(inputs), list(temperatures))
 
     def clip(self, text: str, max_tokens: int) -> tuple[str, int]:
         return self.backend.clip(text, max_tokens)
+
+    def pass_turn(self) -> None:
+        self.gate.pass_turn(self.shard)
+
+
+def _rank(inputs: list[str]) -> int:
+    rank: int = getattr(inputs, "rank", len(TIERS))
+    return rank

@@ -93,12 +93,12 @@ class Worker:
         # stops counting this worker while it finishes its batch.
         self.stopping = asyncio.Event()
         # The backend's thread; under load it takes and starts the next batch itself.
-        # Shared with other shards' loops (gate.py): the lane takes only while none waits.
+        # Shared with other shards' loops (gate.py).
         self.gated = backend if isinstance(backend, GatedBackend) else None
         self.lane = Lane(
             backend,
             self._blocking_take,
-            lambda: not self.stopping.is_set() and not (self.gated and self.gated.contended()),
+            lambda: not self.stopping.is_set(),
             ANSWERED_WITH_TAKE_MAX,
             self._blocking_take.with_inputs,
         )

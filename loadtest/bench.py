@@ -107,7 +107,11 @@ def _openai_output(data: dict[str, Any]) -> str:
     return str(choice.get("text") or choice.get("message", {}).get("content", ""))
 
 
-async def run(args: argparse.Namespace, keys: dict[str, str]) -> dict[str, Any]:
+def _listed(keys: str | list[str]) -> list[str]:
+    return [keys] if isinstance(keys, str) else keys
+
+
+async def run(args: argparse.Namespace, keys: dict[str, str | list[str]]) -> dict[str, Any]:
     """Send on schedule through the lean client (``http_client``): each tick
     sends every request already due, so the sender costs one wake-up per
     tick, not one timer per request; latency still counts from each
@@ -122,12 +126,14 @@ async def run(args: argparse.Namespace, keys: dict[str, str]) -> dict[str, Any]:
     pool = HttpPool(args.url, args.connections)
     host = f"{pool.host}:{pool.port}"
     path, head, body_end = ROUTES[args.route]
+    # A tier's key, or its keys in turn (spread over a deployment's shards).
     posts = {
-        t: PostTemplate(
-            host,
-            path,
-            {"Authorization": "Bearer " + keys[t], "Content-Type": "application/json"},
-        )
+        t: [
+            PostTemplate(
+                host, path, {"Authorization": "Bearer " + key, "Content-Type": "application/json"}
+            )
+            for key in _listed(keys[t])
+        ]
         for t in mix
     }
     # The body as bytes around each request's text (plain ASCII: no JSON escaping).
@@ -146,7 +152,8 @@ async def run(args: argparse.Namespace, keys: dict[str, str]) -> dict[str, Any]:
             lags_ms.append((now - due) * 1000.0)
             tier = rng.choices(tiers, weights)[0]
             text = f"bench-{i}-{tier}-{pad}"
-            reply = pool.request(posts[tier].with_body(head + text.encode() + body_end))
+            post = posts[tier][i % len(posts[tier])]
+            reply = pool.request(post.with_body(head + text.encode() + body_end))
             reply.add_done_callback(partial(_record, samples, tier, text, due))
             pending.append(reply)
             i += 1
@@ -288,7 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument(
-        "--keys", required=True, help="JSON {tier: key}, as `infergate up --keys-out` writes"
+        "--keys",
+        required=True,
+        help="JSON {tier: key} (as `infergate up --keys-out` writes) or {tier: [key, ...]}",
     )
     p.add_argument("--rate", type=float, default=100.0, help="requests per second")
     p.add_argument("--duration", type=float, default=10.0, help="seconds of sending")

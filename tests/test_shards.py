@@ -3,7 +3,6 @@ both shards carrying load, quotas exact across gateways, the priority
 between tiers held across shards by the worker's gate, and a shard that
 dies refusing only its own keys while the other's are served."""
 
-import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -14,6 +13,7 @@ from typing import Any
 import pytest
 import redis
 from infergate.base.queue import shards
+from infergate.gpu.backend import BackendError
 from infergate.gpu.gate import Gate
 from infergate.redis_server import RedisServer
 
@@ -68,12 +68,32 @@ def test_a_bad_list_of_urls_is_refused_without_quoting_it(text: str, message: st
 # -- the gate ---------------------------------------------------------------------
 
 
-def _run_on(
-    gate: Gate, order: list[str], shard: int, rank: int, name: str, s: float, size: int = 10
-) -> None:
-    with gate.turn(shard, rank, size):
-        order.append(name)
-        time.sleep(s)
+class _Backend:
+    """Records each call; one at a time (it raises otherwise); ``poison`` fails a call."""
+
+    name, fingerprint = "fake", "fake/1"
+
+    def __init__(self, seconds: float = 0.3) -> None:
+        self.seconds = seconds
+        self.calls: list[list[str]] = []
+        self.lock = threading.Lock()
+
+    def infer(self, inputs: list[str]) -> list[str]:
+        assert self.lock.acquire(blocking=False), "two calls at once"
+        try:
+            self.calls.append(list(inputs))
+            time.sleep(self.seconds)
+            if any("poison" in text for text in inputs):
+                raise BackendError("poisoned")
+            return [text.upper() for text in inputs]
+        finally:
+            self.lock.release()
+
+    def infer_sampled(self, inputs: list[str], temperatures: list[float]) -> list[str]:
+        return self.infer(inputs)
+
+    def clip(self, text: str, max_tokens: int) -> tuple[str, int]:
+        return text, 0
 
 
 def _start(target: Callable[[], None]) -> threading.Thread:
@@ -82,68 +102,62 @@ def _start(target: Callable[[], None]) -> threading.Thread:
     return thread
 
 
-@pytest.mark.parametrize(
-    ("size", "expected"),
-    [
-        # A full batch of enterprise: shard 0 comes back within the hold with
-        # another, which runs before the free batch that waited all along.
-        (10, ["a-enterprise", "a-enterprise-2", "b-free"]),
-        # A batch with room left: the free batch it passed over goes next.
-        (3, ["a-enterprise", "b-free", "a-enterprise-2"]),
-    ],
-)
-def test_the_gate_runs_the_best_tier_next_unless_it_passed_over_one_with_room(
-    size: int, expected: list[str]
-) -> None:
-    gate, order = Gate(full_at=10, hold_s=0.5), []
-    first = _start(lambda: _run_on(gate, order, 0, 0, "a-enterprise", 0.2, size))
-    wait_for(lambda: order, 2, "the first call")
-    free = _start(lambda: _run_on(gate, order, 1, 2, "b-free", 0.0))
-    wait_for(lambda: gate.contended(0), 2, "the free batch waiting")
-    first.join()
-    second = _start(lambda: _run_on(gate, order, 0, 0, "a-enterprise-2", 0.0))
-    for thread in (free, second):
-        thread.join(5)
-    assert order == expected
+def _call(gate: Gate, shard: int, rank: int, inputs: list[str], out: dict[str, Any]) -> None:
+    try:
+        out[inputs[0]] = gate.call(shard, rank, inputs, None)
+    except BackendError as exc:
+        out[inputs[0]] = exc
 
 
-def test_the_gate_takes_turns_between_shards_of_one_tier_and_never_runs_two_at_once() -> None:
-    gate, order, running = Gate(full_at=10, hold_s=0.01), [], []
-
-    def loop(shard: int) -> None:
-        for _ in range(5):
-            with gate.turn(shard, 1):
-                running.append(shard)
-                assert len(running) == 1
-                order.append(shard)
-                time.sleep(0.02)
-                running.remove(shard)
-
-    threads = [_start(lambda s=s: loop(s)) for s in (0, 1)]
-    for thread in threads:
+def _calls(gate: Gate, calls: list[tuple[int, int, list[str]]]) -> dict[str, Any]:
+    """A first call runs; the others arrive while it does, then all end."""
+    out: dict[str, Any] = {}
+    first = _start(lambda: _call(gate, *calls[0], out))
+    wait_for(lambda: gate.backend.calls, 2, "the first call")  # type: ignore[attr-defined]
+    rest = [_start(lambda c=c: _call(gate, *c, out)) for c in calls[1:]]
+    wait_for(lambda: len(gate._waiting) == len(rest), 2, "the other calls waiting")
+    for thread in (first, *rest):
         thread.join(10)
-    assert sorted(order) == [0] * 5 + [1] * 5
-    switches = sum(1 for a, b in itertools.pairwise(order) if a != b)
-    assert switches >= 7  # (turns, not one shard's five then the other's)
+    return out
 
 
-def test_a_reserved_turn_is_kept_for_its_call_and_freed_when_unused() -> None:
-    gate, order = Gate(full_at=10, hold_s=0.0, reserved_s=0.3), []
-    gate.reserve(0, 2)
-    waiting = _start(lambda: _run_on(gate, order, 1, 0, "b-enterprise", 0.0))
-    wait_for(lambda: gate.contended(0), 2, "shard 1 waiting")
-    assert order == []  # (a better rank waits: the turn is kept)
-    _run_on(gate, order, 0, 2, "a-free", 0.0)  # (its call: no second wait)
-    waiting.join(5)
-    assert order == ["a-free", "b-enterprise"]
-    gate.reserve(0, 1)
-    gate.cancel(0)  # (nothing to run)
-    _run_on(gate, order, 1, 1, "b-now", 0.0)
-    gate.reserve(0, 1)  # (never used: it lapses)
+def test_calls_of_several_shards_that_fit_run_as_one_backend_call() -> None:
+    backend = _Backend()
+    gate = Gate(backend, max_inputs=10, hold_s=0.0)
+    out = _calls(gate, [(0, 1, ["a0"]), (1, 2, ["b1", "b2"]), (0, 0, ["a1", "a2", "a3"])])
+    assert out == {"a0": ["A0"], "b1": ["B1", "B2"], "a1": ["A1", "A2", "A3"]}
+    assert backend.calls[1] == ["a1", "a2", "a3", "b1", "b2"]  # (best tier first)
+    assert gate.together == 1
+
+
+def test_inputs_fill_each_backend_call_best_tier_first_and_a_batch_may_span_two() -> None:
+    backend = _Backend()
+    gate = Gate(backend, max_inputs=4, hold_s=0.0)
+    free, ent = ["f1", "f2", "f3"], ["e1", "e2", "e3"]
+    out = _calls(gate, [(0, 1, ["p"]), (1, 2, free), (0, 0, ent)])
+    assert backend.calls[1:] == [["e1", "e2", "e3", "f1"], ["f2", "f3"]]
+    assert out == {"p": ["P"], "f1": ["F1", "F2", "F3"], "e1": ["E1", "E2", "E3"]}
+
+
+def test_a_call_run_together_that_fails_is_run_again_part_by_part() -> None:
+    backend = _Backend()
+    gate = Gate(backend, max_inputs=10, hold_s=0.0)
+    out = _calls(gate, [(0, 1, ["a0"]), (1, 1, ["b-poison"]), (0, 1, ["a1", "a2"])])
+    assert isinstance(out["b-poison"], BackendError)
+    assert out["a1"] == ["A1", "A2"]
+    together, *parts = backend.calls[1:]
+    assert sorted(together) == ["a1", "a2", "b-poison"]
+    assert sorted(parts) == [["a1", "a2"], ["b-poison"]]
+
+
+def test_the_gate_waits_a_moment_for_the_shards_of_the_last_call_unless_they_pass() -> None:
+    backend = _Backend(seconds=0.0)
+    gate = Gate(backend, max_inputs=10, hold_s=0.5)
+    gate.call(0, 0, ["a"], None)  # (shard 0 ran last: the gate expects it back)
     started = time.monotonic()
-    _run_on(gate, order, 1, 1, "b-after-lapse", 0.0)
-    assert 0.2 < time.monotonic() - started < 2.0
-    assert order[-2:] == ["b-now", "b-after-lapse"]
+    gate.pass_turn(0)  # (it had nothing more)
+    assert gate.call(1, 2, ["b"], None) == ["B"]
+    assert time.monotonic() - started < 0.4
 
 
 # -- a deployment on two shards ------------------------------------------------------

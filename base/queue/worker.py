@@ -127,7 +127,6 @@ class WorkerQueue:
         keep: Sequence[KeptAnswer] = (),
         inputs_done: Sequence[str] = (),
         usage: Sequence[Charge] = (),
-        ack: bool = False,
     ) -> TakeResult:
         """The backend has just run ``ran`` (still in processing): form this
         worker's next batch straight into its processing list, beside it
@@ -140,11 +139,9 @@ class WorkerQueue:
         published, ``keep`` stored and ``ran`` acked in the same
         transaction, after the take, and its long inputs (``inputs_done``)
         deleted: for a small batch, whose few replies add little to the step
-        and so reach their clients one round trip sooner. With ``ack`` and
-        no replies, ``ran`` is acked by the take: its answer went out without
-        its ack (``answer_batch``, ``acked=False``)."""
+        and so reach their clients one round trip sooner."""
         scripts = self.store.scripts
-        take, args = self.take_step(ran, step, now_ms, ack=ack or replies is not None)
+        take, args = self.take_step(ran, step, now_ms, ack=replies is not None)
         # Straight on the held connection (``pipelined.py``): between two
         # backend calls (and at low load, on every request's way back),
         # redis-py's own way through costs more than the take.
@@ -184,7 +181,6 @@ class WorkerQueue:
         leaving: bool = False,
         inputs_done: Sequence[str] = (),
         usage: Sequence[Charge] = (),
-        acked: bool = True,
     ) -> None:
         """Publish one reply per gateway, store the jobs' results and the
         answers to keep, delete the batch's long inputs (``inputs_done``),
@@ -192,8 +188,7 @@ class WorkerQueue:
         result is stored by the same step that finishes its batch. A worker
         ``leaving`` also takes back its credit (``ack_batch.lua``). If the
         reply to the transaction is lost, it is run again: gateways ignore
-        the duplicate and a job's result is stored again. One round trip.
-        Not ``acked``, ``batch`` stays in processing for the next take to ack."""
+        the duplicate and a job's result is stored again. One round trip."""
         keys = self.keys
         processing = keys.processing(self.worker_id)
         ack: tuple[object, ...] = (
@@ -201,10 +196,7 @@ class WorkerQueue:
             if leaving
             else ("LREM", processing, 0, batch)
         )
-        commands = [
-            *self._answer_commands(replies, now_ms, keep, inputs_done, usage),
-            *([ack] if acked else []),
-        ]
+        commands = [*self._answer_commands(replies, now_ms, keep, inputs_done, usage), ack]
         await self.store.pipelined.transaction(commands, self._scripts)
 
     async def publish_replies(self, replies: Mapping[str, wire.Reply]) -> None:
