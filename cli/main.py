@@ -396,7 +396,10 @@ def _dispatcher(args: argparse.Namespace) -> int:
     live = _live_policy(args, required=False)
     if serve_model(args, live, "dispatcher") is None:
         return 2
-    dispatcher = one_or_group([Dispatcher(s, live) for s in _per_shard(settings)])
+    # (each member its own live policy: each keeps it on its own shard)
+    each = _per_shard(settings)
+    lives = [live, *(_live_policy(args, required=False) for _ in each[1:])]
+    dispatcher = one_or_group([Dispatcher(s, lv) for s, lv in zip(each, lives, strict=True)])
     with _side_port(args, dispatcher.registry, dispatcher.probes()):
         return runtime.run(dispatcher.serve)
 

@@ -232,14 +232,17 @@ class Gateway:
         return all(lane.heartbeat.alive() for lane in self.lanes)
 
     async def _keep_policy(self, policy: Policy, text: str) -> None:
-        failed: BaseException | None = None
+        failed: list[BaseException] = []
         for shard in self.shards:  # (every shard that answers keeps it)
             try:
                 await keep_policy(shard.store, policy.version, text)
             except STORE_ERRORS as exc:
-                failed = exc
-        if failed is not None:
-            raise failed
+                log.warning("policy.keep_failed", shard=shard.index, error=type(exc).__name__)
+                failed.append(exc)
+        # Kept while one shard has it: a shard that is down must not stop
+        # the policy's changes (a revoked key) reaching the others.
+        if len(failed) == len(self.shards):
+            raise failed[0]
 
     async def start(self) -> None:
         if self.policy.error is None:

@@ -93,14 +93,18 @@ class Shares:
             store = self.store_for(model, key_id)
             _, charges = by_store.setdefault((model, id(store.redis)), (store, []))
             charges.append(usage.Charge(key_id, tier, refused=n))
-        try:
-            for (model, _), (store, charges) in by_store.items():
+        failed: BaseException | None = None
+        for (model, _), (store, charges) in by_store.items():
+            try:  # (each shard on its own: one that is down keeps only its own)
                 await usage.charge(store, charges, clock.now_ms(), retention_s)
-                for charge in charges:
-                    del unsent[model, charge.key_id, charge.tier]
-        except BaseException:
+            except BaseException as exc:
+                failed = exc
+                continue
+            for charge in charges:
+                del unsent[model, charge.key_id, charge.tier]
+        if failed is not None:
             self._unsent.update(unsent)
-            raise
+            raise failed
 
     def _close_window(self) -> None:
         if clock.monotonic_s() - self._window_started < WINDOW_S:

@@ -10,7 +10,9 @@ longest), up to ``max_inputs``: two shards' batches of 45 run as one call
 of 90, and when they hold more than one call, the rest of a batch runs
 first in the next (its loop is answered when all of it has run). So a
 lower tier fills the room the higher ones leave, and waits while they
-fill whole calls, as on one shard; a batch costs the backend its time
+fill whole calls, as on one shard, but a batch already formed, passed
+over by three calls, runs next (its requests are out of the queue and its
+worker's hang timer runs); a batch costs the backend its time
 once, however the keys are spread.
 
 The gate waits a moment (``hold_s``) for the loops whose calls just ended:
@@ -28,6 +30,10 @@ from infergate.base.tiers import TIERS
 from infergate.gpu.backend import MAX_BATCH, Backend, BackendError
 
 HOLD_S = 0.030
+# A batch already formed has its requests out of the queue and its worker's
+# hang timer running: one passed over by this many calls runs next.
+PASSES_MAX = 3
+JUMPED = -1
 
 
 class _Call:
@@ -45,6 +51,7 @@ class _Call:
         self.shard, self.rank, self.ticket = shard, rank, ticket
         self.inputs, self.temperatures = inputs, temperatures
         self.outputs: list[str] = [""] * len(inputs)
+        self.passed = 0  # backend calls that ran without it while it waited
         self.given = 0  # inputs given to a backend call so far
         self.answered = 0  # inputs answered (or failed) so far
         self.error: BaseException | None = None
@@ -88,6 +95,8 @@ class Gate:
     ) -> list[str]:
         """Run ``inputs`` of ``shard`` (best tier ``rank``) in the backend
         calls to come, beside the other shards' inputs; blocks until done."""
+        if not inputs:
+            return []
         with self._cond:
             self._tickets += 1
             me = _Call(shard, rank, self._tickets, inputs, temperatures)
@@ -96,7 +105,7 @@ class Gate:
             self._cond.notify_all()
             while not me.done():
                 if not self._leads(me):
-                    self._cond.wait(self._wait_s())
+                    self._cond.wait(self._wait_s(me))
                     continue
                 parts = self._fill()
                 self._busy = True
@@ -124,8 +133,9 @@ class Gate:
             return False
         return not self._expected or time.monotonic() >= self._held_until
 
-    def _wait_s(self) -> float | None:
-        if self._busy or not self._expected:
+    def _wait_s(self, me: _Call) -> float | None:
+        """Until the hold ends, for the call that leads then; the others are woken."""
+        if self._busy or not self._expected or min(self._waiting, key=_Call.order) is not me:
             return None
         return max(0.0, self._held_until - time.monotonic())
 
@@ -141,6 +151,12 @@ class Gate:
             call.given += take
             room -= take
         self._waiting = [c for c in self._waiting if c.given < len(c.inputs)]
+        ran = {id(part.call) for part in parts}
+        for call in self._waiting:
+            if id(call) not in ran:
+                call.passed += 1
+                if call.passed >= PASSES_MAX:  # (it runs next, whatever its tier)
+                    call.rank = JUMPED
         return parts
 
     def _ended(self, parts: list[_Part]) -> None:
@@ -155,7 +171,7 @@ class Gate:
         if len({id(part.call) for part in parts}) > 1:
             try:
                 outputs = self._backend_call(parts)
-            except Exception:
+            except BaseException:
                 pass  # (run again part by part, below)
             else:
                 self.together += 1

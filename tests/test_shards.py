@@ -43,6 +43,8 @@ def test_a_key_has_one_shard_spread_evenly_and_a_new_shard_moves_only_its_share(
     moved = [(b, a) for b, a in zip(before, after, strict=True) if a != b]
     assert all(a == 2 for _, a in moved)  # (only to the new shard)
     assert 1700 < len(moved) < 2300
+    # The db as redis-py reads it: the query's wins over the path's.
+    assert shards.identity("redis://h/7?db=1") == shards.identity("redis://h:6379/01")
     # Reordered URLs, a password added: no key moves.
     reordered = [shards.identity(u) for u in ("redis://:pw@10.0.0.2:6379", "redis://10.0.0.1/0")]
     assert [shards.shard_of(f"key-{i}", reordered) for i in range(200)] == [
@@ -148,6 +150,26 @@ def test_a_call_run_together_that_fails_is_run_again_part_by_part() -> None:
     together, *parts = backend.calls[1:]
     assert sorted(together) == ["a1", "a2", "b-poison"]
     assert sorted(parts) == [["a1", "a2"], ["b-poison"]]
+
+
+def test_a_batch_passed_over_by_three_calls_runs_next_whatever_its_tier() -> None:
+    backend = _Backend(seconds=0.02)
+    gate = Gate(backend, max_inputs=2, hold_s=0.05)
+    stop, out = threading.Event(), {}
+
+    def enterprise_fills_every_call() -> None:
+        i = 0
+        while not stop.is_set():
+            gate.call(0, 0, [f"e{i}", f"e{i}b"], None)
+            i += 1
+
+    loop = _start(enterprise_fills_every_call)
+    wait_for(lambda: backend.calls, 2, "the enterprise loop")
+    _start(lambda: _call(gate, 1, 2, ["free"], out)).join(5)
+    stop.set()
+    loop.join(5)
+    assert out == {"free": ["FREE"]}
+    assert gate.call(1, 2, [], None) == []  # (nothing to run: no wait)
 
 
 def test_the_gate_waits_a_moment_for_the_shards_of_the_last_call_unless_they_pass() -> None:
@@ -316,7 +338,8 @@ def test_the_priority_between_tiers_holds_across_shards_within_one_batch(
 ) -> None:
     """One worker, enterprise work on one shard and free work on the other,
     sent together: the free requests answered before the last enterprise
-    one are at most about one batch's worth (taking turns would answer half)."""
+    one are a batch at the start, and one a batch passed over by three
+    calls (taking turns would answer half)."""
     urls = [s.url for s in two_redis]
     (ent, *_), _ = _keys_by_shard(urls, "enterprise", 1)
     _, (fre, *_) = _keys_by_shard(urls, "free", 1)
@@ -338,4 +361,4 @@ def test_the_priority_between_tiers_holds_across_shards_within_one_batch(
         last_enterprise = max(i for i, (_, key, _) in enumerate(done) if key == ent)
         free_before = sum(1 for _, key, _ in done[:last_enterprise] if key == fre)
         print(f"free answered before the last enterprise: {free_before} of 60 (batch 10)")
-        assert free_before <= 20
+        assert free_before <= 30

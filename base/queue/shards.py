@@ -18,9 +18,10 @@ worker serve every shard.
 import hashlib
 from collections.abc import Sequence
 from functools import lru_cache
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import urlsplit
 
 from infergate.base.queue import redis_url
+from redis.asyncio import BlockingConnectionPool
 
 MAX_SHARDS = 64
 
@@ -51,11 +52,11 @@ def identity(url: str) -> str:
         target = redis_url.parse_sentinel(url)
         db = target.connection.get("db", 0)
         return f"sentinel/{target.service_name}/{db}"
+    # The db as redis-py reads it (the query's ``db`` wins over the path's).
+    db = int(BlockingConnectionPool.from_url(url).connection_kwargs.get("db", 0) or 0)
     if parts.scheme.lower() == "unix":
-        db = dict(parse_qsl(parts.query)).get("db", "0")
         return f"unix{parts.path}/{db}"
     host = (parts.hostname or "localhost").lower()
-    db = parts.path.strip("/") or "0"
     return f"{host}:{parts.port or 6379}/{db}"
 
 
