@@ -105,6 +105,7 @@ class Pipelined:
         self.redis = redis
         self._queued: list[_Call] = []
         self._flusher: asyncio.Task[None] | None = None
+        self._written: list[_Call] = []  # on the wire before the flusher first ran
         self._link: RawConnection | None = None
 
     def call(self, script: AsyncScript, keys: list[str], args: list[Any]) -> "asyncio.Future[Any]":
@@ -136,6 +137,7 @@ class Pipelined:
             if link is not None and link.usable():
                 written, self._queued = self._queued, []
                 link.write(_packed(written))
+                self._written = written
             self._flusher = asyncio.ensure_future(self._flush(written))
         return call.future
 
@@ -144,11 +146,16 @@ class Pipelined:
         if self._flusher is not None:
             self._flusher.cancel()
             await asyncio.gather(self._flusher, return_exceptions=True)
+        # (a flusher cancelled before it first ran never reached its clean-up)
+        closing = RedisConnectionError("the Redis client is closing")
+        _fail([*self._written, *self._queued], closing)
+        self._written, self._queued = [], []
         await self._drop_link()
 
     async def _flush(self, written: list[_Call] | None = None) -> None:
         """Send what is queued, a batch per round trip, until nothing is;
         ``written``: a first batch already on the wire."""
+        self._written = []
         try:
             while written is not None or self._queued:
                 if written is not None:
