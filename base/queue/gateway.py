@@ -146,7 +146,7 @@ class GatewayQueue:
                     keys.prefix,
                     self._tier_names,
                 )
-        reply = await self.store.pipelined.call(self.store.scripts.admit, names, args)
+        reply = await self.store.admits.admit(names, args)
         if reply[2]:
             self._on_handed()
         n = len(counters)

@@ -18,6 +18,7 @@ from infergate.base import logs, wire
 from infergate.base.errors import out_of_memory
 from infergate.base.keys import Keys
 from infergate.base.queue import redis_url
+from infergate.base.queue.admits import Admits
 from infergate.base.queue.pipelined import Pipelined
 from infergate.base.queue.scripts import Scripts
 from infergate.base.tiers import ROLES, TIERS
@@ -77,6 +78,10 @@ class Store:
         self.scripts: Scripts = Scripts(redis) if shared is None else shared.scripts
         # The hot path's script calls, sent together (see pipelined.py).
         self.pipelined: Pipelined = Pipelined(redis) if shared is None else shared.pipelined
+        # A gateway's admits, gathered into calls (see admits.py).
+        self.admits: Admits = (
+            Admits(self.pipelined, self.scripts.admit) if shared is None else shared.admits
+        )
         self._unreadable_seen: set[str] = set()
         # Redis refuses writes for want of memory (``maxmemory``): set by
         # whatever saw it, cleared by the next heartbeat Redis takes whole;
@@ -114,6 +119,7 @@ class Store:
         )
 
     async def close(self) -> None:
+        await self.admits.close()
         await self.pipelined.close()
         await self.redis.aclose()
 

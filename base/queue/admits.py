@@ -1,0 +1,117 @@
+"""A gateway's admits, gathered: every request that arrives within one
+moment is charged and queued by one call of ``admit.lua``.
+
+On a Redis that is not busy, what a lone command costs Redis is mostly
+being woken for it (the system calls around it), several times what the
+command itself costs; an admit per request is a wake per request. So a
+gateway sends its admits at most once every ``every_s``: the first request
+after a quiet spell goes at once, and those that arrive within ``every_s``
+of a call go together in the next, each run in turn as if it came alone
+(one request's failure fails only that request). The latency this adds is
+at most ``every_s``, and only under load.
+"""
+
+import asyncio
+import contextlib
+from typing import Any
+
+from infergate.base.queue.pipelined import Pipelined
+from infergate.base.queue.resp import error_of
+from redis.commands.core import AsyncScript
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+
+EVERY_S = 0.005  # at most one call of admits a gateway per Redis every this long
+
+
+class _Admit:
+    __slots__ = ("args", "future", "keys")
+
+    def __init__(self, keys: list[str], args: list[Any], future: "asyncio.Future[Any]") -> None:
+        self.keys = keys
+        self.args = args
+        self.future = future
+
+
+class Admits:
+    """One Redis's admits from one process, gathered into calls."""
+
+    def __init__(self, pipelined: Pipelined, script: AsyncScript, every_s: float = EVERY_S) -> None:
+        self.pipelined = pipelined
+        self.script = script
+        self.every_s = every_s
+        self._waiting: list[_Admit] = []
+        self._sender: asyncio.Task[None] | None = None
+        self._last_sent = -float("inf")
+
+    def admit(self, keys: list[str], args: list[Any]) -> "asyncio.Future[Any]":
+        """One request's admit (its keys and arguments, as ``admit.lua``
+        reads a request's); the future gets its reply."""
+        future = asyncio.get_running_loop().create_future()
+        self._waiting.append(_Admit(keys, args, future))
+        if self._sender is None:
+            self._sender = asyncio.ensure_future(self._send_all())
+        return future
+
+    async def close(self) -> None:
+        """Stop sending: what waits fails (also when the sender was cancelled
+        before it first ran, and so never reached its own clean-up)."""
+        if self._sender is not None:
+            self._sender.cancel()
+            await asyncio.gather(self._sender, return_exceptions=True)
+        _fail(self._waiting, RedisConnectionError("the Redis client is closing"))
+        self._waiting = []
+
+    async def _send_all(self) -> None:
+        """Send what waits, a call at a time, no two within ``every_s``."""
+        loop = asyncio.get_running_loop()
+        try:
+            while self._waiting:
+                wait_s = self._last_sent + self.every_s - loop.time()
+                if wait_s > 0:
+                    await asyncio.sleep(wait_s)
+                gathered, self._waiting = self._waiting, []
+                self._last_sent = loop.time()
+                await self._send(gathered)
+        finally:
+            self._sender = None
+            if self._waiting:  # cancelled (the process stops): nothing is left waiting
+                _fail(self._waiting, RedisConnectionError("the Redis client is closing"))
+                self._waiting = []
+
+    async def _send(self, gathered: list[_Admit]) -> None:
+        keys: list[str] = []
+        args: list[Any] = [len(gathered)]
+        for one in gathered:
+            args += (len(one.keys), len(one.args))
+        for one in gathered:
+            keys += one.keys
+            args += one.args
+        try:
+            replies = await self.pipelined.call(self.script, keys, args)
+        except asyncio.CancelledError:
+            _fail(gathered, RedisConnectionError("the Redis client is closing"))
+            raise
+        except BaseException as exc:
+            _fail(gathered, exc)
+            return
+        if not isinstance(replies, list) or len(replies) != len(gathered):
+            _fail(
+                gathered,
+                ResponseError(f"admit.lua answered {len(gathered)} admits with {replies!r:.80}"),
+            )
+            return
+        for one, reply in zip(gathered, replies, strict=True):
+            if one.future.done():  # its caller gave up (cancelled)
+                continue
+            if isinstance(reply, bytes):  # that request's own error
+                one.future.set_exception(error_of(ResponseError(reply.decode(errors="replace"))))
+            else:
+                one.future.set_result(reply)
+
+
+def _fail(gathered: list[_Admit], exc: BaseException) -> None:
+    for one in gathered:
+        if not one.future.done():
+            with contextlib.suppress(asyncio.InvalidStateError):
+                one.future.set_exception(exc)

@@ -1,0 +1,120 @@
+"""A gateway's admits gathered into calls of admit.lua (queue/admits.py),
+against a real Redis: each request is charged as if it came alone, one
+request's failure fails only it, and nothing waits past a call."""
+
+import asyncio
+import time
+
+import pytest
+from infergate.base import clock, wire
+from infergate.base.queue.admits import Admits
+from infergate.base.queue.gateway import Counter, GatewayQueue
+from infergate.base.queue.store import Store
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+
+
+def env(i: int) -> bytes:
+    now = clock.now_ms()
+    return wire.encode(wire.Envelope(f"r{i}", "gw", "free", "k", f"in{i}", now, now + 10_000))
+
+
+async def evalsha_calls(store: Store) -> int:
+    stats = await store.redis.info("commandstats")
+    return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+@pytest.fixture
+async def store(redis_url: str):
+    store = Store.connect(redis_url, "t", block_s=1, name="test")
+    yield store
+    await store.close()
+
+
+async def test_admits_of_one_moment_go_in_one_call_and_keep_the_limit_exact(
+    store: Store,
+) -> None:
+    """Sixty requests at once on a limit of 25: one call (or a few) carries
+    them, exactly 25 are charged and queued, and each refused one is told
+    when the window has room again."""
+    store.admits.every_s = 60.0  # (nothing goes twice within the test)
+    gateway = GatewayQueue(store, "gw")
+    window = store.keys.quota_prefix + ":k"
+    before = await evalsha_calls(store)
+    results = await asyncio.gather(
+        *(gateway.admit([Counter(window, 1, 25, 60)], "free", env(i)) for i in range(60))
+    )
+    calls = await evalsha_calls(store) - before
+    assert calls <= 2, calls  # the first one alone, then the rest together
+    admitted = [r for r in results if r.admitted]
+    assert len(admitted) == 25
+    assert all(r.queued for r in admitted)
+    assert [r.counts[0] for r in admitted] == list(range(1, 26))  # each as if alone, in order
+    refused = [r for r in results if not r.admitted]
+    assert len(refused) == 35
+    assert all(0 < r.ttls_ms[0] <= 66_000 for r in refused)
+    assert await store.redis.zcard(store.keys.fair_queue("free")) == 25
+
+
+async def test_the_first_admit_after_a_quiet_spell_is_not_held(store: Store) -> None:
+    """Gathering holds admits only under load: a lone request goes at once
+    (with admits held for a minute, it would wait that long)."""
+    store.admits.every_s = 60.0
+    gateway = GatewayQueue(store, "gw")
+    started = time.monotonic()
+    admitted = await asyncio.wait_for(gateway.admit([], "free", env(1)), timeout=10)
+    assert admitted.queued
+    assert time.monotonic() - started < 10
+
+
+async def test_a_request_that_fails_fails_alone(store: Store) -> None:
+    """A request whose arguments admit.lua cannot read fails with Redis's
+    error; the requests gathered with it, before and after, are admitted."""
+    store.admits.every_s = 60.0
+    gateway = GatewayQueue(store, "gw")
+    window = store.keys.quota_prefix + ":k"
+
+    async def unreadable() -> object:
+        return await store.admits.admit([window], [1, b"", "not a number", 10, 60])
+
+    before = await evalsha_calls(store)
+    first, second, bad, last = await asyncio.gather(
+        gateway.admit([Counter(window, 1, 10, 60)], "free", env(1)),
+        gateway.admit([Counter(window, 1, 10, 60)], "free", env(2)),
+        unreadable(),
+        gateway.admit([Counter(window, 1, 10, 60)], "free", env(3)),
+        return_exceptions=True,
+    )
+    assert await evalsha_calls(store) - before == 1  # (one call)
+    assert isinstance(bad, ResponseError)
+    assert [first.counts, second.counts, last.counts] == [[1], [2], [3]]
+    assert await store.redis.zcard(store.keys.fair_queue("free")) == 3
+
+
+async def test_admits_waiting_when_the_client_closes_fail_rather_than_hang(
+    redis_url: str,
+) -> None:
+    store = Store.connect(redis_url, "t", block_s=1, name="test")
+    admits = Admits(store.pipelined, store.scripts.admit, every_s=60.0)
+    assert (await admits.admit([], [0, b""]))[0] == 1  # (charges nothing, queues nothing)
+    held = admits.admit([], [0, b""])  # (not before a minute after the first)
+    await admits.close()
+    with pytest.raises(RedisConnectionError):
+        await asyncio.wait_for(held, timeout=10)
+    await store.close()
+
+
+async def test_calls_on_the_wire_when_the_client_closes_fail_rather_than_hang(
+    redis_url: str,
+) -> None:
+    """Closing at once after a call was written (its flusher has not yet
+    run, so it never reaches its own clean-up) fails the call."""
+    store = Store.connect(redis_url, "t", block_s=1, name="test")
+    await store.redis.ping()
+    pipelined = store.pipelined
+    assert await pipelined.transaction([("PING",)], ()) == [b"PONG"]  # (its link is open)
+    written = pipelined.transaction([("PING",)], ())  # written now, read by the flusher
+    await pipelined.close()
+    with pytest.raises(RedisConnectionError):
+        await asyncio.wait_for(written, timeout=10)
+    await store.close()
