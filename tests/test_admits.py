@@ -7,7 +7,7 @@ import time
 
 import pytest
 from infergate.base import clock, wire
-from infergate.base.queue.admits import Admits
+from infergate.base.queue.admits import MOST, Admits
 from infergate.base.queue.gateway import Counter, GatewayQueue
 from infergate.base.queue.store import Store
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -118,3 +118,21 @@ async def test_calls_on_the_wire_when_the_client_closes_fail_rather_than_hang(
     with pytest.raises(RedisConnectionError):
         await asyncio.wait_for(written, timeout=10)
     await store.close()
+
+
+async def test_a_burst_goes_in_calls_of_at_most_most_back_to_back(store: Store) -> None:
+    """A burst bigger than one call's worth is not held for ``every_s``
+    between its calls, and each request is charged in its turn."""
+    store.admits.every_s = 60.0  # (a wait between calls would time the test out)
+    gateway = GatewayQueue(store, "gw")
+    window = store.keys.quota_prefix + ":k"
+    before = await evalsha_calls(store)
+    burst = 3 * MOST  # (a last call of fewer would wait its turn)
+    results = await asyncio.wait_for(
+        asyncio.gather(
+            *(gateway.admit([Counter(window, 1, 10_000, 60)], "free", env(i)) for i in range(burst))
+        ),
+        timeout=30,
+    )
+    assert [r.counts[0] for r in results] == list(range(1, burst + 1))
+    assert await evalsha_calls(store) - before == 3

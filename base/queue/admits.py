@@ -22,6 +22,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 EVERY_S = 0.005  # at most one call of admits a gateway per Redis every this long
+MOST = 128  # admits in one call: a burst goes in several, back to back, so no
+# one call holds Redis (and the workers' answers behind it) for long
 
 
 class _Admit:
@@ -63,14 +65,15 @@ class Admits:
         self._waiting = []
 
     async def _send_all(self) -> None:
-        """Send what waits, a call at a time, no two within ``every_s``."""
+        """Send what waits, a call at a time, no two within ``every_s``
+        unless a whole call's worth waits."""
         loop = asyncio.get_running_loop()
         try:
             while self._waiting:
                 wait_s = self._last_sent + self.every_s - loop.time()
-                if wait_s > 0:
+                if wait_s > 0 and len(self._waiting) < MOST:
                     await asyncio.sleep(wait_s)
-                gathered, self._waiting = self._waiting, []
+                gathered, self._waiting = self._waiting[:MOST], self._waiting[MOST:]
                 self._last_sent = loop.time()
                 await self._send(gathered)
         finally:
