@@ -7,8 +7,10 @@ import time
 
 import pytest
 from infergate.base import clock, wire
-from infergate.base.queue.admits import MOST, Admits
+from infergate.base.errors import out_of_memory
+from infergate.base.queue.admits import MOST, MOST_BYTES, Admits
 from infergate.base.queue.gateway import Counter, GatewayQueue
+from infergate.base.queue.inputs import Beside
 from infergate.base.queue.store import Store
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
@@ -136,3 +138,53 @@ async def test_a_burst_goes_in_calls_of_at_most_most_back_to_back(store: Store) 
     )
     assert [r.counts[0] for r in results] == list(range(1, burst + 1))
     assert await evalsha_calls(store) - before == 3
+
+
+async def test_a_call_where_redis_is_out_of_memory_is_refused_whole(store: Store) -> None:
+    """Redis checks for memory only until a script's first write, and an
+    admit's first write may be one it does not check (a planted window is
+    deleted): each request of a gathered call is refused all the same, and
+    nothing is queued."""
+    gateway = GatewayQueue(store, "gw")
+    planted = store.keys.quota_prefix + ":planted"
+    await store.redis.set(planted, "x")  # (admit.lua deletes it: no memory check)
+    await store.redis.config_set("maxmemory-policy", "noeviction")
+    await store.redis.config_set("maxmemory", 1)
+    try:
+        results = await asyncio.gather(
+            gateway.admit([Counter(planted, 1, 10, 60)], "free", env(1)),
+            gateway.admit([Counter(store.keys.quota_prefix + ":k", 1, 10, 60)], "free", env(2)),
+            return_exceptions=True,
+        )
+    finally:
+        await store.redis.config_set("maxmemory", 0)
+    assert all(out_of_memory(r) for r in results), results
+    assert await store.redis.zcard(store.keys.fair_queue("free")) == 0
+
+
+async def test_long_inputs_are_gathered_a_quarter_megabyte_a_call(store: Store) -> None:
+    """Inputs kept beside the queue (up to 64 KB each) cap a call by its
+    bytes, so no call of them holds Redis for long; each is admitted."""
+    store.admits.every_s = 0.5  # (the last call, not a whole call's worth, waits its turn)
+    gateway = GatewayQueue(store, "gw")
+    long = "x" * 60_000
+    before = await evalsha_calls(store)
+    results = await asyncio.wait_for(
+        asyncio.gather(
+            *(
+                gateway.admit([], "free", env(i), beside=Beside(f"t:in:{i}", long, 60_000))
+                for i in range(12)  # 720 KB: calls of 4, 4 and 4
+            )
+        ),
+        timeout=30,
+    )
+    assert all(r.queued for r in results)
+    assert await evalsha_calls(store) - before == 3
+    assert MOST_BYTES // 60_000 == 4
+
+
+async def test_an_admit_after_close_fails_at_once(redis_url: str) -> None:
+    store = Store.connect(redis_url, "t", block_s=1, name="test")
+    await store.close()
+    with pytest.raises(RedisConnectionError):
+        await asyncio.wait_for(store.admits.admit([], [0, b""]), timeout=10)

@@ -7,8 +7,11 @@ command itself costs; an admit per request is a wake per request. So a
 gateway sends its admits at most once every ``every_s``: the first request
 after a quiet spell goes at once, and those that arrive within ``every_s``
 of a call go together in the next, each run in turn as if it came alone
-(one request's failure fails only that request). The latency this adds is
-at most ``every_s``, and only under load.
+(one request's failure fails only that request). A call holds at most
+``MOST`` admits and about ``MOST_BYTES`` of arguments, so that no one call
+holds Redis (and the workers' answers behind it) for long; a backlog of
+more goes in calls back to back. The latency this adds is at most
+``every_s`` plus the call in flight, and only under load.
 """
 
 import asyncio
@@ -22,17 +25,18 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 EVERY_S = 0.005  # at most one call of admits a gateway per Redis every this long
-MOST = 128  # admits in one call: a burst goes in several, back to back, so no
-# one call holds Redis (and the workers' answers behind it) for long
+MOST = 128  # admits in one call
+MOST_BYTES = 256 * 1024  # arguments in one call (one admit's, whatever its size)
 
 
 class _Admit:
-    __slots__ = ("args", "future", "keys")
+    __slots__ = ("args", "future", "keys", "size")
 
     def __init__(self, keys: list[str], args: list[Any], future: "asyncio.Future[Any]") -> None:
         self.keys = keys
         self.args = args
         self.future = future
+        self.size = sum(len(a) for a in args if isinstance(a, (bytes, str)))
 
 
 class Admits:
@@ -45,11 +49,15 @@ class Admits:
         self._waiting: list[_Admit] = []
         self._sender: asyncio.Task[None] | None = None
         self._last_sent = -float("inf")
+        self._closed = False
 
     def admit(self, keys: list[str], args: list[Any]) -> "asyncio.Future[Any]":
         """One request's admit (its keys and arguments, as ``admit.lua``
         reads a request's); the future gets its reply."""
         future = asyncio.get_running_loop().create_future()
+        if self._closed:
+            future.set_exception(RedisConnectionError("the Redis client is closing"))
+            return future
         self._waiting.append(_Admit(keys, args, future))
         if self._sender is None:
             self._sender = asyncio.ensure_future(self._send_all())
@@ -57,10 +65,13 @@ class Admits:
 
     async def close(self) -> None:
         """Stop sending: what waits fails (also when the sender was cancelled
-        before it first ran, and so never reached its own clean-up)."""
+        before it first ran, and so never reached its own clean-up); what
+        comes later fails at once."""
+        self._closed = True
         if self._sender is not None:
             self._sender.cancel()
             await asyncio.gather(self._sender, return_exceptions=True)
+            self._sender = None
         _fail(self._waiting, RedisConnectionError("the Redis client is closing"))
         self._waiting = []
 
@@ -71,9 +82,9 @@ class Admits:
         try:
             while self._waiting:
                 wait_s = self._last_sent + self.every_s - loop.time()
-                if wait_s > 0 and len(self._waiting) < MOST:
+                if wait_s > 0 and not self._a_call_waits():
                     await asyncio.sleep(wait_s)
-                gathered, self._waiting = self._waiting[:MOST], self._waiting[MOST:]
+                gathered = self._next_call()
                 self._last_sent = loop.time()
                 await self._send(gathered)
         finally:
@@ -81,6 +92,26 @@ class Admits:
             if self._waiting:  # cancelled (the process stops): nothing is left waiting
                 _fail(self._waiting, RedisConnectionError("the Redis client is closing"))
                 self._waiting = []
+
+    def _a_call_waits(self) -> bool:
+        """A whole call's worth waits (it goes without waiting its turn)."""
+        size = 0
+        for count, one in enumerate(self._waiting, 1):
+            size += one.size
+            if count >= MOST or size >= MOST_BYTES:
+                return True
+        return False
+
+    def _next_call(self) -> list[_Admit]:
+        """The admits of the next call, oldest first: at most ``MOST`` and
+        ``MOST_BYTES`` (one, however big)."""
+        count, size = 0, 0
+        for one in self._waiting[:MOST]:
+            if count and size + one.size > MOST_BYTES:
+                break
+            count, size = count + 1, size + one.size
+        gathered, self._waiting = self._waiting[:count], self._waiting[count:]
+        return gathered
 
     async def _send(self, gathered: list[_Admit]) -> None:
         keys: list[str] = []

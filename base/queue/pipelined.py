@@ -146,6 +146,7 @@ class Pipelined:
         if self._flusher is not None:
             self._flusher.cancel()
             await asyncio.gather(self._flusher, return_exceptions=True)
+            self._flusher = None
         # (a flusher cancelled before it first ran never reached its clean-up)
         closing = RedisConnectionError("the Redis client is closing")
         _fail([*self._written, *self._queued], closing)

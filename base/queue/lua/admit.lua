@@ -335,6 +335,22 @@ local function admit_one(KEYS, ARGV)
   return reply
 end
 
+-- Where Redis refuses writes (out of memory; a replica), the call is
+-- refused whole, as one request's script was: Redis checks for memory only
+-- until a script's first write, and a request's first write may be one it
+-- does not check (HDEL), which would let every later request in the call
+-- write. So the call's first write is a check that changes nothing
+-- (SETRANGE of nothing, which creates no key, on a name beside the first
+-- key, in its slot, that no script writes), and a replica's refusal ends
+-- the call as an error, which drops the connection.
+if #KEYS > 0 then
+  local check = redis.pcall('SETRANGE', KEYS[1] .. ':write-check', 0, '')
+  if type(check) == 'table' and check.err and (string.find(check.err, '^OOM')
+      or string.find(check.err, '^READONLY')) then
+    return redis.error_reply(check.err)
+  end
+end
+
 local count = tonumber(ARGV[1])
 local replies = {}
 local k, a = 0, 1 + 2 * count
