@@ -12,8 +12,9 @@ from infergate.base.queue.admits import MOST, MOST_BYTES, Admits
 from infergate.base.queue.gateway import Counter, GatewayQueue
 from infergate.base.queue.inputs import Beside
 from infergate.base.queue.store import Store
+from infergate.redis_server import RedisServer
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import ReadOnlyError, ResponseError
 
 
 def env(i: int) -> bytes:
@@ -188,3 +189,26 @@ async def test_an_admit_after_close_fails_at_once(redis_url: str) -> None:
     await store.close()
     with pytest.raises(RedisConnectionError):
         await asyncio.wait_for(store.admits.admit([], [0, b""]), timeout=10)
+
+
+async def test_a_call_on_a_replica_is_refused_whole_and_drops_its_connection(
+    redis_server: RedisServer,
+) -> None:
+    """A primary demoted under a gateway (a failover) refuses the call
+    whole with READONLY, and the held connection goes, so the next call
+    connects afresh (through Sentinel, to the new primary)."""
+    replica = RedisServer(args=("--replicaof", "127.0.0.1", str(redis_server.port))).start()
+    store = Store.connect(replica.url, "t", block_s=1, name="test")
+    try:
+        store.admits.every_s = 60.0
+        gateway = GatewayQueue(store, "gw")
+        window = store.keys.quota_prefix + ":k"
+        results = await asyncio.gather(
+            *(gateway.admit([Counter(window, 1, 10, 60)], "free", env(i)) for i in range(3)),
+            return_exceptions=True,
+        )
+        assert all(isinstance(r, ReadOnlyError) for r in results), results
+        assert store.pipelined._link is None
+    finally:
+        await store.close()
+        replica.close()
