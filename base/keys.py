@@ -120,6 +120,11 @@ class Keys:
         """Batches handed off with this worker's credit, for it alone to pull."""
         return self.prefix + "batches:" + worker_id
 
+    def withdrawn(self, worker_id: str) -> str:
+        """Marks a worker's credit taken off ``ready`` while its backend runs
+        another shard's batch (``take.lua`` 'join')."""
+        return self.prefix + "withdrawn:" + worker_id
+
     def processing(self, worker_id: str) -> str:
         return self.prefix + "processing:" + worker_id
 

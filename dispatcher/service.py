@@ -221,7 +221,9 @@ class Dispatcher:
                 log.info("credit.worker_gone", credit=credit)
                 return
             if taken.credit_lost:
-                log.warning("credit.taken_back", credit=credit)
+                # (the reaper returned it, or its worker took it to join a
+                # call of another shard's batch: gate.py)
+                log.debug("credit.taken_back", credit=credit)
                 return
             if taken.wait_ms > 0:
                 await asyncio.sleep(taken.wait_ms / 1000.0)

@@ -21,11 +21,27 @@ loop that finds nothing to take says so (``pass_turn``) and is not
 waited for. A backend call of several loops' inputs that fails is run
 again part by part, so an input that fails its backend fails only its
 own loop's call (which isolates it as with one shard).
+
+An idle loop's credit is on its shard's ``ready`` list, and there it says
+the worker is free while the backend runs another shard's batch: a
+dispatcher would hand it a batch that waits here for the backend, formed
+a call too early, and the requests that come after it would wait a batch
+more. So as a call is about to start, each idle loop's credit joins it
+(``attach``: the loop's ``join``): a batch of what waits on its shard,
+which the gate waits for (up to ``hold_s``) and runs in the same call, at
+no cost to the backend; or, with nothing waiting there, the credit is
+withdrawn until the call ends, and then given back (``give_back``): a
+batch formed then, from all that came meanwhile, which the gate waits for
+as for the loops that ran, or the credit back on ``ready``. These steps
+run in order on a thread of the gate's own.
 """
 
+import concurrent.futures
 import threading
 import time
+from collections.abc import Callable
 
+from infergate.base import logs
 from infergate.base.tiers import TIERS
 from infergate.gpu.backend import MAX_BATCH, Backend, BackendError
 
@@ -34,6 +50,13 @@ HOLD_S = 0.030
 # hang timer running: one passed over by this many calls runs next.
 PASSES_MAX = 3
 JUMPED = -1
+# How long a call waits for the idle loops' joins (Redis round trips) before
+# it starts without them; and how long a loop whose shard failed one is not
+# asked again (a shard away must not hold every call back).
+JOIN_WAIT_S = 0.1
+FAILED_PAUSE_S = 2.0
+
+log = logs.get(__name__)
 
 
 class _Call:
@@ -77,6 +100,13 @@ class _Part:
         return [0.0] * (self.end - self.start) if given is None else given[self.start : self.end]
 
 
+# A loop's credit steps: joining a call with room for so many inputs (the
+# size of the batch formed for it; whether the credit was withdrawn
+# instead), and giving a withdrawn credit back (whether a batch was formed).
+Join = Callable[[int], tuple[int, bool]]
+GiveBack = Callable[[], bool]
+
+
 class Gate:
     def __init__(self, backend: Backend, max_inputs: int = MAX_BATCH, hold_s: float = HOLD_S):
         self.backend = backend
@@ -89,6 +119,25 @@ class Gate:
         self._expected: set[int] = set()  # the shards whose calls just ended
         self._held_until = 0.0
         self.together = 0  # backend calls that ran more than one shard's inputs
+        # Each idle loop's credit steps (attach), run in order on one thread.
+        self._credits: dict[int, tuple[Join, GiveBack]] = {}
+        self._credit_steps: concurrent.futures.ThreadPoolExecutor | None = None
+        self._joined = False  # the next call's idle loops were asked to join it
+        self._withdrawn: set[int] = set()  # their credits, withdrawn for it
+        self._calls_ended = 0
+        self._paused_until: dict[int, float] = {}  # (a loop whose shard failed a step)
+
+    def attach(self, shard: int, join: Join, give_back: GiveBack) -> None:
+        """``shard``'s loop's credit steps: ``join(room)`` as a call of other
+        shards starts, with room for so many inputs (the size of the batch
+        formed for it, and whether the credit was withdrawn instead),
+        ``give_back()`` as it ends (whether a batch was formed)."""
+        with self._cond:
+            self._credits[shard] = (join, give_back)
+            if self._credit_steps is None:
+                self._credit_steps = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="gate-credits"
+                )
 
     def call(
         self, shard: int, rank: int, inputs: list[str], temperatures: list[float] | None
@@ -107,6 +156,8 @@ class Gate:
                 if not self._leads(me):
                     self._cond.wait(self._wait_s(me))
                     continue
+                if self._joined_by_idle():
+                    continue  # (their batches are waited for)
                 parts = self._fill()
                 self._busy = True
                 self._cond.release()
@@ -160,10 +211,91 @@ class Gate:
         return parts
 
     def _ended(self, parts: list[_Part]) -> None:
-        self._busy = False
+        """The backend is free: the loops whose calls ended, and those whose
+        credits come back now, get their moment to send their next call."""
+        self._busy, self._joined = False, False
+        self._calls_ended += 1
+        withdrawn, self._withdrawn = self._withdrawn, set()
         ended = {part.call.shard for part in parts if part.call.done()}
-        self._expected, self._held_until = ended, time.monotonic() + self.hold_s
+        self._expected, self._held_until = ended | withdrawn, time.monotonic() + self.hold_s
+        if withdrawn and self._credit_steps is not None:
+            self._credit_steps.submit(self._give_back, withdrawn)
         self._cond.notify_all()
+
+    # -- the idle loops' credits (on the gate's own thread, in order) --------------
+
+    def _joined_by_idle(self) -> bool:
+        """Before a call starts (once): the idle loops join it; whether any
+        formed a batch, which the call then waits for (up to ``hold_s``).
+        Called holding the lock, and waits with it released."""
+        if self._joined or self._credit_steps is None:
+            return False
+        self._joined = True
+        now = time.monotonic()
+        idle = {shard for shard in self._credits if self._paused_until.get(shard, 0.0) <= now} - {
+            call.shard for call in self._waiting
+        }
+        if not idle:
+            return False
+        room = self.max_inputs - sum(len(call.inputs) - call.given for call in self._waiting)
+        joining = self._credit_steps.submit(self._join, idle, room, self._calls_ended)
+        self._busy = True  # (no other call starts meanwhile)
+        self._cond.release()
+        try:
+            formed = joining.result(JOIN_WAIT_S)
+        except concurrent.futures.TimeoutError:
+            formed = set()  # (late: what it does is handled as it ends, _join)
+        finally:
+            self._cond.acquire()
+            self._busy = False
+            self._cond.notify_all()
+        formed -= {call.shard for call in self._waiting}  # (already here)
+        if not formed:
+            return False
+        self._expected |= formed
+        self._held_until = time.monotonic() + self.hold_s
+        return True
+
+    def _join(self, shards: set[int], room: int, calls_ended: int) -> set[int]:
+        """The loops that formed a batch for the call (within its room). The
+        credits withdrawn for it come back as it ends; at once, if it ended
+        before they were withdrawn (this ran late)."""
+        formed, withdrawn = set(), set()
+        for shard in shards:
+            try:
+                size, marked = self._credits[shard][0](max(room, 0))
+            except Exception as exc:  # (its shard is away: nothing was done)
+                self._failed(shard, "gate.join_failed", exc)
+                continue
+            if size:
+                formed.add(shard)
+                room -= size
+            if marked:
+                withdrawn.add(shard)
+        with self._cond:
+            late = self._calls_ended != calls_ended
+            if not late:
+                self._withdrawn |= withdrawn
+        if late and withdrawn:
+            self._give_back(withdrawn)
+        return formed
+
+    def _give_back(self, shards: set[int]) -> None:
+        """The credits withdrawn come back; the loops with no batch formed
+        are not waited for."""
+        for shard in shards:
+            try:
+                formed = self._credits[shard][1]()
+            except Exception as exc:  # (the mark lapses: the loop offers its credit again)
+                self._failed(shard, "gate.give_back_failed", exc)
+                formed = False
+            if not formed:
+                self.pass_turn(shard)
+
+    def _failed(self, shard: int, event: str, exc: Exception) -> None:
+        log.warning(event, shard=shard, error=type(exc).__name__)
+        with self._cond:
+            self._paused_until[shard] = time.monotonic() + FAILED_PAUSE_S
 
     def _run(self, parts: list[_Part]) -> None:
         """One backend call for every part, and part by part if that fails

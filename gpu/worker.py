@@ -41,6 +41,7 @@ from infergate.base.heartbeat import Heartbeater
 from infergate.base.loops import retry_until_done
 from infergate.base.metrics import WorkerMetrics
 from infergate.base.probes import Probes
+from infergate.base.queue.forming import TakeResult, log_drops
 from infergate.base.queue.recovery import RecoveryQueue
 from infergate.base.queue.store import Store
 from infergate.base.queue.worker import WorkerQueue
@@ -121,6 +122,8 @@ class Worker:
         self.loop = BatchLoop(
             self.runner, settings.pull_timeout_s, self.exit_hung, self.grace_left, self.gated
         )
+        if self.gated is not None:
+            self.gated.gate.attach(self.gated.shard, self._join_call, self._give_back_credit)
         self.metrics.busy.set_function(lambda: 1.0 if self.loop.busy else 0.0)
         self.metrics.redis_up.set_function(lambda: 1.0 if self.heartbeat.healthy else 0.0)
         self.started_ms = clock.now_ms()
@@ -128,6 +131,26 @@ class Worker:
         self.heartbeat = Heartbeater(
             self.store, self.status, settings.heartbeat_interval_ms, settings.heartbeat_ttl_ms
         )
+
+    # -- the credit, while the shared backend runs another shard's batch (gate.py)
+
+    def _join_call(self, room: int) -> tuple[int, bool]:
+        if self.stopping.is_set():
+            return 0, False
+        # (marked until past the call's hang timeout, if it is never given back)
+        mark_ms = self.runner.hang_timeout_ms + 1000
+        taken = self._blocking_take.join_call(clock.now_ms(), mark_ms, room)
+        self._count(taken)
+        return taken.size, taken.size == 0 and not taken.credit_lost
+
+    def _give_back_credit(self) -> bool:
+        taken = self._blocking_take.give_back_credit(clock.now_ms())
+        self._count(taken)
+        return taken.size > 0
+
+    def _count(self, taken: TakeResult) -> None:
+        self.runner.metrics.forming.count(taken)
+        log_drops(taken)
 
     # -- what the heartbeat and the probes say ------------------------------
 

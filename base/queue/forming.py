@@ -20,7 +20,7 @@ JOBS_QUIET_MS = 2_000
 # Once it lapses (no dispatcher left), workers offer their credits instead.
 RULE_TTL_MS = 5_000
 
-Mode = Literal["dispatch", "dispatch+envelopes", "worker"]
+Mode = Literal["dispatch", "dispatch+envelopes", "worker", "join", "withdrawn"]
 
 
 class Rule(msgspec.Struct, frozen=True):

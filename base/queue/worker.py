@@ -4,7 +4,7 @@ backend is free, and answer a batch: publish its replies, store its jobs'
 results and its answers for the cache and ack it, in one transaction."""
 
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from infergate.base import wire
 from infergate.base.queue import inputs, redis_url
@@ -56,6 +56,7 @@ class WorkerQueue:
             if not keep_membership:
                 pipe.srem(keys.members("worker"), worker_id)
             pipe.lrem(keys.ready, 0, worker_id)
+            pipe.delete(keys.withdrawn(worker_id))
             hand_back(pipe, self.store, worker_id)
 
         await execute(self.store.redis, self.store.scripts, build)
@@ -74,6 +75,7 @@ class WorkerQueue:
             keys=[
                 self.keys.ready,
                 self.keys.handoff(self.worker_id),
+                self.keys.withdrawn(self.worker_id),
                 *map(self.keys.credits, dispatchers),
             ],
             args=[self.worker_id],
@@ -163,6 +165,34 @@ class WorkerQueue:
         take = take_keys(keys, processing, keys.batch_rule, keys.last_step(self.worker_id))
         args = take_args(
             keys, "worker", now_ms, self.worker_id, new_batch_id(), self.worker_id, ran, step, ack
+        )
+        return take, args
+
+    def credit_step(
+        self, mode: Literal["join", "withdrawn"], now_ms: int, mark_ms: int = 0, room: int = 0
+    ) -> tuple[list[str], list[Any]]:
+        """``take.lua``'s keys and arguments for this worker's idle credit
+        while the backend it shares with other shards runs their batches:
+        'join' as a call starts (a batch of at most ``room`` for it, or the
+        credit withdrawn, marked for ``mark_ms``), 'withdrawn' as it ends
+        (given back)."""
+        keys = self.keys
+        take = take_keys(
+            keys,
+            keys.processing(self.worker_id),
+            keys.batch_rule,
+            keys.withdrawn(self.worker_id),
+            keys.handoff(self.worker_id),
+        )
+        args = take_args(
+            keys,
+            mode,
+            now_ms,
+            self.worker_id,
+            new_batch_id(),
+            self.worker_id,
+            str(mark_ms).encode(),
+            str(room),
         )
         return take, args
 
@@ -257,6 +287,22 @@ class BlockingTake:
 
     def __call__(self, ran: bytes, step: str, now_ms: int) -> TakeResult:
         keys, args = self._queue.take_step(ran, step, now_ms, ack=False)
+        return take_result(self._script(keys, args))
+
+    def join_call(self, now_ms: int, mark_ms: int, room: int) -> TakeResult:
+        """The backend starts a call of another shard's batch, with ``room``
+        inputs left: this worker's idle credit forms a batch of at most that
+        for it onto the hand-off list (``TakeResult.size``), or is withdrawn
+        until ``give_back_credit`` (``credit_lost``: it was not on ``ready``
+        nor held by a dispatcher, and nothing was done)."""
+        keys, args = self._queue.credit_step("join", now_ms, mark_ms, room)
+        return take_result(self._script(keys, args))
+
+    def give_back_credit(self, now_ms: int) -> TakeResult:
+        """The call has ended: the credit withdrawn comes back, a batch
+        formed now onto the hand-off list (``TakeResult.size``), or the
+        credit onto ``ready``."""
+        keys, args = self._queue.credit_step("withdrawn", now_ms)
         return take_result(self._script(keys, args))
 
     def with_inputs(

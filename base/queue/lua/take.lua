@@ -3,6 +3,16 @@
 -- batch. Two callers:
 --   a dispatcher holding an idle worker's credit ('dispatch'): the batch goes
 --     onto the batches list, paid for by the credit, for that worker to pull;
+--   a worker that serves several shards through one backend (gpu/gate.py),
+--     idle on this shard, as the backend starts a call of another shard's
+--     batch ('join'): its credit, on `ready` or held by a dispatcher (which
+--     finds it gone, as after the reaper took it back), pays for a batch of
+--     what waits here, onto its own hand-off list
+--     (batches:{worker}), to run in that same call, which costs the backend
+--     nothing more (pacing, which keeps workers free, does not hold it back);
+--     with nothing to take, the credit is withdrawn (marked) for the call;
+--     as the call ends ('withdrawn'), a withdrawn credit comes back: a
+--     batch formed then, onto the hand-off list, or the credit onto `ready`;
 --   a worker whose backend has just returned ('worker'): the next batch is
 --     formed straight into its processing list (no credit, no dispatcher,
 --     no pull), beside the batch just run, which leaves once its replies are
@@ -36,17 +46,20 @@
 -- divided by the number of workers), fleet-wide. Workers then start evenly
 -- staggered instead of all at once, so a request waits at most about one
 -- interval for a worker. A batch of jobs only does not count for pacing.
--- KEYS[1] credits:{dispatcher} ('dispatch') or processing:{worker} ('worker')
+-- KEYS[1] credits:{dispatcher} ('dispatch') or processing:{worker} ('worker',
+--   'join', 'withdrawn')
 -- KEYS[2] stats  KEYS[3] doorbell
 -- KEYS[4] cancelled (zset: request id -> expiry epoch ms)  KEYS[5] last-dispatch
 -- KEYS[6] ready  KEYS[7] jobs-queued (hash: key id -> jobs queued)
 -- KEYS[8] 'dispatch': the heartbeat of the worker whose credit this
---   dispatcher holds; 'worker': the batching rule the dispatchers publish
+--   dispatcher holds; otherwise the batching rule the dispatchers publish
 --   (JSON: n, interval_ms, headroom, quiet_ms, min_slots)
 -- KEYS[9] 'dispatch': batches:{worker}, the hand-off list of the worker whose
 --   credit this dispatcher holds (that worker, and no other, runs the batch);
---   'worker': batches, the shared list the reaper's retried batches wait on
--- KEYS[10] 'worker': the worker's last step (its token); 'dispatch': unused
+--   'worker': batches, the shared list the reaper's retried batches wait on;
+--   'join' and 'withdrawn': batches:{worker}, its own hand-off list
+-- KEYS[10] 'worker': the worker's last step (its token); 'join' and
+--   'withdrawn': the mark of its withdrawn credit; 'dispatch': unused
 -- KEYS[11..10+T] queue:{tier}, highest priority first; KEYS[11+T..10+2T] jobs:{tier}
 -- KEYS[11+2T..10+3T] fq:{tier}; KEYS[11+3T..10+4T] fair:{tier}
 -- Fair queuing inside a tier (admit.lua queues): a tier's requests wait in
@@ -65,14 +78,17 @@
 -- heartbeat is gone (it stopped or died while its credit was held: a batch
 -- for it would wait for another worker).
 -- ARGV[1] 'dispatch', 'dispatch+envelopes' (return the batch's envelopes,
---   for tracing) or 'worker'
+--   for tracing), 'worker', 'join' or 'withdrawn'
 -- ARGV[2] now (epoch ms)  ARGV[3] the credit (worker id)  ARGV[4] the batch id
 -- ARGV[5] who forms it (the dispatcher's id, or the worker's)
 -- ARGV[6] the model's key prefix ('{ns}:' or '{ns}:m:{model}:': long inputs
 --   are under its 'input:'; job records under the deployment's 'job:',
 --   '{ns}:job:', whatever the model)
--- ARGV[7] 'worker': the batch just run (as pulled); 'dispatch': unused
+-- ARGV[7] 'worker': the batch just run (as pulled); 'join': how long the
+--   mark of a withdrawn credit lasts (ms: a worker that stops before it
+--   gives the credit back offers it again after that); 'dispatch': unused
 -- ARGV[8] 'worker': this step's token, the same when the step is repeated;
+--   'join': the most the batch may hold (the room left in the call);
 --   'dispatch': unused
 -- ARGV[9] 'worker': 'ack' to take the batch just run off processing in the
 --   same step (its replies are published in the same transaction); 'dispatch':
@@ -90,6 +106,8 @@
 -- ('worker').
 local mode = ARGV[1]
 local for_worker = mode == 'worker'
+local withdrawn = mode == 'withdrawn'
+local joining = mode == 'join'
 local own, stats, doorbell, cancelled_set = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local ready, jobs_queued, batches = KEYS[6], KEYS[7], KEYS[9]
 local now = tonumber(ARGV[2])
@@ -134,7 +152,45 @@ local function offer_credit()
 end
 
 local n, min_interval, headroom, quiet_ms, min_slots
-if for_worker then
+if joining then
+  -- Only a credit not spent joins: on `ready`, or held by a dispatcher
+  -- (named from the prefix, as every dispatcher's: members:dispatcher).
+  local found = redis.call('LREM', ready, 0, credit)
+  if found == 0 then
+    local dispatchers = redis.pcall('SMEMBERS', ARGV[6] .. 'members:dispatcher')
+    for _, id in ipairs(dispatchers.err and {} or dispatchers) do
+      local held = redis.pcall('LREM', ARGV[6] .. 'credits:' .. id, 0, credit)
+      if type(held) == 'number' then found = found + held end
+    end
+  end
+  if found == 0 then return result(0, 0, 0, 1, false) end
+  local kind = redis.call('TYPE', batches)['ok']
+  n, min_interval, headroom, quiet_ms, min_slots = published_rule(KEYS[8], ntiers)  -- rule.lua
+  if n == nil or (kind ~= 'list' and kind ~= 'none') then
+    redis.call('SET', KEYS[10], '1', 'PX', ARGV[7])
+    return result(0, 0, 0, 0, false)
+  end
+  n, min_interval = math.min(n, math.max(math.floor(tonumber(ARGV[8]) or 0), 0)), 0
+elseif withdrawn then
+  -- The credit comes back once, and only if it is still out of everyone's
+  -- hands: not back on `ready` (offered again: the worker ran a batch from
+  -- the shared list meanwhile), not spent on a batch on its hand-off list
+  -- (the worker offers it when that one has run). (A batch in processing
+  -- is as a rule the last one, its answer still going out, whose take
+  -- offered the credit withdrawn.)
+  if redis.call('DEL', KEYS[10]) == 0 then return result(0, 0, 0, 0, false) end
+  if redis.call('LPOS', ready, credit) or redis.call('LLEN', batches) > 0 then
+    return result(0, 0, 0, 0, false)
+  end
+  -- (a hand-off list of another type: written after envelopes leave their
+  -- queues, so nothing is taken for it; the credit goes back)
+  local kind = redis.call('TYPE', batches)['ok']
+  n, min_interval, headroom, quiet_ms, min_slots = published_rule(KEYS[8], ntiers)  -- rule.lua
+  if n == nil or (kind ~= 'list' and kind ~= 'none') then
+    offer_credit()
+    return result(0, 0, 0, 0, false)
+  end
+elseif for_worker then
   -- The batch just run is still in processing (it leaves when its replies
   -- are published). A step whose token is the last step's was run before
   -- (its reply was lost); a step that finds anything else in processing
@@ -206,7 +262,7 @@ if min_interval > 0 then
         + (type(fair) == 'number' and fair or 0)
     end
     if queued > 0 and queued < n then
-      if for_worker then offer_credit() return result(0, 0, 0, 0, false) end
+      if for_worker or withdrawn then offer_credit() return result(0, 0, 0, 0, false) end
       return result(0, wait, 0, 0, false)
     end
   end
@@ -409,6 +465,9 @@ if #taken > 0 then
   taken[1] = first
   if for_worker then
     redis.call('LPUSH', own, batch)
+  elseif withdrawn or joining then
+    redis.call('LPUSH', batches, batch)
+    batch = false
   else
     redis.call('LPUSH', batches, batch)
     redis.call('LREM', own, 1, credit)
@@ -417,8 +476,10 @@ if #taken > 0 then
   redis.call('HINCRBY', stats, 'batches_formed', 1)
   redis.call('HINCRBY', stats, 'requests_batched', #taken)
   if jobs_taken < #taken then redis.call('SET', KEYS[5], ARGV[2], 'PX', 60000) end
-elseif for_worker then
+elseif for_worker or withdrawn then
   offer_credit()
+elseif joining then
+  redis.call('SET', KEYS[10], '1', 'PX', ARGV[7])
 end
 local size = #taken
 if mode ~= 'dispatch+envelopes' then taken = {} end
