@@ -126,6 +126,7 @@ class Gate:
         self._withdrawn: set[int] = set()  # their credits, withdrawn for it
         self._calls_ended = 0
         self._paused_until: dict[int, float] = {}  # (a loop whose shard failed a step)
+        self._last_step: concurrent.futures.Future[object] | None = None
 
     def attach(self, shard: int, join: Join, give_back: GiveBack) -> None:
         """``shard``'s loop's credit steps: ``join(room)`` as a call of other
@@ -218,8 +219,8 @@ class Gate:
         withdrawn, self._withdrawn = self._withdrawn, set()
         ended = {part.call.shard for part in parts if part.call.done()}
         self._expected, self._held_until = ended | withdrawn, time.monotonic() + self.hold_s
-        if withdrawn and self._credit_steps is not None:
-            self._credit_steps.submit(self._give_back, withdrawn)
+        if withdrawn:
+            self._submit(self._give_back, withdrawn)
         self._cond.notify_all()
 
     # -- the idle loops' credits (on the gate's own thread, in order) --------------
@@ -231,20 +232,21 @@ class Gate:
         if self._joined or self._credit_steps is None:
             return False
         self._joined = True
-        now = time.monotonic()
-        idle = {shard for shard in self._credits if self._paused_until.get(shard, 0.0) <= now} - {
-            call.shard for call in self._waiting
-        }
+        if self._last_step is not None and not self._last_step.done():
+            return False  # (a step still waits on a slow shard: none piles up behind it)
+        idle = self._unpaused(set(self._credits) - {call.shard for call in self._waiting})
         if not idle:
             return False
         room = self.max_inputs - sum(len(call.inputs) - call.given for call in self._waiting)
-        joining = self._credit_steps.submit(self._join, idle, room, self._calls_ended)
+        joining = self._submit(self._join, idle, room, self._calls_ended)
+        if joining is None:
+            return False
         self._busy = True  # (no other call starts meanwhile)
         self._cond.release()
         try:
-            formed = joining.result(JOIN_WAIT_S)
-        except concurrent.futures.TimeoutError:
-            formed = set()  # (late: what it does is handled as it ends, _join)
+            formed: set[int] = joining.result(JOIN_WAIT_S)  # type: ignore[assignment]
+        except Exception:  # (late: what it does is handled as it ends, _join)
+            formed = set()
         finally:
             self._cond.acquire()
             self._busy = False
@@ -261,6 +263,8 @@ class Gate:
         credits withdrawn for it come back as it ends; at once, if it ended
         before they were withdrawn (this ran late)."""
         formed, withdrawn = set(), set()
+        with self._cond:
+            shards = self._unpaused(shards)
         for shard in shards:
             try:
                 size, marked = self._credits[shard][0](max(room, 0))
@@ -291,6 +295,23 @@ class Gate:
                 formed = False
             if not formed:
                 self.pass_turn(shard)
+
+    def _submit(
+        self, step: Callable[..., object], *args: object
+    ) -> "concurrent.futures.Future[object] | None":
+        """``step`` on the gate's own thread, after those before it (None
+        once the process exits). Called holding the lock."""
+        if self._credit_steps is None:
+            return None
+        try:
+            self._last_step = self._credit_steps.submit(step, *args)
+        except RuntimeError:  # (the interpreter is shutting down)
+            return None
+        return self._last_step
+
+    def _unpaused(self, shards: set[int]) -> set[int]:
+        now = time.monotonic()
+        return {shard for shard in shards if self._paused_until.get(shard, 0.0) <= now}
 
     def _failed(self, shard: int, event: str, exc: Exception) -> None:
         log.warning(event, shard=shard, error=type(exc).__name__)

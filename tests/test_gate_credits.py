@@ -157,6 +157,49 @@ async def test_a_credit_spent_or_out_of_reach_is_left_as_it_is(
     assert (joined.credit_lost, joined.size) == (True, 0)
 
 
+async def test_a_batch_pulled_from_the_shared_list_takes_the_withdrawn_credit_with_it(
+    store: Store, take: BlockingTake
+) -> None:
+    await DispatcherQueue(store, "d1").publish_rule(UNPACED)
+    await store.redis.lpush(store.keys.ready, "w1")
+    await asyncio.to_thread(take.join_call, clock.now_ms(), 5_000, 100)  # (withdrawn)
+    await store.redis.lpush(store.keys.batches, b"a batch the reaper retried")
+    pulled = await WorkerQueue(store, "w1").pull_batch(0.05)
+    assert pulled == b"a batch the reaper retried"
+    assert not await store.redis.exists(store.keys.withdrawn("w1"))
+    # the call ends: nothing is given back (the worker offers its credit
+    # once that batch has run), so no second credit goes out
+    await _queue(store, 1)
+    back = await asyncio.to_thread(take.give_back_credit, clock.now_ms())
+    assert back.size == 0
+    assert await store.redis.llen(store.keys.ready) == 0
+    assert await store.redis.llen(store.keys.handoff("w1")) == 0
+
+
+async def test_a_planted_hand_off_key_or_a_worker_gone_forms_nothing(
+    store: Store, take: BlockingTake
+) -> None:
+    await DispatcherQueue(store, "d1").publish_rule(UNPACED)
+    await _queue(store, 2)
+    # a hand-off key of another type: the withdrawn credit goes back, no error
+    await store.redis.set(store.keys.withdrawn("w1"), "1")
+    await store.redis.set(store.keys.handoff("w1"), "planted")
+    back = await asyncio.to_thread(take.give_back_credit, clock.now_ms())
+    assert back.size == 0
+    assert await store.redis.lrange(store.keys.ready, 0, -1) == [b"w1"]
+    assert not await store.redis.exists(store.keys.withdrawn("w1"))
+    # a worker that has left (no heartbeat): its credit forms no batch
+    await store.redis.delete(store.keys.handoff("w1"), store.keys.heartbeat("worker", "w1"))
+    joined = await asyncio.to_thread(take.join_call, clock.now_ms(), 5_000, 100)
+    assert (joined.credit_lost, joined.size) == (True, 0)
+    assert await store.redis.llen(store.keys.handoff("w1")) == 0
+    await store.redis.set(store.keys.withdrawn("w1"), "1")
+    back = await asyncio.to_thread(take.give_back_credit, clock.now_ms())
+    assert back.size == 0
+    assert await store.redis.llen(store.keys.handoff("w1")) == 0
+    assert await queued(store, "paid") == 2
+
+
 # -- the gate's side -------------------------------------------------------------------
 
 
@@ -242,3 +285,21 @@ def test_a_slow_join_does_not_hold_the_call_back_and_its_credit_still_comes_back
     assert time.monotonic() - started < 0.5  # (JOIN_WAIT_S, then the call)
     # the call ended before the join did: the credit comes back at once
     assert given_back.wait(5)
+
+
+def test_no_join_piles_up_behind_one_that_waits_on_a_slow_shard() -> None:
+    backend = _Backend()
+    gate = Gate(backend, max_inputs=10, hold_s=0.0)  # type: ignore[arg-type]
+    release, asked = threading.Event(), []
+
+    def stuck(room: int) -> tuple[int, bool]:
+        asked.append(room)
+        assert release.wait(10)
+        return 0, False
+
+    gate.attach(1, stuck, lambda: False)
+    for text in ("a", "b", "c"):
+        assert gate.call(0, 0, [text], None) == [text.upper()]
+    release.set()
+    wait_for(lambda: gate._last_step is not None and gate._last_step.done(), 5, "the step")
+    assert asked == [9]  # (the later calls started without asking again)

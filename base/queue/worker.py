@@ -96,7 +96,13 @@ class WorkerQueue:
         if handed is not None:
             return handed
         waiting: bytes | None = await self.store.scripts.pull_waiting(
-            keys=[self.keys.batches, processing, self.keys.ready], args=[self.worker_id]
+            keys=[
+                self.keys.batches,
+                processing,
+                self.keys.ready,
+                self.keys.withdrawn(self.worker_id),
+            ],
+            args=[self.worker_id],
         )
         return waiting or None
 

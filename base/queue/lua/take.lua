@@ -153,8 +153,13 @@ end
 
 local n, min_interval, headroom, quiet_ms, min_slots
 if joining then
-  -- Only a credit not spent joins: on `ready`, or held by a dispatcher
-  -- (named from the prefix, as every dispatcher's: members:dispatcher).
+  -- Only a live worker's credit (it may have left since it was asked: a
+  -- batch for it would wait for no one), and only one not spent: on
+  -- `ready`, or held by a dispatcher (named from the prefix, as every
+  -- dispatcher's: members:dispatcher).
+  if redis.call('EXISTS', ARGV[6] .. 'hb:worker:' .. credit) == 0 then
+    return result(0, 0, 0, 1, false)
+  end
   local found = redis.call('LREM', ready, 0, credit)
   if found == 0 then
     local dispatchers = redis.pcall('SMEMBERS', ARGV[6] .. 'members:dispatcher')
@@ -172,21 +177,29 @@ if joining then
   end
   n, min_interval = math.min(n, math.max(math.floor(tonumber(ARGV[8]) or 0), 0)), 0
 elseif withdrawn then
-  -- The credit comes back once, and only if it is still out of everyone's
-  -- hands: not back on `ready` (offered again: the worker ran a batch from
-  -- the shared list meanwhile), not spent on a batch on its hand-off list
-  -- (the worker offers it when that one has run). (A batch in processing
-  -- is as a rule the last one, its answer still going out, whose take
-  -- offered the credit withdrawn.)
+  -- The credit comes back once (the mark goes first), to a live worker,
+  -- and only if it is still out of everyone's hands: not back on `ready`
+  -- (offered again), not spent on a batch on its hand-off list (the worker
+  -- offers it when that one has run). (A batch in processing is as a rule
+  -- the last one, its answer still going out, whose take offered the
+  -- credit withdrawn; one pulled from the shared list meanwhile took the
+  -- mark away, pull_waiting.lua.)
   if redis.call('DEL', KEYS[10]) == 0 then return result(0, 0, 0, 0, false) end
-  if redis.call('LPOS', ready, credit) or redis.call('LLEN', batches) > 0 then
-    return result(0, 0, 0, 0, false)
+  if redis.call('EXISTS', ARGV[6] .. 'hb:worker:' .. credit) == 0 then
+    return result(0, 0, 0, 1, false)
   end
   -- (a hand-off list of another type: written after envelopes leave their
   -- queues, so nothing is taken for it; the credit goes back)
   local kind = redis.call('TYPE', batches)['ok']
+  if kind ~= 'list' and kind ~= 'none' then
+    offer_credit()
+    return result(0, 0, 0, 0, false)
+  end
+  if redis.call('LPOS', ready, credit) or redis.call('LLEN', batches) > 0 then
+    return result(0, 0, 0, 0, false)
+  end
   n, min_interval, headroom, quiet_ms, min_slots = published_rule(KEYS[8], ntiers)  -- rule.lua
-  if n == nil or (kind ~= 'list' and kind ~= 'none') then
+  if n == nil then
     offer_credit()
     return result(0, 0, 0, 0, false)
   end
@@ -448,7 +461,7 @@ if cancelled > 0 then redis.call('HINCRBY', stats, 'cancelled_dropped', cancelle
 if malformed > 0 then redis.call('HINCRBY', stats, 'malformed_dropped', malformed) end
 if check_cancelled then redis.call('ZREMRANGEBYSCORE', cancelled_set, '-inf', now) end
 
-if #taken >= n then ring_if_waiting(first_queue, first_fair) end
+if n > 0 and #taken >= n then ring_if_waiting(first_queue, first_fair) end
 local batch = false
 if #taken > 0 then
   -- The batch's frame, as wire.encode_batch writes it: its head on a line,
