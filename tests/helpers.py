@@ -15,6 +15,7 @@ from typing import Any
 
 import redis
 import yaml
+from infergate.base import clock, wire
 from infergate.base.keys import Keys
 from infergate.redis_server import free_port
 
@@ -517,3 +518,9 @@ def busy_worker(client: redis.Redis, keys: Keys = KEYS) -> str | None:
         if client.llen(key):
             return key.decode().rsplit(":", 1)[1]
     return None
+
+
+def paid_envelope(i: int) -> bytes:
+    """Request ``r{i}`` of key ``k`` in paid, input ``in{i}``, 30 s to live."""
+    now = clock.now_ms()
+    return wire.encode(wire.Envelope(f"r{i}", "gw", "paid", "k", f"in{i}", now, now + 30_000))

@@ -19,15 +19,10 @@ from infergate.base.queue.store import Store
 from infergate.base.queue.worker import BlockingTake, WorkerQueue
 from infergate.gpu.gate import Gate
 
-from tests.helpers import queued, wait_for
+from tests.helpers import paid_envelope, queued, wait_for
 
 PACED = Rule(100, 10_000, -1, min_slots=(0, 0, 0))  # (a dispatcher or a worker would wait)
 UNPACED = Rule(100, 0, -1, min_slots=(0, 0, 0))
-
-
-def envelope(i: int) -> bytes:
-    now = clock.now_ms()
-    return wire.encode(wire.Envelope(f"r{i}", "gw", "paid", "k", f"in{i}", now, now + 30_000))
 
 
 @pytest.fixture
@@ -47,7 +42,7 @@ def take(store: Store, redis_url: str) -> Any:
 
 async def _queue(store: Store, count: int) -> None:
     for i in range(count):
-        await GatewayQueue(store, "gw").enqueue("paid", envelope(i))
+        await GatewayQueue(store, "gw").enqueue("paid", paid_envelope(i))
 
 
 async def _handed(store: Store) -> list[str]:

@@ -20,7 +20,7 @@ from infergate.gpu.lane import Lane, Ran, Then
 from infergate.gpu.simulated import SimulatedBackend
 from infergate.gpu.worker import Worker, WorkerSettings
 
-from tests.helpers import queued
+from tests.helpers import paid_envelope, queued
 
 
 class Gated:
@@ -53,11 +53,6 @@ class Counting(SimulatedBackend):
         return super().infer(inputs)
 
 
-def envelope(i: int) -> bytes:
-    now = clock.now_ms()
-    return wire.encode(wire.Envelope(f"r{i}", "gw", "paid", "k", f"in{i}", now, now + 30_000))
-
-
 @pytest.fixture
 async def store(redis_url: str) -> AsyncIterator[Store]:
     store = Store.connect(redis_url, "t", block_s=1, name="test")
@@ -71,7 +66,7 @@ async def _run_first(store: Store, lane: Lane, backend: Gated, queued: int) -> R
     """Call the backend for batch A; while it runs, ``queued`` requests arrive."""
     call = lane.call(["a"], Then(b"batch A"))
     for i in range(queued):
-        await GatewayQueue(store, "gw").enqueue("paid", envelope(i))
+        await GatewayQueue(store, "gw").enqueue("paid", paid_envelope(i))
     backend.release.set()
     return await asyncio.wait_for(call, 10)
 
@@ -304,7 +299,7 @@ async def _serve_60_requests(worker: Worker, backend: "Counting") -> dict[str, i
     answered: dict[str, int] = {}
     try:
         for i in range(20):
-            await gateway.enqueue("paid", envelope(i))
+            await gateway.enqueue("paid", paid_envelope(i))
         dispatcher = DispatcherQueue(store, "d1")
         credit = await dispatcher.wait_credit(10)
         assert credit == worker.id
@@ -313,7 +308,7 @@ async def _serve_60_requests(worker: Worker, backend: "Counting") -> dict[str, i
         )
         assert first.size == 20
         for i in range(20, 60):  # while the first batch runs
-            await gateway.enqueue("paid", envelope(i))
+            await gateway.enqueue("paid", paid_envelope(i))
         deadline = clock.monotonic_s() + 30
         while len(answered) < 60 and clock.monotonic_s() < deadline:
             message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
