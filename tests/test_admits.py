@@ -9,7 +9,7 @@ import pytest
 from infergate.base import clock, wire
 from infergate.base.errors import out_of_memory
 from infergate.base.queue.admits import MOST, MOST_BYTES, Admits
-from infergate.base.queue.gateway import Counter, GatewayQueue
+from infergate.base.queue.gateway import Admitted, Counter, GatewayQueue, Place
 from infergate.base.queue.inputs import Beside
 from infergate.base.queue.store import Store
 from infergate.redis_server import RedisServer
@@ -212,3 +212,99 @@ async def test_a_call_on_a_replica_is_refused_whole_and_drops_its_connection(
     finally:
         await store.close()
         replica.close()
+
+
+async def test_a_gathered_call_leaves_redis_as_one_call_a_request_would(redis_url: str) -> None:
+    """admit.lua reads each window and fair state once a call and writes it
+    once as the call ends: the same requests, sent one call each or all in
+    one call, get the same replies and leave the same windows, fair states
+    and fair queues (keys of several weights and tiers, a limit reached, a
+    key's share reached, and an unreadable request in the middle)."""
+    weights = {"a": 1.0, "b": 2.0, "c": 0.5}
+    envelopes = [env(i) for i in range(24)]
+
+    def requests(store: Store) -> list[tuple[list[Counter], str, bytes, Place]]:
+        out = []
+        for i in range(24):
+            key = "abc"[i % 3] if i < 12 else "aab"[i % 3]
+            tier = "free" if i % 4 else "paid"
+            counters = [
+                Counter(f"{store.keys.quota_prefix}:{key}:requests", 1, 2 if key == "c" else 7, 60),
+                Counter(f"{store.keys.quota_prefix}:{key}:chars", 10 + i, 10_000, 60),
+            ]
+            allowance = 0.0 if key == "c" else 5.0  # (c: no share check, a limit of 2)
+            out.append(
+                (counters, tier, envelopes[i], Place(key, 10 + i, weights[key], allowance, 1.5))
+            )
+        return out
+
+    async def run(store: Store, gathered: bool) -> list[object]:
+        gateway = GatewayQueue(store, "gw")
+
+        async def admit(counters: list[Counter], tier: str, e: bytes, place: Place) -> object:
+            return await gateway.admit(counters, tier, e, place=place)
+
+        async def unreadable() -> object:
+            return await store.admits.admit(
+                [store.keys.quota_prefix + ":a:requests"], [1, b"", "x"]
+            )
+
+        calls: list[object] = [admit(*r) for r in requests(store)]
+        calls.insert(9, unreadable())
+        if gathered:
+            store.admits.every_s = 60.0
+            before = await evalsha_calls(store)
+            results = await asyncio.gather(*calls, return_exceptions=True)
+            assert await evalsha_calls(store) - before == 1
+            return [str(r) if isinstance(r, Exception) else r for r in results]
+        results = []
+        for call in calls:
+            try:
+                results.append(await call)
+            except ResponseError as exc:
+                results.append(str(exc))
+        return results
+
+    async def left(store: Store) -> dict[str, object]:
+        held: dict[str, object] = {}
+        for key in ("a", "b", "c"):
+            for kind in ("requests", "chars"):
+                name = f"{store.keys.quota_prefix}:{key}:{kind}"
+                window = await store.redis.hgetall(name)
+                held[name.removeprefix(store.keys.quota_prefix)] = (
+                    window.get(b"s"),
+                    sum(int(v) for f, v in window.items() if f not in (b"s", b"l")),
+                    await store.redis.pttl(name) > 0,
+                )
+        for tier in ("free", "paid"):
+            held["state:" + tier] = await store.redis.hgetall(store.keys.fair_state(tier))
+            held["queue:" + tier] = await store.redis.zrange(
+                store.keys.fair_queue(tier), 0, -1, withscores=True
+            )
+        return held
+
+    one_by_one = Store.connect(redis_url, "one", block_s=1, name="test")
+    together = Store.connect(redis_url, "all", block_s=1, name="test")
+    try:
+        alone = await run(one_by_one, gathered=False)
+        gathered = await run(together, gathered=True)
+        # (the ms until a window has room is read off the clock: the runs
+        # are a moment apart)
+        assert [r._replace(ttls_ms=[]) if isinstance(r, Admitted) else r for r in gathered] == [
+            r._replace(ttls_ms=[]) if isinstance(r, Admitted) else r for r in alone
+        ]
+        for was, now in zip(alone, gathered, strict=True):
+            if isinstance(was, Admitted) and isinstance(now, Admitted):
+                assert all(
+                    abs(a - b) < 2_000 for a, b in zip(was.ttls_ms, now.ttls_ms, strict=True)
+                )
+        replies = [r for r in alone if isinstance(r, Admitted)]
+        assert len(replies) == 24
+        assert len(alone) == 25
+        assert any(r.over_share for r in replies)
+        assert any(not r.admitted and not r.over_share for r in replies)  # (over a limit)
+        assert sum(r.queued for r in replies) >= 8
+        assert await left(together) == await left(one_by_one)
+    finally:
+        await one_by_one.close()
+        await together.close()

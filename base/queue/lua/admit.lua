@@ -69,114 +69,295 @@
 --          without room (1-based; 0: none)}: a window's last ten
 -- buckets' sum after the charge (before it, if refused), and the ms until it has room again
 -- (refused) or until its oldest charge leaves it (-2: nothing charged).
+-- Within one call, each window, each fair state and the doorbell is read
+-- once and written once (at the end of the call): the requests after the
+-- first read what the ones before them left, from the script's own copy.
+-- No other command runs during a script, so what each request sees, and
+-- what Redis holds once the call ends, is what one call a request would
+-- see and leave; a call of many requests of few keys (a busy gateway's)
+-- costs Redis a few commands a key, not a few a request.
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+
+local windows = {}  -- a window's name -> what this call knows of it
+local states = {}  -- a fair state's name -> its fields as this call left them
+local rung = {}  -- a doorbell's name -> rung (or found ringing) in this call
+local no_hand = {}  -- a model's prefix -> no request of it in this call can go straight
+
+local function number(raw)
+  -- a count as the script writes it (Redis writes a Lua number that is a
+  -- whole number below 2^53 in digits: a window that grew past that starts
+  -- over), or nil if it is not one (planted: text, '0x10', ' 5', '1e3',
+  -- 'nan', or past 18 digits)
+  if type(raw) == 'string' and not (#raw <= 18 and string.find(raw, '^%-?%d+$')) then
+    return nil
+  end
+  return tonumber(raw)
+end
+
+local function finite(raw)
+  -- a number, or nil if it is none, or not finite (a planted 'nan' or 'inf')
+  local value = tonumber(raw)
+  if value == nil or value ~= value or value == math.huge or value == -math.huge then
+    return nil
+  end
+  return value
+end
+
+local function write_window(key, w)
+  -- what this call charged to a window, written once
+  local bucket = tostring(w.current)
+  if w.new then
+    redis.call('HSET', key, bucket, w.held, 's', w.eleven, 'l', bucket)
+    redis.call('PEXPIRE', key, math.ceil(w.window_ms * 11 / 10) + 1000)
+  else
+    redis.call('HSET', key, bucket, w.held, 's', w.eleven)
+  end
+end
+
+local function read_window(key, current, window_ms)
+  -- the window as of bucket `current`: the eleven buckets' sum, what the
+  -- oldest of them holds (so the last ten's is the difference), whether the
+  -- window is new, and what bucket `current` holds. The buckets that left
+  -- since the sum was last moved on are deleted and taken off it, then and
+  -- there (refused or not), and its expiry set again; a hash that cannot be
+  -- read, or holds anything but counts there, starts over, empty.
+  local fresh = {current = current, window_ms = window_ms, eleven = 0, oldest = 0,
+    held = 0, new = true, dirty = false}
+  local raw = redis.pcall('HMGET', key, 'l', 's', tostring(current - 10), tostring(current))
+  if type(raw) ~= 'table' or raw.err then
+    redis.call('DEL', key)
+    return fresh
+  end
+  if not raw[1] then
+    -- new (or planted without its newest bucket: it starts over)
+    if raw[2] or raw[3] or raw[4] then redis.call('DEL', key) end
+    return fresh
+  end
+  local last, sum = number(raw[1]), number(raw[2] or 0)
+  local oldest, held = number(raw[3] or 0), number(raw[4] or 0)
+  if last == nil or sum == nil or oldest == nil or held == nil or last > current then
+    -- (one ahead of Redis's clock, which stepped back, would count until
+    -- the clock reached it)
+    redis.call('DEL', key)
+    return fresh
+  end
+  local w = {current = current, window_ms = window_ms, eleven = sum, oldest = oldest,
+    held = held, new = false, dirty = false}
+  if last == current then return w end
+  -- (a charge in bucket b leaves the window at (b + 11) tenths: 1.1
+  -- windows from the start of b at most)
+  local expiry = math.ceil(window_ms * 11 / 10) + 1000
+  -- buckets last - 10 .. current - 11 left the window (those past last are empty)
+  local left = {}
+  for index = last - 10, math.min(current - 11, last) do left[#left + 1] = tostring(index) end
+  if #left > 0 then
+    local amounts = redis.call('HMGET', key, unpack(left))
+    for j = 1, #left do
+      local amount = number(amounts[j] or 0)
+      if amount == nil then
+        redis.call('DEL', key)
+        return fresh
+      end
+      sum = sum - amount
+    end
+    redis.call('HDEL', key, unpack(left))
+  end
+  redis.call('HSET', key, 's', sum, 'l', tostring(current))
+  redis.call('PEXPIRE', key, expiry)
+  w.eleven = sum
+  return w
+end
+
+local function window(key, window_ms)
+  -- the window as this call knows it (read once; a window of the same name
+  -- and another length, which a policy edit could send, is written back and
+  -- read again)
+  local current = math.floor(now * 10 / window_ms)
+  local w = windows[key]
+  if w and w.window_ms == window_ms then return w end
+  if w and w.dirty then write_window(key, w) end
+  w = read_window(key, current, window_ms)
+  windows[key] = w
+  return w
+end
+
+local function room(key, w, cost, amount)
+  -- Whether a request of `cost` fits now; if not, the ms until it would
+  -- (reading every bucket: only when refused; the current one as this call
+  -- left it).
+  local allowed = amount + math.floor(amount / 10)
+  local eleven, current = w.eleven, w.current
+  if eleven + cost <= allowed and eleven - w.oldest + cost <= amount then return true, 0 end
+  local fields = {}
+  for j = 1, 11 do fields[j] = tostring(current - 11 + j) end
+  local amounts = redis.call('HMGET', key, unpack(fields))
+  amounts[11] = w.held
+  for later = 1, 11 do
+    local e, t = 0, 0
+    for j = 1 + later, 11 do
+      local a = number(amounts[j] or 0) or 0
+      e = e + a
+      if j >= 2 + later then t = t + a end
+    end
+    if e + cost <= allowed and t + cost <= amount then
+      return false, math.ceil((current + later) * w.window_ms / 10) - now
+    end
+  end
+  return false, -1
+end
+
+local function fair_state(state, fq, key_id)
+  -- a tier's fair state as this call left it, with `key_id`'s fields read
+  -- (a state of another type is not this script's: it starts over; one
+  -- whose queue is gone, deleted or evicted, is stale: it goes)
+  local s = states[state]
+  if s and s.keys[key_id] then return s end
+  local fair = redis.pcall('HMGET', state, 'v', 'w', 'f:' .. key_id, 'n:' .. key_id, 'w:' .. key_id)
+  if type(fair) ~= 'table' or fair.err then redis.call('DEL', state) fair = {} s = nil end
+  if not s then
+    s = {v = finite(fair[1]) or 0, w = math.max(finite(fair[2]) or 0, 0), keys = {}, dirty = {}}
+    states[state] = s
+  end
+  local mine = {f = finite(fair[3]) or 0, n = math.max(finite(fair[4]) or 0, 0),
+    w = finite(fair[5])}
+  if (mine.n > 0 or s.w > 0) and redis.call('EXISTS', fq) == 0 then
+    redis.call('DEL', state)
+    s.v, s.w, s.keys, s.dirty = 0, 0, {}, {}
+    mine = {f = 0, n = 0}
+  end
+  s.keys[key_id] = mine
+  return s
+end
+
+local function write_state(state, s)
+  local pairs_ = {}
+  for field, value in pairs(s.dirty) do
+    pairs_[#pairs_ + 1] = field
+    pairs_[#pairs_ + 1] = value
+  end
+  if #pairs_ > 0 then redis.call('HSET', state, unpack(pairs_)) end
+end
+
+local function pacing_interval(rule_key, ntiers)
+  -- the published rule's pacing interval (ms; 0 when batches are of one,
+  -- as take.lua never holds a full batch); nil if there is no rule that
+  -- take.lua would read (published_rule: rule.lua)
+  local batch_size, interval = published_rule(rule_key, ntiers)
+  if batch_size == nil then return nil end
+  return batch_size > 1 and interval or 0
+end
+
+local function hand_straight(ARGV, sa)
+  -- the envelope as a batch of its own, to an idle worker; false if it
+  -- must be queued instead
+  local prefix = ARGV[sa + 3]
+  local ready = prefix .. 'ready'
+  -- (no idle worker first: under load, the one check made; nothing in a
+  -- call puts one on `ready`, so no later request of the call looks again)
+  if redis.call('LLEN', ready) == 0 then no_hand[prefix] = true return false end
+  local rule_key, last_key, stats = prefix .. 'batch-rule', prefix .. 'last-dispatch', prefix .. 'stats'
+  local ntiers = 0
+  for tier in string.gmatch(ARGV[sa + 4], '%S+') do
+    ntiers = ntiers + 1
+    for _, kind in ipairs({'queue:', 'jobs:', 'fq:'}) do
+      if redis.call('EXISTS', prefix .. kind .. tier) == 1 then return false end
+    end
+  end
+  local interval = pacing_interval(rule_key, ntiers)
+  if interval == nil then return false end
+  local at = tonumber(ARGV[sa + 2])
+  local last = math.min(tonumber(redis.pcall('GET', last_key)) or 0, at)
+  if interval > 0 and last + interval > at then return false end
+  -- Nothing after the credit is spent may fail (the envelope would be
+  -- queued as well): the keys it writes are checked first.
+  local stats_kind = redis.call('TYPE', stats)['ok']
+  if stats_kind ~= 'hash' and stats_kind ~= 'none' then return false end
+  -- The oldest idle live worker's credit, as a dispatcher would take it
+  -- (idle_worker.lua); the batch goes to that worker's hand-off list.
+  local _, handoff = idle_worker(ready, prefix .. 'hb:worker:', prefix .. 'batches:')
+  if not handoff then return false end
+  -- The batch as take.lua writes it (and wire.encode_batch).
+  redis.call('LPUSH', handoff, '{"id":' .. cjson.encode(ARGV[sa]) .. ',"dispatcher":'
+    .. cjson.encode(ARGV[sa + 1]) .. ',"formed_ms":' .. ARGV[sa + 2]
+    .. ',"envelopes":[' .. ARGV[2] .. '],"attempt":0}')
+  -- (a count that is not an integer stays wrong, as in take.lua; the batch goes)
+  redis.pcall('HINCRBY', stats, 'batches_formed', 1)
+  redis.pcall('HINCRBY', stats, 'requests_batched', 1)
+  redis.call('SET', last_key, ARGV[sa + 2], 'PX', 60000)  -- (SET replaces any type)
+  return true
+end
+
+local function queue_fairly(fq, doorbell, state, s, key_id, envelope, cost, weight)
+  -- onto the tier's fair queue at its start tag; its key's state after it
+  -- (in this call's copy, written as the call ends)
+  local mine = s.keys[key_id]
+  local start = math.max(s.v, mine.f)
+  if type(redis.pcall('ZADD', fq, start, envelope)) ~= 'number' then
+    -- a key of another type (planted) is no tier's queue: it goes
+    redis.call('DEL', fq)
+    redis.call('ZADD', fq, start, envelope)
+  end
+  -- (written from what was read, so a planted value that is no number
+  -- counts as none, instead of failing the step)
+  local ends = start + cost * 1000 / math.max(weight, 1)
+  mine.f = ends
+  s.dirty['f:' .. key_id] = string.format('%.17g', ends)
+  if mine.n <= 0 then
+    mine.w = weight
+    s.w = s.w + weight
+    s.dirty['w:' .. key_id] = weight
+    s.dirty['w'] = s.w
+  end
+  mine.n = mine.n + 1
+  s.dirty['n:' .. key_id] = mine.n
+  -- (one ring is enough: a dispatcher that waits takes it at once)
+  -- (a key of another type, planted, is no doorbell: it goes)
+  if not rung[doorbell] then
+    local rings = redis.pcall('LLEN', doorbell)
+    if type(rings) ~= 'number' then redis.call('DEL', doorbell) rings = 0 end
+    if rings == 0 then redis.call('LPUSH', doorbell, '1') end
+    rung[doorbell] = true
+  end
+  return 1
+end
+
+local function over_share(ARGV, fa, fq, s, key_id, weight)
+  -- whether the key already holds its weight's share of the tier's
+  -- allowance (the weight it waits with: the policy may have changed it since)
+  local allowance = tonumber(ARGV[fa + 3]) or 0
+  if allowance <= 0 then return false end
+  local mine = s.keys[key_id]
+  local others = s.w - (mine.n > 0 and (mine.w or weight) or 0)
+  local sharing = math.max(math.max(others, 0) + weight, tonumber(ARGV[fa + 4]) or 0)
+  local share = math.floor(allowance * weight / sharing)
+  if share < 1 then
+    -- a share under one request: one while the tier has room, no more
+    return mine.n >= 1 or redis.call('ZCARD', fq) + 1 > allowance
+  end
+  return mine.n + 1 > share
+end
 
 local function admit_one(KEYS, ARGV)
   local n = tonumber(ARGV[1])
   local input_ttl = tonumber(ARGV[3 * n + 3] or '0') or 0
   local fa = 3 * n + 5  -- the first argument of the fair queue
   local sa = 3 * n + 10  -- the first argument to hand it straight
-  local sums, ttls, buckets = {}, {}, {}
+  local sums, ttls, charged = {}, {}, {}
   local admitted = 1
   local refused_by = 0  -- the first limit without room (1-based; 0: none)
 
-  local function number(raw)
-    -- a count as the script writes it (Redis writes a Lua number that is a
-    -- whole number below 2^53 in digits: a window that grew past that starts
-    -- over), or nil if it is not one (planted: text, '0x10', ' 5', '1e3',
-    -- 'nan', or past 18 digits)
-    if type(raw) == 'string' and not (#raw <= 18 and string.find(raw, '^%-?%d+$')) then
-      return nil
-    end
-    return tonumber(raw)
-  end
-
-  local function window(key, current, window_ms)
-    -- the eleven buckets' sum as of bucket `current`, what the oldest of them
-    -- holds (so the last ten's is the difference), whether the window is
-    -- new, and what bucket `current` holds. The buckets that left since the
-    -- sum was last moved on are deleted and taken off it, then and there
-    -- (refused or not), and its expiry set again; a hash that cannot be
-    -- read, or holds anything but counts there, starts over, empty.
-    local raw = redis.pcall('HMGET', key, 'l', 's', tostring(current - 10), tostring(current))
-    if type(raw) ~= 'table' or raw.err then
-      redis.call('DEL', key)
-      return 0, 0, true, 0
-    end
-    if not raw[1] then
-      -- new (or planted without its newest bucket: it starts over)
-      if raw[2] or raw[3] or raw[4] then redis.call('DEL', key) end
-      return 0, 0, true, 0
-    end
-    local last, sum = number(raw[1]), number(raw[2] or 0)
-    local oldest, now_held = number(raw[3] or 0), number(raw[4] or 0)
-    if last == nil or sum == nil or oldest == nil or now_held == nil or last > current then
-      -- (one ahead of Redis's clock, which stepped back, would count until
-      -- the clock reached it)
-      redis.call('DEL', key)
-      return 0, 0, true, 0
-    end
-    if last == current then return sum, oldest, false, now_held end
-    -- (a charge in bucket b leaves the window at (b + 11) tenths: 1.1
-    -- windows from the start of b at most)
-    local expiry = math.ceil(window_ms * 11 / 10) + 1000
-    -- buckets last - 10 .. current - 11 left the window (those past last are empty)
-    local left = {}
-    for index = last - 10, math.min(current - 11, last) do left[#left + 1] = tostring(index) end
-    if #left > 0 then
-      local amounts = redis.call('HMGET', key, unpack(left))
-      for j = 1, #left do
-        local amount = number(amounts[j] or 0)
-        if amount == nil then
-          redis.call('DEL', key)
-          return 0, 0, true, 0
-        end
-        sum = sum - amount
-      end
-      redis.call('HDEL', key, unpack(left))
-    end
-    redis.call('HSET', key, 's', sum, 'l', tostring(current))
-    redis.call('PEXPIRE', key, expiry)
-    return sum, oldest, false, now_held
-  end
-
-  local function room(key, current, cost, amount, eleven, ten, window_ms)
-    -- Whether a request of `cost` fits now; if not, the ms until it would
-    -- (reading every bucket: only when refused).
-    local allowed = amount + math.floor(amount / 10)
-    if eleven + cost <= allowed and ten + cost <= amount then return true, 0 end
-    local fields = {}
-    for j = 1, 11 do fields[j] = tostring(current - 11 + j) end
-    local amounts = redis.call('HMGET', key, unpack(fields))
-    for later = 1, 11 do
-      local e, t = 0, 0
-      for j = 1 + later, 11 do
-        local a = number(amounts[j] or 0) or 0
-        e = e + a
-        if j >= 2 + later then t = t + a end
-      end
-      if e + cost <= allowed and t + cost <= amount then
-        return false, math.ceil((current + later) * window_ms / 10) - now
-      end
-    end
-    return false, -1
-  end
-
-  local windows = {}
   for i = 1, n do
     local key, cost = KEYS[i], tonumber(ARGV[3 * i])
     local amount, window_ms = tonumber(ARGV[3 * i + 1]), tonumber(ARGV[3 * i + 2]) * 1000
-    local current = math.floor(now * 10 / window_ms)
-    local eleven, oldest, new, now_held = window(key, current, window_ms)
-    local ten = eleven - oldest
-    windows[i] = {eleven, new, window_ms, now_held}
-    sums[i], buckets[i] = ten, current
+    local w = window(key, window_ms)
+    charged[i] = w
+    sums[i] = w.eleven - w.oldest
     -- until the window is as it was before any charge: the current bucket
     -- leaves the last ten (the x-ratelimit-reset-requests header)
-    ttls[i] = eleven ~= 0 and math.ceil((current + 10) * window_ms / 10) - now or -2
+    ttls[i] = w.eleven ~= 0 and math.ceil((w.current + 10) * window_ms / 10) - now or -2
     if cost > 0 then
-      local fits, wait = room(key, current, cost, amount, eleven, ten, window_ms)
+      local fits, wait = room(key, w, cost, amount)
       if not fits then
         admitted = 0
         if refused_by == 0 then refused_by = i end
@@ -186,145 +367,37 @@ local function admit_one(KEYS, ARGV)
   end
 
   local queued = #KEYS > n
-  local fq, state = KEYS[n + 1], KEYS[n + 3]
+  local fq, doorbell, state = KEYS[n + 1], KEYS[n + 2], KEYS[n + 3]
   local key_id = ARGV[fa]
-  local cost, weight, allowance = 0, 1000, 0
-  local tier_time, finish, waiting, weights = 0, 0, 0, 0
-
-  local function finite(raw)
-    -- a number, or nil if it is none, or not finite (a planted 'nan' or 'inf')
-    local value = tonumber(raw)
-    if value == nil or value ~= value or value == math.huge or value == -math.huge then
-      return nil
-    end
-    return value
-  end
-
+  local cost, weight = 0, 1000
+  local s
   if queued and admitted == 1 then
     cost, weight = tonumber(ARGV[fa + 1]) or 0, tonumber(ARGV[fa + 2]) or 1000
-    allowance = tonumber(ARGV[fa + 3]) or 0
-    -- (a state of another type is not this script's: it starts over)
-    local fair = redis.pcall(
-      'HMGET', state, 'v', 'f:' .. key_id, 'n:' .. key_id, 'w', 'w:' .. key_id)
-    if type(fair) ~= 'table' or fair.err then redis.call('DEL', state) fair = {} end
-    tier_time, finish = finite(fair[1]) or 0, finite(fair[2]) or 0
-    waiting, weights = math.max(finite(fair[3]) or 0, 0), math.max(finite(fair[4]) or 0, 0)
-    if (waiting > 0 or weights > 0) and redis.call('EXISTS', fq) == 0 then
-      -- a state whose queue is gone (deleted, or evicted): stale, it goes
-      redis.call('DEL', state)
-      tier_time, finish, waiting, weights = 0, 0, 0, 0
-    end
-    if allowance > 0 then
-      -- (the weight it waits with: the policy may have changed it since)
-      local others = weights - (waiting > 0 and (finite(fair[5]) or weight) or 0)
-      local sharing = math.max(math.max(others, 0) + weight, tonumber(ARGV[fa + 4]) or 0)
-      local share = math.floor(allowance * weight / sharing)
-      if share < 1 then
-        -- a share under one request: one while the tier has room, no more
-        if waiting >= 1 or redis.call('ZCARD', fq) + 1 > allowance then admitted = 2 end
-      elseif waiting + 1 > share then
-        admitted = 2
-      end
-    end
-  end
-
-  local function pacing_interval(rule_key, ntiers)
-    -- the published rule's pacing interval (ms; 0 when batches are of one,
-    -- as take.lua never holds a full batch); nil if there is no rule that
-    -- take.lua would read (published_rule: rule.lua)
-    local batch_size, interval = published_rule(rule_key, ntiers)
-    if batch_size == nil then return nil end
-    return batch_size > 1 and interval or 0
-  end
-
-  local function hand_straight()
-    -- the envelope as a batch of its own, to an idle worker; false if it
-    -- must be queued instead
-    local prefix = ARGV[sa + 3]
-    local ready = prefix .. 'ready'
-    -- (no idle worker first: under load, the one check made)
-    if redis.call('LLEN', ready) == 0 then return false end
-    local rule_key, last_key, stats = prefix .. 'batch-rule', prefix .. 'last-dispatch', prefix .. 'stats'
-    local ntiers = 0
-    for tier in string.gmatch(ARGV[sa + 4], '%S+') do
-      ntiers = ntiers + 1
-      for _, kind in ipairs({'queue:', 'jobs:', 'fq:'}) do
-        if redis.call('EXISTS', prefix .. kind .. tier) == 1 then return false end
-      end
-    end
-    local interval = pacing_interval(rule_key, ntiers)
-    if interval == nil then return false end
-    local at = tonumber(ARGV[sa + 2])
-    local last = math.min(tonumber(redis.pcall('GET', last_key)) or 0, at)
-    if interval > 0 and last + interval > at then return false end
-    -- Nothing after the credit is spent may fail (the envelope would be
-    -- queued as well): the keys it writes are checked first.
-    local stats_kind = redis.call('TYPE', stats)['ok']
-    if stats_kind ~= 'hash' and stats_kind ~= 'none' then return false end
-    -- The oldest idle live worker's credit, as a dispatcher would take it
-    -- (idle_worker.lua); the batch goes to that worker's hand-off list.
-    local _, handoff = idle_worker(ready, prefix .. 'hb:worker:', prefix .. 'batches:')
-    if not handoff then return false end
-    -- The batch as take.lua writes it (and wire.encode_batch).
-    redis.call('LPUSH', handoff, '{"id":' .. cjson.encode(ARGV[sa]) .. ',"dispatcher":'
-      .. cjson.encode(ARGV[sa + 1]) .. ',"formed_ms":' .. ARGV[sa + 2]
-      .. ',"envelopes":[' .. ARGV[2] .. '],"attempt":0}')
-    -- (a count that is not an integer stays wrong, as in take.lua; the batch goes)
-    redis.pcall('HINCRBY', stats, 'batches_formed', 1)
-    redis.pcall('HINCRBY', stats, 'requests_batched', 1)
-    redis.call('SET', last_key, ARGV[sa + 2], 'PX', 60000)  -- (SET replaces any type)
-    return true
-  end
-
-  local function queue_fairly()
-    -- onto the tier's fair queue at its start tag; its key's state after it
-    local start = math.max(tier_time, finish)
-    if type(redis.pcall('ZADD', fq, start, ARGV[2])) ~= 'number' then
-      -- a key of another type (planted) is no tier's queue: it goes
-      redis.call('DEL', fq)
-      redis.call('ZADD', fq, start, ARGV[2])
-    end
-    local ends = string.format('%.17g', start + cost * 1000 / math.max(weight, 1))
-    -- (written from what was read, so a planted value that is no number
-    -- counts as none, instead of failing the step)
-    if waiting <= 0 then
-      redis.call('HSET', state, 'f:' .. key_id, ends, 'n:' .. key_id, 1,
-        'w:' .. key_id, weight, 'w', math.max(weights, 0) + weight)
-    else
-      redis.call('HSET', state, 'f:' .. key_id, ends, 'n:' .. key_id, waiting + 1)
-    end
-    -- (one ring is enough: a dispatcher that waits takes it at once)
-    -- (a key of another type, planted, is no doorbell: it goes)
-    local rings = redis.pcall('LLEN', KEYS[n + 2])
-    if type(rings) ~= 'number' then redis.call('DEL', KEYS[n + 2]) rings = 0 end
-    if rings == 0 then redis.call('LPUSH', KEYS[n + 2], '1') end
-    return 1
+    s = fair_state(state, fq, key_id)
+    if over_share(ARGV, fa, fq, s, key_id, weight) then admitted = 2 end
   end
 
   local reply = {admitted, 0, 0}
   if admitted == 1 then
     for i = 1, n do
-      local key, cost_i = KEYS[i], tonumber(ARGV[3 * i])
-      local eleven, new, window_ms, held = unpack(windows[i])
-      local bucket = tostring(buckets[i])
-      -- (both read and checked above, in this same step: written, not added)
-      if new then
-        redis.call('HSET', key, bucket, cost_i, 's', eleven + cost_i, 'l', bucket)
-        redis.call('PEXPIRE', key, math.ceil(window_ms * 11 / 10) + 1000)
-      else
-        redis.call('HSET', key, bucket, held + cost_i, 's', eleven + cost_i)
-      end
+      local w, cost_i = charged[i], tonumber(ARGV[3 * i])
+      w.eleven, w.held, w.dirty = w.eleven + cost_i, w.held + cost_i, true
       sums[i] = sums[i] + cost_i
-      if ttls[i] < 0 then ttls[i] = math.ceil((buckets[i] + 10) * window_ms / 10) - now end
+      if ttls[i] < 0 then ttls[i] = math.ceil((w.current + 10) * w.window_ms / 10) - now end
     end
     if input_ttl > 0 then redis.call('SET', KEYS[n + 4], ARGV[3 * n + 4], 'PX', input_ttl) end
     -- (a key of another type on the way: queued, as without a worker idle)
     local handable, handed = false, false
-    if queued and ARGV[sa + 4] then handable, handed = pcall(hand_straight) end
+    local prefix = ARGV[sa + 4] and ARGV[sa + 3]
+    if queued and prefix and not no_hand[prefix] then
+      handable, handed = pcall(hand_straight, ARGV, sa)
+    end
     if handable and handed then
       reply[3] = 1
     elseif queued then
-      reply[2] = queue_fairly()
+      reply[2] = queue_fairly(fq, doorbell, state, s, key_id, ARGV[2], cost, weight)
+      -- (queued: nothing of its model goes straight in this call any more)
+      if prefix then no_hand[prefix] = true end
     end
   end
   for i = 1, n do
@@ -368,4 +441,8 @@ for r = 1, count do
     replies[r] = type(reply) == 'table' and tostring(reply.err) or tostring(reply)
   end
 end
+for key, w in pairs(windows) do
+  if w.dirty then write_window(key, w) end
+end
+for state, s in pairs(states) do write_state(state, s) end
 return replies
