@@ -30,7 +30,9 @@ from tests.helpers import queued
 
 def env(i: int, tier: str, deadline_in_ms: int = 10_000) -> bytes:
     now = clock.now_ms()
-    return wire.encode(wire.Envelope(f"r{i}", "gw", tier, "k", f"in{i}", now, now + deadline_in_ms))
+    return wire.encode_queued(
+        wire.Envelope(f"r{i}", "gw", tier, "k", f"in{i}", now, now + deadline_in_ms)
+    )
 
 
 async def charged(q: "Faces", window: str) -> int:
@@ -256,6 +258,47 @@ def test_envelope_wire_format_round_trips() -> None:
     assert wire.decode_envelope(wire.encode(e)) == e
     with pytest.raises(msgspec.DecodeError):
         wire.decode_envelope(b"{}")
+
+
+def test_a_queued_envelope_holds_its_input_last() -> None:
+    """What take.lua reads of a queued envelope is everything before its
+    input: the same object, in another order (a key id holding the field's
+    own name, quoted, changes nothing)."""
+    for text in ('ünï "quoted" ,"input":', None):
+        e = wire.Envelope('i"d', "gw", "free", 'k,"input":', text, 1, 2, trace="t")
+        if text is None:
+            e = msgspec.structs.replace(e, input_key="in:k", input_chars=5)
+        raw = wire.encode_queued(e)
+        assert wire.decode_envelope(raw) == e
+        assert raw.endswith(b',"input":' + msgspec.json.encode(text) + b"}")
+        assert raw.count(b',"input":') == 1
+
+
+async def test_take_reads_an_envelope_before_its_input_and_an_earlier_one_whole(
+    q: Faces,
+) -> None:
+    """take.lua checks a queued envelope by what comes before its input; an
+    envelope of an earlier version (its input in the middle) is decoded
+    whole and taken too. An input that is no string is dropped as
+    malformed; one whose string is broken goes unread to the worker, which
+    drops that envelope alone (wire.decode_batch)."""
+    now = clock.now_ms()
+    earlier = wire.encode(wire.Envelope("earlier", "gw", "paid", "k", "in", now, now + 10_000))
+    late = wire.encode(wire.Envelope("late", "gw", "paid", "k", "in", now, now - 1))
+    head = b'{"id":"%s","gateway":"gw","tier":"paid","key_id":"k","deadline_ms":9e15'
+    for raw in (
+        earlier,
+        late,
+        head % b"number" + b',"input":5}',
+        head % b"no-key" + b',"input":null}',
+        head % b"broken" + b',"input":"x\\"}' + b'"}',
+        env(1, "paid"),
+    ):
+        await q.redis.lpush(q.keys.queue("paid"), raw)
+    taken = await take(q, 10)
+    assert (taken.size, taken.expired, taken.malformed) == (3, 1, 2)
+    batch, unreadable = wire.decode_batch(await q.redis.rpop(q.keys.handoff("w1")))
+    assert ([e.id for e in batch.envelopes], unreadable) == (["earlier", "r1"], 1)
 
 
 async def test_malformed_envelopes_are_dropped_by_take_and_survive_requeue(q: Faces) -> None:

@@ -185,7 +185,7 @@ class GatewayQueue:
                 keys.jobs_queued,
             ],
             args=[
-                wire.encode(envelope),
+                wire.encode_queued(envelope),
                 envelope.key_id,
                 max_queued,
                 envelope.tier,

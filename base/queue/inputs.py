@@ -60,11 +60,11 @@ def stored(keys: Keys, envelope: wire.Envelope) -> tuple[bytes, Beside | None]:
     is long."""
     text = envelope.input
     if text is None or len(text) < BESIDE_MIN_CHARS or envelope.job:
-        return wire.encode(envelope), None
+        return wire.encode_queued(envelope), None
     key = keys.input(envelope.gateway, envelope.id)
     ttl_ms = max(1, envelope.deadline_ms - envelope.enqueued_ms) + GRACE_MS
     queued = msgspec.structs.replace(envelope, input=None, input_key=key, input_chars=len(text))
-    return wire.encode(queued), Beside(key, text, ttl_ms)
+    return wire.encode_queued(queued), Beside(key, text, ttl_ms)
 
 
 def any_beside(envelopes: Sequence[wire.Envelope]) -> bool:
