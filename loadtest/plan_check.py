@@ -24,7 +24,9 @@ AROUND = (0.85, 1.0, 1.08, 1.15, 1.3)  # the rates run, as shares of the predict
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m infergate.loadtest.plan_check")
     p.add_argument("--input-chars", type=int, default=2000)
-    p.add_argument("--fit-rates", default="10,1000,2000", help="the sweep the costs come from")
+    p.add_argument(
+        "--fit-rates", default=sweep.RATES, help="the sweep the costs come from (make sweep's)"
+    )
     p.add_argument("--duration", type=float, default=15.0)
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="infergate-plan-check-") as tmp:

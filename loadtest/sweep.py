@@ -33,6 +33,7 @@ from infergate.loadtest.bench import DEFAULT_INPUT_CHARS, DEFAULT_MIX
 from infergate.policies import load_policy
 
 KINDS = ("gateway", "dispatcher", "worker", "redis", "loadgen")
+RATES = "10,1000,2000,3000,4000"  # (req/s: what `make sweep` runs, and fits the costs over)
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -256,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m infergate.loadtest.sweep", description=__doc__.split("\n\n")[0]
     )
-    p.add_argument("--rates", default="10,1000,2000,3000,4000", help="comma-separated req/s")
+    p.add_argument("--rates", default=RATES, help="comma-separated req/s")
     p.add_argument("--duration", type=float, default=20.0, help="seconds of sending per rate")
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--gateways", type=int, default=2)
