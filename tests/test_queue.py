@@ -280,23 +280,26 @@ async def test_take_reads_an_envelope_before_its_input_and_an_earlier_one_whole(
     """take.lua checks a queued envelope by what comes before its input; an
     envelope of an earlier version (its input in the middle) is decoded
     whole and taken too. An input that is no string is dropped as
-    malformed; one whose string is broken goes unread to the worker, which
-    drops that envelope alone (wire.decode_batch)."""
+    malformed; one whose escapes are broken goes unread to the worker,
+    which drops that envelope alone (wire.decode_batch). A field repeated
+    after the input (planted) is read as the worker reads it, the last one:
+    here a deadline long past."""
     now = clock.now_ms()
     earlier = wire.encode(wire.Envelope("earlier", "gw", "paid", "k", "in", now, now + 10_000))
     late = wire.encode(wire.Envelope("late", "gw", "paid", "k", "in", now, now - 1))
-    head = b'{"id":"%s","gateway":"gw","tier":"paid","key_id":"k","deadline_ms":9e15'
+    head = b'{"id":"%s","gateway":"gw","tier":"paid","key_id":"k","deadline_ms":9000000000000000'
     for raw in (
         earlier,
         late,
         head % b"number" + b',"input":5}',
         head % b"no-key" + b',"input":null}',
-        head % b"broken" + b',"input":"x\\"}' + b'"}',
+        head % b"broken" + rb',"input":"an \"escape\" \q"}',
+        head % b"twice" + rb',"input":"x","deadline_ms":1,"z":""}',
         env(1, "paid"),
     ):
         await q.redis.lpush(q.keys.queue("paid"), raw)
     taken = await take(q, 10)
-    assert (taken.size, taken.expired, taken.malformed) == (3, 1, 2)
+    assert (taken.size, taken.expired, taken.malformed) == (3, 2, 2)
     batch, unreadable = wire.decode_batch(await q.redis.rpop(q.keys.handoff("w1")))
     assert ([e.id for e in batch.envelopes], unreadable) == (["earlier", "r1"], 1)
 
