@@ -115,6 +115,12 @@ local function write_window(key, w)
   end
 end
 
+local function empty_window(current, window_ms)
+  -- a window with nothing charged (new, or started over)
+  return {current = current, window_ms = window_ms, eleven = 0, oldest = 0, held = 0,
+    new = true, dirty = false}
+end
+
 local function read_window(key, current, window_ms)
   -- the window as of bucket `current`: the eleven buckets' sum, what the
   -- oldest of them holds (so the last ten's is the difference), whether the
@@ -122,17 +128,15 @@ local function read_window(key, current, window_ms)
   -- since the sum was last moved on are deleted and taken off it, then and
   -- there (refused or not), and its expiry set again; a hash that cannot be
   -- read, or holds anything but counts there, starts over, empty.
-  local fresh = {current = current, window_ms = window_ms, eleven = 0, oldest = 0,
-    held = 0, new = true, dirty = false}
   local raw = redis.pcall('HMGET', key, 'l', 's', tostring(current - 10), tostring(current))
   if type(raw) ~= 'table' or raw.err then
     redis.call('DEL', key)
-    return fresh
+    return empty_window(current, window_ms)
   end
   if not raw[1] then
     -- new (or planted without its newest bucket: it starts over)
     if raw[2] or raw[3] or raw[4] then redis.call('DEL', key) end
-    return fresh
+    return empty_window(current, window_ms)
   end
   local last, sum = number(raw[1]), number(raw[2] or 0)
   local oldest, held = number(raw[3] or 0), number(raw[4] or 0)
@@ -140,7 +144,7 @@ local function read_window(key, current, window_ms)
     -- (one ahead of Redis's clock, which stepped back, would count until
     -- the clock reached it)
     redis.call('DEL', key)
-    return fresh
+    return empty_window(current, window_ms)
   end
   local w = {current = current, window_ms = window_ms, eleven = sum, oldest = oldest,
     held = held, new = false, dirty = false}
@@ -157,7 +161,7 @@ local function read_window(key, current, window_ms)
       local amount = number(amounts[j] or 0)
       if amount == nil then
         redis.call('DEL', key)
-        return fresh
+        return empty_window(current, window_ms)
       end
       sum = sum - amount
     end
