@@ -30,7 +30,7 @@ from infergate.gateway.errors import (
     redis_full,
 )
 from infergate.gateway.inference import Inference
-from infergate.gateway.service import Gateway
+from infergate.gateway.service import Gateway, Shard
 
 log = logs.get(__name__)
 
@@ -162,8 +162,14 @@ class Jobs:
             status = await shard.queue.cancel_job(job_id, key.id)
         except STORE_ERRORS as exc:
             raise self.gateway.store_failed(exc, shard.index) from exc
-        if status is None:
-            raise _not_found()
+        if status is None:  # (on another shard, if its key moved since: _locate)
+            shard, _ = await self._locate(job_id, key.id, skip=shard)
+            try:
+                status = await shard.queue.cancel_job(job_id, key.id)
+            except STORE_ERRORS as exc:
+                raise self.gateway.store_failed(exc, shard.index) from exc
+            if status is None:
+                raise _not_found()
         if status != "cancelled":
             raise ApiError(
                 "CONFLICT", f"only a queued job can be cancelled; this one {_IS[status]}"
@@ -174,14 +180,36 @@ class Jobs:
     async def _read(self, job_id: str, key_id: str) -> JobView:
         if not _JOB_ID.match(job_id):
             raise _not_found()
-        shard = self.gateway.shard_of(key_id)
-        try:
-            record = await shard.queue.job(job_id)
-        except STORE_ERRORS as exc:
-            raise self.gateway.store_failed(exc, shard.index) from exc
-        if record.get("key_id") != key_id:
-            raise _not_found()  # another key's job reads exactly as no job
+        _, record = await self._locate(job_id, key_id)
         return _view(job_id, record)
+
+    async def _locate(
+        self, job_id: str, key_id: str, skip: Shard | None = None
+    ) -> tuple[Shard, dict[str, str]]:
+        """The shard that holds a key's job, and its record: the key's own
+        shard, else (a shard added since the job was submitted moved the key,
+        and the job stayed where it was, to run and finish there) the others,
+        in turn; ``skip``: one already asked. Another key's job reads exactly
+        as no job (404); so does none anywhere, but only once every shard has
+        said so: one that could not be asked may hold it (503)."""
+        home = self.gateway.shard_of(key_id)
+        order = [home, *(s for s in self.gateway.shards if s is not home)]
+        failed: tuple[BaseException, int] | None = None
+        for shard in order:
+            if shard is skip:
+                continue
+            try:
+                record = await shard.queue.job(job_id)
+            except STORE_ERRORS as exc:
+                if shard is home:
+                    raise self.gateway.store_failed(exc, shard.index) from exc
+                failed = failed or (exc, shard.index)
+                continue
+            if record.get("key_id") == key_id:
+                return shard, record
+        if failed is not None:
+            raise self.gateway.store_failed(*failed) from failed[0]
+        raise _not_found()
 
 
 def _refunded(headers: dict[str, str]) -> dict[str, str]:

@@ -411,6 +411,14 @@ class Cluster:
         self.workers.append(worker)
         return worker
 
+    def add_dispatcher(self) -> Proc:
+        dispatcher = self._start(
+            ["dispatcher", "--policy", str(self.policy_path)], f"dispatcher{len(self.dispatchers)}"
+        )
+        self.procs.append(dispatcher)
+        self.dispatchers.append(dispatcher)
+        return dispatcher
+
     def add_gateway(self, wrapper: Sequence[str] = ()) -> str:
         """Start one more gateway on its own port; returns its URL (not waited on)."""
         port = free_port()

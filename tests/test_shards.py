@@ -15,6 +15,7 @@ import redis
 from infergate.base.queue import shards
 from infergate.gpu.backend import BackendError
 from infergate.gpu.gate import Gate
+from infergate.gpu.simulated import sim_output
 from infergate.redis_server import RedisServer
 
 from tests.helpers import (
@@ -362,3 +363,43 @@ def test_the_priority_between_tiers_holds_across_shards_within_one_batch(
         free_before = sum(1 for _, key, _ in done[:last_enterprise] if key == fre)
         print(f"free answered before the last enterprise: {free_before} of 60 (batch 10)")
         assert free_before <= 30
+
+
+def test_a_job_stays_found_and_cancellable_when_a_new_shard_takes_its_key(
+    tmp_path: Path, two_redis: list[RedisServer]
+) -> None:
+    urls = [s.url for s in two_redis]
+    _, (moved, *_) = _keys_by_shard(urls, "paid", 1)  # the second shard's, once it is added
+    text = _policy([moved], lambda k: "paid")
+    owner = {"Authorization": "Bearer s-" + moved}
+
+    def job(base: str, method: str, job_id: str, query: str = "") -> tuple[int, Any]:
+        status, _, body = http(method, f"{base}/v1/jobs/{job_id}{query}", headers=owner)
+        return status, body
+
+    (tmp_path / "one").mkdir()
+    with Cluster(tmp_path / "one", urls[0], text) as one:
+        one.stop_workers()
+        submitted = [
+            http("POST", one.urls[0] + "/v1/jobs", {"input": t}, owner)[2]["job_id"]
+            for t in ("runs where it was", "cancelled after the move")
+        ]
+    runs, cancelled = submitted
+    (tmp_path / "two").mkdir()
+    # (no dispatcher at first: nothing runs until the checks are made)
+    with Cluster(tmp_path / "two", " ".join(urls), text, dispatchers=0) as two:
+        base = two.urls[0]
+        assert job(base, "GET", runs)[1]["status"] == "queued"
+        status, body = job(base, "DELETE", cancelled)
+        assert (status, body["status"]) == (200, "cancelled"), body
+        assert job(base, "GET", "0" * 32)[0] == 404
+        two.add_dispatcher()
+        finished = lambda: job(base, "GET", runs, "?wait_s=5")[1]["status"] == "succeeded"  # noqa: E731
+        wait_for(finished, 60, "the job to run on the shard it was queued on")
+        status, body = job(base, "GET", runs)
+        assert body["result"]["output"] == sim_output("runs where it was")
+        assert job(base, "GET", cancelled)[1]["status"] == "cancelled"
+        # The shard it was on gone: not "no such job" (it may be there), but 503.
+        two_redis[0].kill()
+        status, body = job(base, "GET", runs)
+        assert status == 503, body
