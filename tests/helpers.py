@@ -336,20 +336,13 @@ class Cluster:
         self.urls: list[str] = []
         self._n = 0
         try:
-            self.dispatchers = [
-                self._start(["dispatcher", "--policy", str(self.policy_path)], f"dispatcher{i}")
-                for i in range(0 if models else dispatchers)
-            ]
+            self.dispatchers: list[Proc] = []
+            for _ in range(0 if models else dispatchers):
+                self.add_dispatcher()
             for name, count in (models or {}).items():
-                self.dispatchers.append(
-                    self._start(
-                        ["dispatcher", "--policy", str(self.policy_path), "--model-name", name],
-                        f"dispatcher-{name}",
-                    )
-                )
+                self.add_dispatcher(model=name)
                 for _ in range(count):
                     self.add_worker(model=name)
-            self.procs.extend(self.dispatchers)
             for _ in range(0 if models else workers):
                 self.add_worker()
             self.gateways: list[Proc] = []
@@ -411,9 +404,11 @@ class Cluster:
         self.workers.append(worker)
         return worker
 
-    def add_dispatcher(self) -> Proc:
+    def add_dispatcher(self, model: str = "") -> Proc:
+        named = ["--model-name", model] if model else []
         dispatcher = self._start(
-            ["dispatcher", "--policy", str(self.policy_path)], f"dispatcher{len(self.dispatchers)}"
+            ["dispatcher", "--policy", str(self.policy_path), *named],
+            f"dispatcher-{model}" if model else f"dispatcher{len(self.dispatchers)}",
         )
         self.procs.append(dispatcher)
         self.dispatchers.append(dispatcher)

@@ -397,6 +397,7 @@ def test_a_job_stays_found_and_cancellable_when_a_new_shard_takes_its_key(
         finished = lambda: job(base, "GET", runs, "?wait_s=5")[1]["status"] == "succeeded"  # noqa: E731
         wait_for(finished, 60, "the job to run on the shard it was queued on")
         status, body = job(base, "GET", runs)
+        assert status == 200, body
         assert body["result"]["output"] == sim_output("runs where it was")
         assert job(base, "GET", cancelled)[1]["status"] == "cancelled"
         # The shard it was on gone: not "no such job" (it may be there), but 503.
