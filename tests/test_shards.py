@@ -19,6 +19,7 @@ from infergate.gpu.simulated import sim_output
 from infergate.redis_server import RedisServer
 
 from tests.helpers import (
+    KEYS,
     Cluster,
     as_yaml,
     assert_redis_clean,
@@ -385,8 +386,12 @@ def test_a_job_stays_found_and_cancellable_when_a_new_shard_takes_its_key(
             for t in ("runs where it was", "cancelled after the move")
         ]
     runs, cancelled = submitted
+    # No dispatcher at first, and none's batching rule left (it lapses a few
+    # seconds after the last one stops): a worker takes nothing without one,
+    # so nothing runs until the checks are made.
+    old_shard = redis.Redis.from_url(urls[0])
+    wait_for(lambda: not old_shard.exists(KEYS.batch_rule), 15, "the old batching rule to lapse")
     (tmp_path / "two").mkdir()
-    # (no dispatcher at first: nothing runs until the checks are made)
     with Cluster(tmp_path / "two", " ".join(urls), text, dispatchers=0) as two:
         base = two.urls[0]
         assert job(base, "GET", runs)[1]["status"] == "queued"
