@@ -3,6 +3,9 @@ both shards carrying load, quotas exact across gateways, the priority
 between tiers held across shards by the worker's gate, and a shard that
 dies refusing only its own keys while the other's are served."""
 
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -30,6 +33,7 @@ from tests.helpers import (
     stats,
     wait_for,
 )
+from tests.sentinel import SentinelSet
 
 ADMIN = auth("admin")
 
@@ -52,6 +56,12 @@ def test_a_key_has_one_shard_spread_evenly_and_a_new_shard_moves_only_its_share(
     assert [shards.shard_of(f"key-{i}", reordered) for i in range(200)] == [
         1 - b for b in before[:200]
     ]
+    # A shard named after '#' keeps its keys wherever it is reached.
+    named = [shards.identity(u) for u in ("redis://10.0.0.1/0#east", "redis://10.0.0.2/0#west")]
+    moved = [shards.identity(u) for u in ("redis://10.9.9.9:7000/3#east", "redis://h/0#west")]
+    assert [shards.shard_of(f"key-{i}", named) for i in range(200)] == [
+        shards.shard_of(f"key-{i}", moved) for i in range(200)
+    ]
 
 
 @pytest.mark.parametrize(
@@ -60,6 +70,14 @@ def test_a_key_has_one_shard_spread_evenly_and_a_new_shard_moves_only_its_share(
         ("", "no Redis URL"),
         ("redis://a:1/0 redis://a:1/0", "same server"),
         ("redis://a:1/0 http://:secret@b/0", "URL 2 of 2"),
+        # Two Sentinel setups whose services share a name, unnamed: one identity.
+        ("redis+sentinel://:secret@a:26379/mymaster redis+sentinel://b:26379/mymaster", "#name"),
+        ("redis://a:1/0#x redis://b:1/0#x", "same shard name"),
+        # Named apart, but one Redis (or one Sentinel service, through a sentinel both list).
+        ("redis://a:1/0#x redis://A:1/0#y", "reach the same"),
+        ("redis+sentinel://s:1,t:1/m#x redis+sentinel://t:1/m/0#y", "reach the same"),
+        ("redis://a:1/0#", "after '#'"),
+        ("redis://:secret#x@a:1/0", "%23"),  # (an unescaped '#' in a password)
         (" ".join(f"redis://h{i}:1/0" for i in range(65)), "at most 64"),
     ],
 )
@@ -364,6 +382,42 @@ def test_the_priority_between_tiers_holds_across_shards_within_one_batch(
         free_before = sum(1 for _, key, _ in done[:last_enterprise] if key == fre)
         print(f"free answered before the last enterprise: {free_before} of 60 (batch 10)")
         assert free_before <= 30
+
+
+def test_two_sentinel_setups_whose_services_share_a_name_are_two_shards_once_named(
+    tmp_path: Path,
+) -> None:
+    sides = ("east", "west")
+    setups: list[SentinelSet] = []
+    try:
+        for side in sides:
+            (tmp_path / side).mkdir()
+            setups.append(SentinelSet(tmp_path / side))
+        unnamed = " ".join(s.url for s in setups)  # (both say /infergate/0)
+        refused = subprocess.run(
+            [sys.executable, "-m", "infergate", "dispatcher"],
+            env={**os.environ, "REDIS_URL": unnamed},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert refused.returncode == 2, refused.stderr
+        assert "'#name' at the end of its URL" in refused.stderr
+        urls = [f"{s.url}#{side}" for s, side in zip(setups, sides, strict=True)]
+        keys = [k for group in _keys_by_shard(urls, "paid", 2) for k in group]
+        with Cluster(tmp_path, " ".join(urls), _policy(keys, lambda k: "paid"), workers=2) as c:
+            _wait_both_shards(c)
+            sent = [(c.urls[0], keys[i % len(keys)], f"named {i}") for i in range(40)]
+            with ThreadPoolExecutor(8) as pool:
+                answers = list(pool.map(lambda j: _infer(*j), sent))
+            for (_, _, text), (status, body) in zip(sent, answers, strict=True):
+                assert status == 200, body
+                assert body["output"] == sim_output(text)
+            for setup in setups:  # each setup's primary ran its keys' half
+                assert stats(setup.client()).get("requests_batched", 0) >= 20
+    finally:
+        for setup in setups:
+            setup.close()
 
 
 def test_a_job_stays_found_and_cancellable_when_a_new_shard_takes_its_key(

@@ -9,13 +9,17 @@ key by a hash of its identity and the key's id, and the highest score
 wins. A shard added later takes about 1/(N+1) of the keys and moves no
 key between the others; a shard's identity is its address (host, port
 and db; a Sentinel service's name), never its place in the list or its
-credentials, so the list may be reordered and passwords rotated.
+credentials, so the list may be reordered and passwords rotated. A name
+after ``#`` at the end of a URL is its identity instead: two Sentinel
+setups that both call their service ``mymaster`` are two shards, and a
+shard keeps its keys when its address changes.
 
 A gateway routes each request to its key's shard; a dispatcher and a
 worker serve every shard.
 """
 
 import hashlib
+import re
 from collections.abc import Sequence
 from functools import lru_cache
 from urllib.parse import urlsplit
@@ -24,6 +28,7 @@ from infergate.base.queue import redis_url
 from redis.asyncio import BlockingConnectionPool
 
 MAX_SHARDS = 64
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
 
 
 def urls(text: str) -> list[str]:
@@ -36,17 +41,57 @@ def urls(text: str) -> list[str]:
         raise ValueError(f"at most {MAX_SHARDS} Redis URLs (shards), got {len(found)}")
     for n, url in enumerate(found, 1):
         try:
+            _check_name(url)
             redis_url.check(url)
         except ValueError as exc:
             raise ValueError(f"URL {n} of {len(found)}: {exc}") from None
     names = [identity(url) for url in found]
     if len(set(names)) < len(names):
-        raise ValueError("two Redis URLs name the same server and db: each shard is its own")
+        raise ValueError(
+            "two Redis URLs have one identity (the same shard name after '#', or, unnamed, "
+            "the same server and db or Sentinel service name and db): each shard is its own. "
+            "Two Sentinel setups whose services share a name: name each shard yourself, "
+            "'#name' at the end of its URL"
+        )
+    places = [_places(url) for url in found]
+    if any(a & b for i, a in enumerate(places) for b in places[i + 1 :]):
+        raise ValueError(
+            "two Redis URLs reach the same server and db (or the same Sentinel service "
+            "through a sentinel they share): each shard is its own"
+        )
     return found
 
 
+def _check_name(url: str) -> None:
+    """A shard's own name, if its URL ends with one (quoting none of it: a
+    '#' left unescaped in a password makes the rest look like one)."""
+    _, sep, name = url.partition("#")
+    if sep and not _NAME.match(name):
+        raise ValueError(
+            "the shard's name after '#' is 1-64 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit (a '#' in a password is written %23)"
+        )
+
+
 def identity(url: str) -> str:
-    """What names a shard for the hash: where it is, not how it is reached."""
+    """What names a shard for the hash: its own name, if its URL ends with
+    one (``#name``), else where it is, not how it is reached."""
+    name = urlsplit(url).fragment
+    return f"name/{name}" if name else _address(url)
+
+
+def _places(url: str) -> set[str]:
+    """Where a URL reaches its Redis: the server and db, or each of its
+    sentinels with the service and db (two URLs that share one reach the
+    same primary)."""
+    if not redis_url.is_sentinel(url):
+        return {_address(url)}
+    target = redis_url.parse_sentinel(url)
+    db = target.connection.get("db", 0)
+    return {f"{h.lower()}:{p}/{target.service_name}/{db}" for h, p in target.sentinels}
+
+
+def _address(url: str) -> str:
     parts = urlsplit(url)
     if redis_url.is_sentinel(url):
         target = redis_url.parse_sentinel(url)
