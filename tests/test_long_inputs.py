@@ -1,14 +1,14 @@
-"""Long inputs wait beside the queue (``base/queue/inputs.py``): stored with
-the admit that queues their envelope (and deleted by it if refused), fetched
-by the worker that runs them, deleted with the answer; one that is gone
-fails only its own request. Real Redis, the real scripts, a real worker."""
+"""Long inputs wait beside the queue (``base/queue/inputs.py``): stored by the
+admit that queues their envelope, fetched by the worker that runs them,
+deleted with the answer; one that is gone fails only its own request. Real
+Redis, the real scripts, a real worker."""
 
 import msgspec
 from infergate.base import clock, wire
 from infergate.base.queue import dead_letters
 from infergate.base.queue.dispatcher import DispatcherQueue
 from infergate.base.queue.forming import Rule
-from infergate.base.queue.gateway import Counter, GatewayQueue, Place
+from infergate.base.queue.gateway import Counter, GatewayQueue
 from infergate.base.queue.inputs import BESIDE_MIN_CHARS, GRACE_MS
 from infergate.base.queue.store import Store
 from infergate.gpu.simulated import SimulatedBackend, sim_output
@@ -55,22 +55,6 @@ async def test_a_long_input_waits_beside_its_envelope_only_once_admitted(redis_u
         assert not await _admit(queue, _envelope(3, text), limit=2)
         assert not await store.redis.exists(keys.input("gw", "r3"))
         assert await queued(store, "paid") == 2
-    finally:
-        await store.close()
-
-
-async def test_a_long_input_refused_by_its_keys_share_is_not_left_behind(redis_url: str) -> None:
-    store = Store.connect(redis_url, "t", name="test")
-    queue = GatewayQueue(store, "gw")
-    place = Place("k", 1, 1.0, 1.0)  # (one of the tier's requests may wait: the key's share)
-    try:
-        results = []
-        for i in (1, 2):
-            data, beside = queue.stored(_envelope(i, "y" * LONG))
-            results.append(await queue.admit([], "paid", data, beside=beside, place=place))
-        assert [(r.admitted, r.over_share) for r in results] == [(True, False), (False, True)]
-        assert await store.redis.exists(store.keys.input("gw", "r1"))
-        assert not await store.redis.exists(store.keys.input("gw", "r2"))
     finally:
         await store.close()
 

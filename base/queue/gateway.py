@@ -117,23 +117,20 @@ class GatewayQueue:
         nothing is queued and a worker is idle, hand it to that worker as a
         batch of its own instead, as a dispatcher would (``Admitted.handed``).
         ``beside``: the envelope's long input, stored under its own key in the
-        same round trip, and deleted if the request is refused (``inputs.py``).
-        ``place``: where it queues in its tier's fair order, and whether its
-        key may queue one more."""
+        same step (``inputs.py``). ``place``: where it queues in its tier's
+        fair order, and whether its key may queue one more."""
         keys = self.keys
         names = [c.key for c in counters]
         args: list[str | int | float | bytes] = [len(counters), envelope]
         for c in counters:
             args += (c.cost, c.amount, c.window_s)
-        stored_first = None
         if tier is not None:
             names += (keys.fair_queue(tier), keys.doorbell, keys.fair_state(tier))
             if beside is not None:
-                # Written just before the call, by a command of its own: no
-                # script makes it a string (the script deletes it if refused).
-                stored_first = ("SET", beside.key, beside.input, "PX", beside.ttl_ms)
                 names.append(beside.key)
-            args.append(0 if beside is None else 1)
+                args += (beside.ttl_ms, beside.input)
+            else:
+                args += (0, "")
             args += (
                 place.key_id,
                 place.cost,
@@ -149,7 +146,7 @@ class GatewayQueue:
                     keys.prefix,
                     self._tier_names,
                 )
-        reply = await self.store.admits.admit(names, args, stored_first)
+        reply = await self.store.admits.admit(names, args)
         if reply[2]:
             self._on_handed()
         n = len(counters)
