@@ -1,18 +1,21 @@
-"""Long inputs wait beside the queue (``base/queue/inputs.py``): stored by the
-admit that queues their envelope, fetched by the worker that runs them,
-deleted with the answer; one that is gone fails only its own request. Real
-Redis, the real scripts, a real worker."""
+"""Long inputs wait beside the queue (``base/queue/inputs.py``): stored with
+the admit that queues their envelope (and deleted by it if refused), fetched
+by the worker that runs them, deleted with the answer; one that is gone
+fails only its own request. Real Redis, the real scripts, a real worker."""
 
 import msgspec
+import pytest
 from infergate.base import clock, wire
+from infergate.base.errors import out_of_memory
 from infergate.base.queue import dead_letters
 from infergate.base.queue.dispatcher import DispatcherQueue
 from infergate.base.queue.forming import Rule
-from infergate.base.queue.gateway import Counter, GatewayQueue
+from infergate.base.queue.gateway import Counter, GatewayQueue, Place
 from infergate.base.queue.inputs import BESIDE_MIN_CHARS, GRACE_MS
 from infergate.base.queue.store import Store
 from infergate.gpu.simulated import SimulatedBackend, sim_output
 from infergate.gpu.worker import Worker, WorkerSettings
+from redis.exceptions import ResponseError
 
 from tests.helpers import queued
 
@@ -55,6 +58,22 @@ async def test_a_long_input_waits_beside_its_envelope_only_once_admitted(redis_u
         assert not await _admit(queue, _envelope(3, text), limit=2)
         assert not await store.redis.exists(keys.input("gw", "r3"))
         assert await queued(store, "paid") == 2
+    finally:
+        await store.close()
+
+
+async def test_a_long_input_refused_by_its_keys_share_is_not_left_behind(redis_url: str) -> None:
+    store = Store.connect(redis_url, "t", name="test")
+    queue = GatewayQueue(store, "gw")
+    place = Place("k", 1, 1.0, 1.0)  # (one of the tier's requests may wait: the key's share)
+    try:
+        results = []
+        for i in (1, 2):
+            data, beside = queue.stored(_envelope(i, "y" * LONG))
+            results.append(await queue.admit([], "paid", data, beside=beside, place=place))
+        assert [(r.admitted, r.over_share) for r in results] == [(True, False), (False, True)]
+        assert await store.redis.exists(store.keys.input("gw", "r1"))
+        assert not await store.redis.exists(store.keys.input("gw", "r2"))
     finally:
         await store.close()
 
@@ -273,5 +292,80 @@ async def test_an_input_goes_with_its_batch_or_when_take_drops_its_request(
         )
         assert (taken.size, taken.cancelled, taken.expired) == (0, 1, 1)
         assert await store.redis.exists(keys.input("gw", "r7"), keys.input("gw", "r8")) == 0
+    finally:
+        await store.close()
+
+
+async def test_near_maxmemory_an_input_is_kept_exactly_when_its_request_is_queued(
+    redis_url: str,
+) -> None:
+    """Redis judges memory command by command, so near ``maxmemory`` a long
+    input's SET and the admit after it can go different ways: the SET taken
+    (it is what fills Redis) and the call refused, or the SET refused and
+    the call taken. Whatever the margin, an input is kept if and only if
+    its request is queued, and a refused request is refused as out of
+    memory (503), charged nothing."""
+    store = Store.connect(redis_url, "t", name="test")
+    queue = GatewayQueue(store, "gw")
+    keys = store.keys
+    text = "x" * 30_000
+    await store.redis.config_set("maxmemory-policy", "noeviction")
+    split = 0  # margins where the SET was taken and its call refused
+    admitted_count = 0
+    outcomes = set()
+    try:
+        for i, margin in enumerate(range(-2_000, 64_000, 250)):
+            sets = (await store.redis.info("commandstats")).get("cmdstat_set", {}).get("calls", 0)
+            used = int((await store.redis.info("memory"))["used_memory"])
+            await store.redis.config_set("maxmemory", max(1, used + margin))
+            refusal: BaseException | None = None
+            try:
+                admitted = await _admit(queue, _envelope(i, text), limit=10_000)
+            except ResponseError as exc:
+                refusal = exc
+                admitted = False
+            finally:
+                await store.redis.config_set("maxmemory", 0)
+            assert admitted or out_of_memory(refusal), refusal
+            stats = await store.redis.info("commandstats")
+            set_taken = stats["cmdstat_set"]["calls"] > sets
+            kept = bool(await store.redis.exists(keys.input("gw", f"r{i}")))
+            assert kept == admitted, (margin, admitted, kept)
+            split += set_taken and not admitted
+            admitted_count += admitted
+            outcomes.add(admitted)
+        assert outcomes == {True, False}
+        assert split > 0  # (the case the gateway's DEL is for happened)
+        # Charged only when queued: the next request's count says how many were.
+        data, beside = queue.stored(_envelope(999, text))
+        after = await queue.admit(
+            [Counter(queue.counter_key("c"), 1, 10_000, 60)], "paid", data, beside=beside
+        )
+        assert after.counts[0] == await queued(store, "paid") == admitted_count + 1
+    finally:
+        await store.close()
+
+
+async def test_a_request_whose_input_was_not_stored_is_refused_as_out_of_memory(
+    redis_url: str,
+) -> None:
+    """The other way round from the test above: the input's SET refused
+    (Redis full), then memory freed before the admit. The admit finds no
+    input and refuses its request as out of memory, charging nothing, where
+    it would have queued a request that could only fail later."""
+    store = Store.connect(redis_url, "t", name="test")
+    queue = GatewayQueue(store, "gw")
+    real = store.admits.admit
+    store.admits.admit = lambda keys, args, before=None: real(keys, args)  # type: ignore[method-assign]
+    try:
+        with pytest.raises(ResponseError) as refused:
+            await _admit(queue, _envelope(1, "y" * LONG))
+        assert out_of_memory(refused.value)
+        assert await queued(store, "paid") == 0
+        store.admits.admit = real  # type: ignore[method-assign]
+        data, beside = queue.stored(_envelope(2, "y" * LONG))
+        counter = Counter(queue.counter_key("c"), 1, 100, 60)
+        admitted = await queue.admit([counter], "paid", data, beside=beside)
+        assert (admitted.admitted, admitted.counts) == (True, [1])
     finally:
         await store.close()

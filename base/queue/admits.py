@@ -30,13 +30,21 @@ MOST_BYTES = 256 * 1024  # arguments in one call (one admit's, whatever its size
 
 
 class _Admit:
-    __slots__ = ("args", "future", "keys", "size")
+    __slots__ = ("args", "before", "future", "keys", "size")
 
-    def __init__(self, keys: list[str], args: list[Any], future: "asyncio.Future[Any]") -> None:
+    def __init__(
+        self,
+        keys: list[str],
+        args: list[Any],
+        before: tuple[Any, ...] | None,
+        future: "asyncio.Future[Any]",
+    ) -> None:
         self.keys = keys
         self.args = args
+        self.before = before
         self.future = future
-        self.size = sum(len(a) for a in args if isinstance(a, (bytes, str)))
+        written = (*args, *(before or ()))
+        self.size = sum(len(a) for a in written if isinstance(a, (bytes, str)))
 
 
 class Admits:
@@ -51,14 +59,18 @@ class Admits:
         self._last_sent = -float("inf")
         self._closed = False
 
-    def admit(self, keys: list[str], args: list[Any]) -> "asyncio.Future[Any]":
+    def admit(
+        self, keys: list[str], args: list[Any], before: tuple[Any, ...] | None = None
+    ) -> "asyncio.Future[Any]":
         """One request's admit (its keys and arguments, as ``admit.lua``
-        reads a request's); the future gets its reply."""
+        reads a request's); the future gets its reply. ``before``: a
+        command sent just before the call that holds it (a long input's
+        SET: inputs.py)."""
         future = asyncio.get_running_loop().create_future()
         if self._closed:
             future.set_exception(RedisConnectionError("the Redis client is closing"))
             return future
-        self._waiting.append(_Admit(keys, args, future))
+        self._waiting.append(_Admit(keys, args, before, future))
         if self._sender is None:
             self._sender = asyncio.ensure_future(self._send_all())
         return future
@@ -121,8 +133,9 @@ class Admits:
         for one in gathered:
             keys += one.keys
             args += one.args
+        before = [one.before for one in gathered if one.before is not None]
         try:
-            replies = await self.pipelined.call(self.script, keys, args)
+            replies = await self.pipelined.call(self.script, keys, args, before)
         except asyncio.CancelledError:
             _fail(gathered, RedisConnectionError("the Redis client is closing"))
             raise

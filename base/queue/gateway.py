@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import NamedTuple
 
 from infergate.base import clock, wire
-from infergate.base.errors import STORE_ERRORS
+from infergate.base.errors import STORE_ERRORS, UNAVAILABLE
 from infergate.base.queue import dead_letters, inputs
 from infergate.base.queue.forming import new_batch_id
 from infergate.base.queue.inputs import Beside
@@ -117,20 +117,23 @@ class GatewayQueue:
         nothing is queued and a worker is idle, hand it to that worker as a
         batch of its own instead, as a dispatcher would (``Admitted.handed``).
         ``beside``: the envelope's long input, stored under its own key in the
-        same step (``inputs.py``). ``place``: where it queues in its tier's
-        fair order, and whether its key may queue one more."""
+        same round trip, and deleted if the request is refused (``inputs.py``).
+        ``place``: where it queues in its tier's fair order, and whether its
+        key may queue one more."""
         keys = self.keys
         names = [c.key for c in counters]
         args: list[str | int | float | bytes] = [len(counters), envelope]
         for c in counters:
             args += (c.cost, c.amount, c.window_s)
+        stored_first = None
         if tier is not None:
             names += (keys.fair_queue(tier), keys.doorbell, keys.fair_state(tier))
             if beside is not None:
+                # Written just before the call, by a command of its own: no
+                # script makes it a string (the script deletes it if refused).
+                stored_first = ("SET", beside.key, beside.input, "PX", beside.ttl_ms)
                 names.append(beside.key)
-                args += (beside.ttl_ms, beside.input)
-            else:
-                args += (0, "")
+            args.append(0 if beside is None else 1)
             args += (
                 place.key_id,
                 place.cost,
@@ -146,7 +149,12 @@ class GatewayQueue:
                     keys.prefix,
                     self._tier_names,
                 )
-        reply = await self.store.admits.admit(names, args)
+        try:
+            reply = await self.store.admits.admit(names, args, stored_first)
+        except STORE_ERRORS as exc:
+            if beside is not None and not isinstance(exc, UNAVAILABLE):
+                await self._drop_input(beside.key)
+            raise
         if reply[2]:
             self._on_handed()
         n = len(counters)
@@ -159,6 +167,12 @@ class GatewayQueue:
             reply[0] == 2,
             int(reply[3 + 2 * n]) - 1,
         )
+
+    async def _drop_input(self, key: str) -> None:
+        """Delete a long input whose admit Redis refused (out of memory, with
+        its SET taken: a DEL is allowed then): it would wait out its TTL."""
+        with contextlib.suppress(*STORE_ERRORS):
+            await self.store.redis.delete(key)
 
     def stored(self, envelope: wire.Envelope) -> tuple[bytes, Beside | None]:
         """The envelope as it is queued, and its input if it is kept beside it."""

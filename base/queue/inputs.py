@@ -5,9 +5,11 @@ and a queued envelope is read by ``take.lua``: decoded, joined into its batch,
 pushed and returned. A take of 91 envelopes with inputs of 16,000 characters
 cost Redis 13 ms, and every gateway's admit waited behind it. So an input of
 at least ``BESIDE_MIN_CHARS`` characters is stored under a key of its own
-(``Keys.input``), by the admit that queues its envelope and only if it is
-admitted (``admit.lua``). The envelope goes through the queues with ``input``
-null and ``input_key`` set. Code from before this finds such an envelope
+(``Keys.input``): a plain SET, written just before the admit call that
+queues its envelope, in the same round trip, so that no script makes it a
+Lua string (which costs Redis a hash of every byte); the admit deletes it
+if its request is refused (``admit.lua``). The envelope goes through the
+queues with ``input`` null and ``input_key`` set. Code from before this finds such an envelope
 unreadable, where an empty input would have run in its place: it drops it,
 and the request gets 504 at its deadline. So roll out workers and
 dispatchers before gateways.
@@ -40,7 +42,7 @@ from infergate.base.keys import Keys
 
 # Shorter inputs stay in the envelope: up to here an input adds less to a take
 # than the worker's extra round trip for it would cost.
-BESIDE_MIN_CHARS = 2048
+BESIDE_MIN_CHARS = 1024
 
 # How long an input outlives its request's deadline: the workers' clocks may
 # be behind the gateway's.

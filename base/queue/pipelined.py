@@ -42,7 +42,9 @@ from redis.exceptions import NoScriptError, ResponseError
 
 
 class _Call:
-    """One script call: one command, one reply."""
+    """One script call: its command, after any it needs run first (their
+    replies are not read: the script checks what it depends on, as
+    ``admit.lua`` refuses a request whose input's SET Redis refused)."""
 
     __slots__ = ("commands", "future", "resent", "scripts")
 
@@ -64,7 +66,7 @@ class _Call:
 
     def outcome(self, replies: list[Any]) -> Any:
         """Its result (or the error it is settled with) from its replies."""
-        return replies[0]
+        return replies[-1]
 
     def settle(self, reply: Any = None, exc: BaseException | None = None) -> None:
         if self.future.done():  # its caller gave up (cancelled)
@@ -108,9 +110,17 @@ class Pipelined:
         self._written: list[_Call] = []  # on the wire before the flusher first ran
         self._link: RawConnection | None = None
 
-    def call(self, script: AsyncScript, keys: list[str], args: list[Any]) -> "asyncio.Future[Any]":
-        """EVALSHA ``script`` with ``keys`` and ``args``; the future gets its reply."""
-        return self._queue(_Call((script,), (evalsha(script, keys, args),), self._future()))
+    def call(
+        self,
+        script: AsyncScript,
+        keys: list[str],
+        args: list[Any],
+        before: Sequence[tuple[Any, ...]] = (),
+    ) -> "asyncio.Future[Any]":
+        """EVALSHA ``script`` with ``keys`` and ``args``, right after the
+        commands ``before`` (in the same write); the future gets its reply."""
+        commands = (*before, evalsha(script, keys, args))
+        return self._queue(_Call((script,), commands, self._future()))
 
     def transaction(
         self, commands: Sequence[tuple[Any, ...]], scripts: Sequence[AsyncScript]

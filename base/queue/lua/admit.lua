@@ -38,7 +38,11 @@
 -- and counts), one hop and one round trip sooner. Anything queued ahead of
 -- it (it could be of a higher tier, or jobs a batch would take along), no
 -- published batching rule, or no live idle worker: it is queued as usual.
--- A long input is stored beside its envelope (queue/inputs.py), if admitted.
+-- A long input is kept beside its envelope (queue/inputs.py): the gateway
+-- writes it just before the call (no script makes it a string), and the
+-- call deletes it if its request is refused; one whose SET Redis refused is
+-- refused as out of memory (and the gateway deletes the inputs of a call
+-- refused whole).
 -- One call admits every request a gateway gathered in one moment
 -- (queue/admits.py), each in turn as if it came alone, with one clock
 -- reading: ARGV[1] how many (m); ARGV[2i], ARGV[2i+1] request i's number of
@@ -48,15 +52,14 @@
 -- A request's keys and arguments (KEYS and ARGV below):
 -- KEYS[1..n] the windows  KEYS[n+1] fq:{tier}  KEYS[n+2] doorbell
 --   KEYS[n+3] fair:{tier}  (without those three: charge only)
--- KEYS[n+4] the input's key, when one is stored beside (ARGV[3n+3] > 0)
+-- KEYS[n+4] the input's key, when one is kept beside (ARGV[3n+3] is 1)
 -- ARGV[1] n  ARGV[2] the envelope (when queued)
 -- ARGV[3i], ARGV[3i+1], ARGV[3i+2] limit i's cost, amount and window (s)
--- ARGV[3n+3] the input's time to live in ms (0: none stored beside)
--- ARGV[3n+4] the input
--- ARGV[3n+5..3n+9] the key's id, the request's cost, the key's weight (in
+-- ARGV[3n+3] 1 if its input is kept beside (0: in the envelope)
+-- ARGV[3n+4..3n+8] the key's id, the request's cost, the key's weight (in
 --   thousandths), the tier's allowance (requests; 0: no share check), the
 --   weights (thousandths) of the keys the gateway admitted in the last second
--- ARGV[3n+10..3n+14] (to hand it straight) the batch id, who forms it (the
+-- ARGV[3n+9..3n+13] (to hand it straight) the batch id, who forms it (the
 --   gateway), now (epoch ms), the model's key prefix and its tiers (names,
 --   space-separated, highest first). The keys it reads then are named from
 --   the prefix (Keys in keys.py), not sent with every request: ready,
@@ -344,9 +347,14 @@ end
 
 local function admit_one(KEYS, ARGV)
   local n = tonumber(ARGV[1])
-  local input_ttl = tonumber(ARGV[3 * n + 3] or '0') or 0
-  local fa = 3 * n + 5  -- the first argument of the fair queue
-  local sa = 3 * n + 10  -- the first argument to hand it straight
+  local beside = ARGV[3 * n + 3] == '1'
+  local fa = 3 * n + 4  -- the first argument of the fair queue
+  local sa = 3 * n + 9  -- the first argument to hand it straight
+  if beside and redis.call('EXISTS', KEYS[n + 4]) == 0 then
+    -- Its SET was refused (Redis judges memory command by command): refused
+    -- as if this call had been, charging nothing (the gateway answers 503).
+    error("OOM command not allowed when used memory > 'maxmemory' (its input)", 0)
+  end
   local sums, ttls, charged = {}, {}, {}
   local admitted = 1
   local refused_by = 0  -- the first limit without room (1-based; 0: none)
@@ -389,7 +397,6 @@ local function admit_one(KEYS, ARGV)
       sums[i] = sums[i] + cost_i
       if ttls[i] < 0 then ttls[i] = math.ceil((w.current + 10) * w.window_ms / 10) - now end
     end
-    if input_ttl > 0 then redis.call('SET', KEYS[n + 4], ARGV[3 * n + 4], 'PX', input_ttl) end
     -- (a key of another type on the way: queued, as without a worker idle)
     local handable, handed = false, false
     local prefix = ARGV[sa + 4] and ARGV[sa + 3]
@@ -404,6 +411,7 @@ local function admit_one(KEYS, ARGV)
       if prefix then no_hand[prefix] = true end
     end
   end
+  if beside and admitted ~= 1 then redis.call('DEL', KEYS[n + 4]) end
   for i = 1, n do
     reply[2 * i + 2] = sums[i]
     reply[2 * i + 3] = ttls[i]
