@@ -75,6 +75,8 @@ def test_a_key_has_one_shard_spread_evenly_and_a_new_shard_moves_only_its_share(
         ("redis://a:1/0#x redis://b:1/0#x", "same shard name"),
         # Named apart, but one Redis (or one Sentinel service, through a sentinel both list).
         ("redis://a:1/0#x redis://A:1/0#y", "reach the same"),
+        ("redis://a:1/0 redis://a:1/1", "whatever their dbs"),  # (one Lua thread, one pub/sub)
+        ("redis+sentinel://s:1/m/0 redis+sentinel://s:1/m/1", "whatever their dbs"),
         ("redis+sentinel://s:1,t:1/m#x redis+sentinel://t:1/m/0#y", "reach the same"),
         ("redis://a:1/0#", "after '#'"),
         ("redis://:secret#x@a:1/0", "%23"),  # (an unescaped '#' in a password)

@@ -56,8 +56,8 @@ def urls(text: str) -> list[str]:
     places = [_places(url) for url in found]
     if any(a & b for i, a in enumerate(places) for b in places[i + 1 :]):
         raise ValueError(
-            "two Redis URLs reach the same server and db (or the same Sentinel service "
-            "through a sentinel they share): each shard is its own"
+            "two Redis URLs reach the same server, whatever their dbs (or the same "
+            "Sentinel service through a sentinel they share): each shard is its own"
         )
     return found
 
@@ -81,14 +81,15 @@ def identity(url: str) -> str:
 
 
 def _places(url: str) -> set[str]:
-    """Where a URL reaches its Redis: the server and db, or each of its
-    sentinels with the service and db (two URLs that share one reach the
-    same primary)."""
+    """Where a URL reaches its Redis: the server, or each of its sentinels
+    with the service (two URLs that share one reach the same primary). Not
+    the db: two dbs of one server share its Lua thread, so they add no
+    capacity, and its pub/sub channels, so each would hear the other's
+    answers."""
     if not redis_url.is_sentinel(url):
-        return {_address(url)}
+        return {_address(url).rpartition("/")[0]}
     target = redis_url.parse_sentinel(url)
-    db = target.connection.get("db", 0)
-    return {f"{h.lower()}:{p}/{target.service_name}/{db}" for h, p in target.sentinels}
+    return {f"{h.lower()}:{p}/{target.service_name}" for h, p in target.sentinels}
 
 
 def _address(url: str) -> str:
