@@ -11,6 +11,7 @@ brings back how long each window has left, for the x-ratelimit-* headers.
 """
 
 import math
+import time
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
@@ -19,6 +20,14 @@ from infergate.base.queue.gateway import Admitted, Counter, GatewayQueue, Place
 from infergate.base.queue.inputs import Beside
 from infergate.policies import KeyEntry, Tier
 from limits import RateLimitItem, parse_many
+
+# Keys remembered as refused lately (when full, those whose refusal has
+# lapsed are forgotten; still full, no more are remembered).
+MAX_REFUSED_KEYS = 10_000
+# The refusal is over this much sooner than Redis said: a request reaches
+# Redis later than the reply that said it came back (the admits' gathering,
+# two round trips).
+HOLD_EARLY_MS = 25
 
 
 @lru_cache(maxsize=1024)
@@ -59,6 +68,9 @@ class QuotaResult:
 class Quota:
     def __init__(self, queue: GatewayQueue) -> None:
         self.queue = queue
+        # Until when (monotonic s) each key refused lately is expected to be
+        # refused again: its long inputs are held back meanwhile.
+        self._refused_until: dict[str, float] = {}
 
     def charges(self, key: KeyEntry, tier: Tier, input_chars: int) -> list[Charge]:
         rates = key.rate_limits if key.rate_limits is not None else tier.rate_limits
@@ -101,12 +113,31 @@ class Quota:
         if not charges and queue_on is None:
             return QuotaResult(True)
         place = Place(key.id, max(1, input_chars), key.weight, allowance, recent_weight)
+        hold = beside is not None and self._refused_lately(key.id)
         admitted = await self.queue.admit(
-            [c.counter for c in charges], queue_on, envelope, True, beside, place
+            [c.counter for c in charges], queue_on, envelope, True, beside, place, hold
         )
         if admitted.over_share:
             return QuotaResult(False, over_share=True)
-        return _result(charges, admitted)
+        result = _result(charges, admitted)
+        if result.retry_after_ms:
+            self._refused(key.id, result.retry_after_ms)
+        return result
+
+    def _refused_lately(self, key_id: str) -> bool:
+        until = self._refused_until.get(key_id)
+        return until is not None and time.monotonic() < until
+
+    def _refused(self, key_id: str, retry_after_ms: int) -> None:
+        """A refusal by a limit: its key is expected to be refused until
+        the limit has room (``retry_after_ms``), less the moment an admit
+        takes to reach Redis (one held back that finds room goes twice)."""
+        now = time.monotonic()
+        if len(self._refused_until) >= MAX_REFUSED_KEYS:
+            self._refused_until = {k: t for k, t in self._refused_until.items() if t > now}
+            if len(self._refused_until) >= MAX_REFUSED_KEYS:
+                return
+        self._refused_until[key_id] = now + (retry_after_ms - HOLD_EARLY_MS) / 1000.0
 
     async def refund(self, key: KeyEntry, tier: Tier, input_chars: int) -> None:
         """Give back what ``charge`` took for a request refused after it (a job

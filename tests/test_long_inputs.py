@@ -3,6 +3,8 @@ the admit that queues their envelope (and deleted by it if refused), fetched
 by the worker that runs them, deleted with the answer; one that is gone
 fails only its own request. Real Redis, the real scripts, a real worker."""
 
+from collections.abc import Awaitable
+
 import msgspec
 import pytest
 from infergate.base import clock, wire
@@ -13,11 +15,13 @@ from infergate.base.queue.forming import Rule
 from infergate.base.queue.gateway import Counter, GatewayQueue, Place
 from infergate.base.queue.inputs import BESIDE_MIN_CHARS, GRACE_MS
 from infergate.base.queue.store import Store
+from infergate.gateway.quota import Quota
 from infergate.gpu.simulated import SimulatedBackend, sim_output
 from infergate.gpu.worker import Worker, WorkerSettings
+from infergate.policies import parse_policy
 from redis.exceptions import ResponseError
 
-from tests.helpers import queued
+from tests.helpers import as_yaml, policy, queued
 
 LONG = BESIDE_MIN_CHARS
 
@@ -367,5 +371,45 @@ async def test_a_request_whose_input_was_not_stored_is_refused_as_out_of_memory(
         counter = Counter(queue.counter_key("c"), 1, 100, 60)
         admitted = await queue.admit([counter], "paid", data, beside=beside)
         assert (admitted.admitted, admitted.counts) == (True, [1])
+    finally:
+        await store.close()
+
+
+async def test_a_key_refused_lately_holds_its_inputs_back_until_it_has_room(
+    redis_url: str,
+) -> None:
+    """After a refusal by its limit, a key's long inputs are not written
+    while it is expected to be refused again (until the limit has room), so
+    a refused request's input costs Redis nothing; one that finds room
+    after all (here: a refund) is sent again with its input, charged once."""
+    store = Store.connect(redis_url, "t", name="test")
+    quota = Quota(GatewayQueue(store, "gw"))
+    pol = parse_policy(as_yaml(policy(tiers={"free": {"rate_limits": ["3/minute"]}})))
+    key = next(k for k in pol.document.keys if k.id == "fre")
+    tier = pol.tiers["free"]
+
+    async def charge(i: int) -> bool:
+        data, beside = quota.queue.stored(_envelope(i, "z" * LONG))
+        result = await quota.charge(key, tier, LONG, "free", data, beside)
+        return result.allowed
+
+    async def sets() -> int:
+        stats = await store.redis.info("commandstats")
+        return int(stats.get("cmdstat_set", {}).get("calls", 0))
+
+    def stored(i: int) -> Awaitable[int]:
+        return store.redis.exists(store.keys.input("gw", f"r{i}"))
+
+    try:
+        assert [await charge(i) for i in range(1, 5)] == [True, True, True, False]
+        assert [await stored(i) for i in range(1, 5)] == [1, 1, 1, 0]  # (r4's deleted)
+        before = await sets()
+        assert not await charge(5)
+        assert await sets() == before  # held back: never written
+        await quota.refund(key, tier, LONG)
+        assert await charge(6)  # room after all: sent again with its input
+        assert await stored(6)
+        assert await queued(store, "free") == 4
+        assert not await charge(7)  # (the limit is exact: 3 charged)
     finally:
         await store.close()

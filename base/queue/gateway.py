@@ -110,6 +110,7 @@ class GatewayQueue:
         straight: bool = False,
         beside: Beside | None = None,
         place: Place = ANYWHERE,
+        hold_input: bool = False,
     ) -> Admitted:
         """Charge ``counters`` and, if every one has room, queue ``envelope`` on
         ``tier`` and wake a dispatcher: one round trip (``admit.lua``). Without a
@@ -119,7 +120,10 @@ class GatewayQueue:
         ``beside``: the envelope's long input, stored under its own key in the
         same round trip, and deleted if the request is refused (``inputs.py``).
         ``place``: where it queues in its tier's fair order, and whether its
-        key may queue one more."""
+        key may queue one more. ``hold_input``: a refusal is expected (its
+        key was refused lately), so ``beside`` is not written unless the
+        admit finds room after all, and then it is sent again with it (a
+        refused request's input then costs Redis nothing)."""
         keys = self.keys
         names = [c.key for c in counters]
         args: list[str | int | float | bytes] = [len(counters), envelope]
@@ -131,9 +135,10 @@ class GatewayQueue:
             if beside is not None:
                 # Written just before the call, by a command of its own: no
                 # script makes it a string (the script deletes it if refused).
-                stored_first = ("SET", beside.key, beside.input, "PX", beside.ttl_ms)
+                if not hold_input:
+                    stored_first = ("SET", beside.key, beside.input, "PX", beside.ttl_ms)
                 names.append(beside.key)
-            args.append(0 if beside is None else 1)
+            args.append(0 if beside is None else 2 if hold_input else 1)
             args += (
                 place.key_id,
                 place.cost,
@@ -152,9 +157,11 @@ class GatewayQueue:
         try:
             reply = await self.store.admits.admit(names, args, stored_first)
         except STORE_ERRORS as exc:
-            if beside is not None and not isinstance(exc, UNAVAILABLE):
+            if beside is not None and stored_first and not isinstance(exc, UNAVAILABLE):
                 await self._drop_input(beside.key)
             raise
+        if reply[0] == 3:  # (room after all, for an input held back)
+            return await self.admit(counters, tier, envelope, straight, beside, place)
         if reply[2]:
             self._on_handed()
         n = len(counters)

@@ -55,7 +55,10 @@
 -- KEYS[n+4] the input's key, when one is kept beside (ARGV[3n+3] is 1)
 -- ARGV[1] n  ARGV[2] the envelope (when queued)
 -- ARGV[3i], ARGV[3i+1], ARGV[3i+2] limit i's cost, amount and window (s)
--- ARGV[3n+3] 1 if its input is kept beside (0: in the envelope)
+-- ARGV[3n+3] 1 if its input is kept beside (0: in the envelope; 2: kept
+--   beside but held back, the gateway expecting a refusal: admitted, it is
+--   answered 3 and nothing is done, and the gateway sends it again with
+--   its input)
 -- ARGV[3n+4..3n+8] the key's id, the request's cost, the key's weight (in
 --   thousandths), the tier's allowance (requests; 0: no share check), the
 --   weights (thousandths) of the keys the gateway admitted in the last second
@@ -66,7 +69,8 @@
 --   batch-rule, last-dispatch, stats, every queue:{tier}, jobs:{tier} and
 --   fq:{tier}, the workers' heartbeats, and batches:{worker} of the worker
 --   whose credit paid for it (that worker, and no other, runs it).
--- Returns {admitted (1; 0: over a limit; 2: over its key's share),
+-- Returns {admitted (1; 0: over a limit; 2: over its key's share; 3: its
+--          input held back, nothing done),
 --          queued (1 or 0), handed straight (1 or 0),
 --          count_1, ttl_ms_1, ..., count_n, ttl_ms_n, the first limit
 --          without room (1-based; 0: none)}: a window's last ten
@@ -348,6 +352,7 @@ end
 local function admit_one(KEYS, ARGV)
   local n = tonumber(ARGV[1])
   local beside = ARGV[3 * n + 3] == '1'
+  local held_back = ARGV[3 * n + 3] == '2'
   local fa = 3 * n + 4  -- the first argument of the fair queue
   local sa = 3 * n + 9  -- the first argument to hand it straight
   if beside and redis.call('EXISTS', KEYS[n + 4]) == 0 then
@@ -388,6 +393,8 @@ local function admit_one(KEYS, ARGV)
     s = fair_state(state, fq, key_id)
     if over_share(ARGV, fa, fq, s, key_id, weight) then admitted = 2 end
   end
+  -- (its input held back, expecting a refusal: ask for it, charging nothing)
+  if held_back and admitted == 1 then admitted = 3 end
 
   local reply = {admitted, 0, 0}
   if admitted == 1 then
