@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 from typing import Any
 
+from infergate.base.errors import STORE_ERRORS, out_of_memory
 from infergate.base.queue.pipelined import Pipelined
 from infergate.base.queue.resp import error_of
 from redis.commands.core import AsyncScript
@@ -41,7 +42,7 @@ class _Admit:
     ) -> None:
         self.keys = keys
         self.args = args
-        self.before = before
+        self.before = before  # ('SET', key, ...) or None
         self.future = future
         written = (*args, *(before or ()))
         self.size = sum(len(a) for a in written if isinstance(a, (bytes, str)))
@@ -63,9 +64,11 @@ class Admits:
         self, keys: list[str], args: list[Any], before: tuple[Any, ...] | None = None
     ) -> "asyncio.Future[Any]":
         """One request's admit (its keys and arguments, as ``admit.lua``
-        reads a request's); the future gets its reply. ``before``: a
-        command sent just before the call that holds it (a long input's
-        SET: inputs.py)."""
+        reads a request's); the future gets its reply. ``before``: a SET
+        sent just before the call that holds it (a long input's: inputs.py),
+        its key deleted if the call is refused out of memory (the SET may
+        have been taken: it is what filled Redis) or the request fails, its
+        caller gone or not."""
         future = asyncio.get_running_loop().create_future()
         if self._closed:
             future.set_exception(RedisConnectionError("the Redis client is closing"))
@@ -97,6 +100,8 @@ class Admits:
                 if wait_s > 0 and not self._a_call_waits():
                     await asyncio.sleep(wait_s)
                 gathered = self._next_call()
+                if not gathered:  # (their callers all gave up: nothing sent)
+                    continue
                 self._last_sent = loop.time()
                 await self._send(gathered)
         finally:
@@ -116,7 +121,9 @@ class Admits:
 
     def _next_call(self) -> list[_Admit]:
         """The admits of the next call, oldest first: at most ``MOST`` and
-        ``MOST_BYTES`` (one, however big)."""
+        ``MOST_BYTES`` (one, however big). Those whose callers gave up
+        (cancelled) are not sent: nothing of theirs reaches Redis."""
+        self._waiting = [one for one in self._waiting if not one.future.done()]
         count, size = 0, 0
         for one in self._waiting[:MOST]:
             if count and size + one.size > MOST_BYTES:
@@ -140,7 +147,11 @@ class Admits:
             _fail(gathered, RedisConnectionError("the Redis client is closing"))
             raise
         except BaseException as exc:
-            _fail(gathered, exc)
+            try:
+                if out_of_memory(exc):  # refused whole: nothing of it was queued
+                    await self._drop_inputs(gathered)
+            finally:
+                _fail(gathered, exc)
             return
         if not isinstance(replies, list) or len(replies) != len(gathered):
             _fail(
@@ -148,13 +159,31 @@ class Admits:
                 ResponseError(f"admit.lua answered {len(gathered)} admits with {replies!r:.80}"),
             )
             return
-        for one, reply in zip(gathered, replies, strict=True):
-            if one.future.done():  # its caller gave up (cancelled)
-                continue
-            if isinstance(reply, bytes):  # that request's own error
-                one.future.set_exception(error_of(ResponseError(reply.decode(errors="replace"))))
-            else:
-                one.future.set_result(reply)
+        try:  # (a request's own error: it was not queued)
+            await self._drop_inputs(
+                [o for o, r in zip(gathered, replies, strict=True) if isinstance(r, bytes)]
+            )
+        finally:
+            _settle(gathered, replies)
+
+    async def _drop_inputs(self, refused: list[_Admit]) -> None:
+        """Delete the inputs written before the admits of requests that
+        were not queued (a refusal by the script deletes its own): they
+        would wait out their TTL. One DEL, which Redis allows when full."""
+        keys = [one.before[1] for one in refused if one.before is not None]
+        if keys:
+            with contextlib.suppress(*STORE_ERRORS):
+                await self.pipelined.redis.delete(*keys)
+
+
+def _settle(gathered: list[_Admit], replies: list[Any]) -> None:
+    for one, reply in zip(gathered, replies, strict=True):
+        if one.future.done():  # its caller gave up (cancelled)
+            continue
+        if isinstance(reply, bytes):  # that request's own error
+            one.future.set_exception(error_of(ResponseError(reply.decode(errors="replace"))))
+        else:
+            one.future.set_result(reply)
 
 
 def _fail(gathered: list[_Admit], exc: BaseException) -> None:

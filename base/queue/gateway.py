@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import NamedTuple
 
 from infergate.base import clock, wire
-from infergate.base.errors import STORE_ERRORS, UNAVAILABLE
+from infergate.base.errors import STORE_ERRORS
 from infergate.base.queue import dead_letters, inputs
 from infergate.base.queue.forming import new_batch_id
 from infergate.base.queue.inputs import Beside
@@ -154,12 +154,7 @@ class GatewayQueue:
                     keys.prefix,
                     self._tier_names,
                 )
-        try:
-            reply = await self.store.admits.admit(names, args, stored_first)
-        except STORE_ERRORS as exc:
-            if beside is not None and stored_first and not isinstance(exc, UNAVAILABLE):
-                await self._drop_input(beside.key)
-            raise
+        reply = await self.store.admits.admit(names, args, stored_first)
         if reply[0] == 3:  # (room after all, for an input held back)
             return await self.admit(counters, tier, envelope, straight, beside, place)
         if reply[2]:
@@ -174,12 +169,6 @@ class GatewayQueue:
             reply[0] == 2,
             int(reply[3 + 2 * n]) - 1,
         )
-
-    async def _drop_input(self, key: str) -> None:
-        """Delete a long input whose admit Redis refused (out of memory, with
-        its SET taken: a DEL is allowed then): it would wait out its TTL."""
-        with contextlib.suppress(*STORE_ERRORS):
-            await self.store.redis.delete(key)
 
     def stored(self, envelope: wire.Envelope) -> tuple[bytes, Beside | None]:
         """The envelope as it is queued, and its input if it is kept beside it."""

@@ -50,7 +50,8 @@ GRACE_MS = 30_000
 
 
 class Beside(NamedTuple):
-    """An input to store beside its envelope, if the request is admitted."""
+    """An input to store beside its envelope: written just before its admit,
+    and deleted if the request is not queued (admit.lua, admits.py)."""
 
     key: str
     input: str

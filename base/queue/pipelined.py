@@ -23,7 +23,8 @@ Nothing is re-sent after an error, as everywhere (``store.connect``): a
 call whose reply was lost fails with the connection's error, and the next
 flush opens a new connection. The one exception is NOSCRIPT (a restarted or
 failed-over Redis has no scripts): Redis refused those calls without running
-them, so they are sent once more after the script is loaded.
+them, so they are sent once more after the script is loaded (with the
+commands sent before them, which ran: a long input's SET, written again).
 """
 
 import asyncio

@@ -40,9 +40,9 @@
 -- published batching rule, or no live idle worker: it is queued as usual.
 -- A long input is kept beside its envelope (queue/inputs.py): the gateway
 -- writes it just before the call (no script makes it a string), and the
--- call deletes it if its request is refused; one whose SET Redis refused is
--- refused as out of memory (and the gateway deletes the inputs of a call
--- refused whole).
+-- call deletes it if its request is refused; a request whose SET Redis
+-- refused fails (and the gateway deletes the inputs of a call refused
+-- whole, queue/admits.py).
 -- One call admits every request a gateway gathered in one moment
 -- (queue/admits.py), each in turn as if it came alone, with one clock
 -- reading: ARGV[1] how many (m); ARGV[2i], ARGV[2i+1] request i's number of
@@ -304,8 +304,12 @@ local function queue_fairly(fq, doorbell, state, s, key_id, envelope, cost, weig
   -- (in this call's copy, written as the call ends)
   local mine = s.keys[key_id]
   local start = math.max(s.v, mine.f)
-  if type(redis.pcall('ZADD', fq, start, envelope)) ~= 'number' then
-    -- a key of another type (planted) is no tier's queue: it goes
+  local added = redis.pcall('ZADD', fq, start, envelope)
+  if type(added) ~= 'number' then
+    -- a key of another type (planted) is no tier's queue: it goes; any
+    -- other error is raised, never a reason to delete a queue (out of
+    -- memory is refused whole before this: the call's write check, below)
+    if not string.find(tostring(added.err), 'WRONGTYPE', 1, true) then error(added) end
     redis.call('DEL', fq)
     redis.call('ZADD', fq, start, envelope)
   end
@@ -356,9 +360,10 @@ local function admit_one(KEYS, ARGV)
   local fa = 3 * n + 4  -- the first argument of the fair queue
   local sa = 3 * n + 9  -- the first argument to hand it straight
   if beside and redis.call('EXISTS', KEYS[n + 4]) == 0 then
-    -- Its SET was refused (Redis judges memory command by command): refused
-    -- as if this call had been, charging nothing (the gateway answers 503).
-    error("OOM command not allowed when used memory > 'maxmemory' (its input)", 0)
+    -- Its SET was refused (out of memory, or evicted since: Redis judges
+    -- memory command by command): this request alone fails, charging
+    -- nothing (the gateway answers 503).
+    error('ERR its input was not stored (its SET was refused)', 0)
   end
   local sums, ttls, charged = {}, {}, {}
   local admitted = 1
@@ -437,9 +442,12 @@ end
 -- the call as an error, which drops the connection.
 if #KEYS > 0 then
   local check = redis.pcall('SETRANGE', KEYS[1] .. ':write-check', 0, '')
-  if type(check) == 'table' and check.err and (string.find(check.err, '^OOM')
-      or string.find(check.err, '^READONLY')) then
-    return redis.error_reply(check.err)
+  -- (found in the text, and returned from there on: Redis 6.2 puts the
+  -- script's name first, where a client would not read the error's kind)
+  if type(check) == 'table' and check.err then
+    local at = string.find(check.err, 'OOM ', 1, true)
+      or string.find(check.err, 'READONLY ', 1, true)
+    if at then return redis.error_reply(string.sub(check.err, at)) end
   end
 end
 
