@@ -28,6 +28,9 @@ MAX_REFUSED_KEYS = 10_000
 # Redis later than the reply that said it came back (the admits' gathering,
 # two round trips).
 HOLD_EARLY_MS = 25
+# ... and over after this long at most: one request then goes with its
+# input (a long limit's refusal is not kept for its whole window).
+HOLD_MOST_S = 1.0
 
 
 @lru_cache(maxsize=1024)
@@ -71,6 +74,7 @@ class Quota:
         # Until when (monotonic s) each key refused lately is expected to be
         # refused again: its long inputs are held back meanwhile.
         self._refused_until: dict[str, float] = {}
+        self._pruned_at = -float("inf")
 
     def charges(self, key: KeyEntry, tier: Tier, input_chars: int) -> list[Charge]:
         rates = key.rate_limits if key.rate_limits is not None else tier.rate_limits
@@ -120,7 +124,8 @@ class Quota:
         if admitted.over_share:
             return QuotaResult(False, over_share=True)
         result = _result(charges, admitted)
-        if result.retry_after_ms:
+        refused_by = admitted.refused_by
+        if result.retry_after_ms and refused_by >= 0 and charges[refused_by].kind == "requests":
             self._refused(key.id, result.retry_after_ms)
         return result
 
@@ -129,15 +134,21 @@ class Quota:
         return until is not None and time.monotonic() < until
 
     def _refused(self, key_id: str, retry_after_ms: int) -> None:
-        """A refusal by a limit: its key is expected to be refused until
-        the limit has room (``retry_after_ms``), less the moment an admit
-        takes to reach Redis (one held back that finds room goes twice)."""
+        """A refusal by a request limit (whatever its size, the key's next
+        request is refused too; not so for a cost limit): expected again
+        until the limit has room (``retry_after_ms``), less the moment an
+        admit takes to reach Redis (one held back that finds room goes
+        twice), and for ``HOLD_MOST_S`` at most."""
         now = time.monotonic()
-        if len(self._refused_until) >= MAX_REFUSED_KEYS:
+        if key_id not in self._refused_until and len(self._refused_until) >= MAX_REFUSED_KEYS:
+            if now - self._pruned_at < HOLD_MOST_S:
+                return  # (full of refusals that are still on: this one is not remembered)
+            self._pruned_at = now
             self._refused_until = {k: t for k, t in self._refused_until.items() if t > now}
             if len(self._refused_until) >= MAX_REFUSED_KEYS:
                 return
-        self._refused_until[key_id] = now + (retry_after_ms - HOLD_EARLY_MS) / 1000.0
+        hold_s = min((retry_after_ms - HOLD_EARLY_MS) / 1000.0, HOLD_MOST_S)
+        self._refused_until[key_id] = now + hold_s
 
     async def refund(self, key: KeyEntry, tier: Tier, input_chars: int) -> None:
         """Give back what ``charge`` took for a request refused after it (a job

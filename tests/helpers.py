@@ -499,6 +499,12 @@ def assert_redis_clean(client: redis.Redis, keys: Keys = KEYS) -> None:
             assert name in structural or name.startswith(per_process), name
 
 
+async def evalsha_calls(store: Any) -> int:
+    """Script calls Redis has run (``INFO commandstats``)."""
+    stats = await store.redis.info("commandstats")
+    return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
+
+
 async def queued(store: Any, tier: str) -> int:
     """What waits in a tier: its queue list and its fair queue."""
     keys = store.keys

@@ -16,15 +16,12 @@ from infergate.redis_server import RedisServer
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError, ResponseError
 
+from tests.helpers import evalsha_calls
+
 
 def env(i: int) -> bytes:
     now = clock.now_ms()
     return wire.encode(wire.Envelope(f"r{i}", "gw", "free", "k", f"in{i}", now, now + 10_000))
-
-
-async def evalsha_calls(store: Store) -> int:
-    stats = await store.redis.info("commandstats")
-    return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
 
 
 @pytest.fixture

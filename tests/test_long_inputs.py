@@ -23,7 +23,7 @@ from infergate.gpu.worker import Worker, WorkerSettings
 from infergate.policies import parse_policy
 from redis.exceptions import ResponseError
 
-from tests.helpers import as_yaml, policy, queued
+from tests.helpers import as_yaml, evalsha_calls, policy, queued
 
 LONG = BESIDE_MIN_CHARS
 NOT_STORED = "its input was not stored"
@@ -32,6 +32,16 @@ NOT_STORED = "its input was not stored"
 def _envelope(i: int, text: str, deadline_in_ms: int = 9_000) -> wire.Envelope:
     now = clock.now_ms()
     return wire.Envelope(f"r{i}", "gw", "paid", "k", text, now, now + deadline_in_ms)
+
+
+async def _gone(store: Store, key: str, within_s: float = 10.0) -> bool:
+    """``key`` is gone, or goes within ``within_s``."""
+    deadline = asyncio.get_running_loop().time() + within_s
+    while await store.redis.exists(key):
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
 
 
 async def _admit(queue: GatewayQueue, env: wire.Envelope, limit: int = 100) -> bool:
@@ -331,7 +341,10 @@ async def test_near_maxmemory_an_input_is_kept_exactly_when_its_request_is_queue
             finally:
                 await store.redis.config_set("maxmemory", 0)
             assert admitted or out_of_memory(refusal) or NOT_STORED in str(refusal), refusal
-            kept = bool(await store.redis.exists(keys.input("gw", f"r{i}")))
+            name = keys.input("gw", f"r{i}")
+            kept = (
+                bool(await store.redis.exists(name)) if admitted else not await _gone(store, name)
+            )
             assert kept == admitted, (margin, admitted, kept)
             admitted_count += admitted
             outcomes.add(admitted)
@@ -377,8 +390,8 @@ async def test_a_call_refused_whole_after_its_inputs_were_written_leaves_none(
         assert isinstance(results[1], asyncio.CancelledError)
         stats = await store.redis.info("commandstats")
         assert stats["cmdstat_set"]["calls"] >= 2  # (both inputs were written)
-        for i in (1, 2):
-            assert not await store.redis.exists(store.keys.input("gw", f"r{i}"))
+        for i in (1, 2):  # (deleted once the callers are answered)
+            assert await _gone(store, store.keys.input("gw", f"r{i}"))
         assert await queued(store, "paid") == 0
     finally:
         await store.close()
@@ -462,5 +475,29 @@ async def test_a_key_refused_lately_holds_its_inputs_back_until_it_has_room(
         assert await stored(6)
         assert await queued(store, "free") == 4
         assert not await charge(7)  # (the limit is exact: 3 charged)
+    finally:
+        await store.close()
+
+
+async def test_a_refusal_by_a_cost_limit_holds_nothing_back(redis_url: str) -> None:
+    """A cost limit refuses a request by its size, not the next one: a
+    smaller request of the same key goes with its input at once."""
+    store = Store.connect(redis_url, "t", name="test")
+    quota = Quota(GatewayQueue(store, "gw"))
+    tiers = {"free": {"rate_limits": ["100/minute"], "cost_limit": "3500/hour"}}
+    pol = parse_policy(as_yaml(policy(tiers=tiers)))
+    key = next(k for k in pol.document.keys if k.id == "fre")
+
+    async def charge(i: int, chars: int) -> bool:
+        data, beside = quota.queue.stored(_envelope(i, "c" * chars))
+        return (await quota.charge(key, pol.tiers["free"], chars, "free", data, beside)).allowed
+
+    try:
+        assert [await charge(1, 2_000), await charge(2, 2_000)] == [True, False]
+        before = await evalsha_calls(store)
+        assert await charge(3, LONG)
+        assert await evalsha_calls(store) - before == 1  # (not held back: one call)
+        assert await store.redis.exists(store.keys.input("gw", "r3"))
+        assert await queued(store, "free") == 2
     finally:
         await store.close()

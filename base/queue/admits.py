@@ -66,9 +66,9 @@ class Admits:
         """One request's admit (its keys and arguments, as ``admit.lua``
         reads a request's); the future gets its reply. ``before``: a SET
         sent just before the call that holds it (a long input's: inputs.py),
-        its key deleted if the call is refused out of memory (the SET may
-        have been taken: it is what filled Redis) or the request fails, its
-        caller gone or not."""
+        its key deleted (once the call's callers are answered) if the call
+        is refused out of memory (the SET may have been taken: it is what
+        filled Redis) or the request fails, its caller gone or not."""
         future = asyncio.get_running_loop().create_future()
         if self._closed:
             future.set_exception(RedisConnectionError("the Redis client is closing"))
@@ -147,11 +147,9 @@ class Admits:
             _fail(gathered, RedisConnectionError("the Redis client is closing"))
             raise
         except BaseException as exc:
-            try:
-                if out_of_memory(exc):  # refused whole: nothing of it was queued
-                    await self._drop_inputs(gathered)
-            finally:
-                _fail(gathered, exc)
+            _fail(gathered, exc)
+            if out_of_memory(exc):  # refused whole: nothing of it was queued
+                await self._drop_inputs(gathered)
             return
         if not isinstance(replies, list) or len(replies) != len(gathered):
             _fail(
@@ -159,12 +157,11 @@ class Admits:
                 ResponseError(f"admit.lua answered {len(gathered)} admits with {replies!r:.80}"),
             )
             return
-        try:  # (a request's own error: it was not queued)
-            await self._drop_inputs(
-                [o for o, r in zip(gathered, replies, strict=True) if isinstance(r, bytes)]
-            )
-        finally:
-            _settle(gathered, replies)
+        _settle(gathered, replies)
+        # (a request's own error: it was not queued)
+        await self._drop_inputs(
+            [o for o, r in zip(gathered, replies, strict=True) if isinstance(r, bytes)]
+        )
 
     async def _drop_inputs(self, refused: list[_Admit]) -> None:
         """Delete the inputs written before the admits of requests that

@@ -52,7 +52,7 @@
 -- A request's keys and arguments (KEYS and ARGV below):
 -- KEYS[1..n] the windows  KEYS[n+1] fq:{tier}  KEYS[n+2] doorbell
 --   KEYS[n+3] fair:{tier}  (without those three: charge only)
--- KEYS[n+4] the input's key, when one is kept beside (ARGV[3n+3] is 1)
+-- KEYS[n+4] the input's key, when one is kept beside (ARGV[3n+3] is 1 or 2)
 -- ARGV[1] n  ARGV[2] the envelope (when queued)
 -- ARGV[3i], ARGV[3i+1], ARGV[3i+2] limit i's cost, amount and window (s)
 -- ARGV[3n+3] 1 if its input is kept beside (0: in the envelope; 2: kept
@@ -307,8 +307,9 @@ local function queue_fairly(fq, doorbell, state, s, key_id, envelope, cost, weig
   local added = redis.pcall('ZADD', fq, start, envelope)
   if type(added) ~= 'number' then
     -- a key of another type (planted) is no tier's queue: it goes; any
-    -- other error is raised, never a reason to delete a queue (out of
-    -- memory is refused whole before this: the call's write check, below)
+    -- other error is raised, never a reason to delete a queue (not reached:
+    -- out of memory is refused whole before this, by the call's write
+    -- check below, and if it were, the request's charge would stand)
     if not string.find(tostring(added.err), 'WRONGTYPE', 1, true) then error(added) end
     redis.call('DEL', fq)
     redis.call('ZADD', fq, start, envelope)
@@ -363,7 +364,7 @@ local function admit_one(KEYS, ARGV)
     -- Its SET was refused (out of memory, or evicted since: Redis judges
     -- memory command by command): this request alone fails, charging
     -- nothing (the gateway answers 503).
-    error('ERR its input was not stored (its SET was refused)', 0)
+    error('ERR its input was not stored (its SET was refused, or it was evicted)', 0)
   end
   local sums, ttls, charged = {}, {}, {}
   local admitted = 1
