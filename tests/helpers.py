@@ -499,10 +499,15 @@ def assert_redis_clean(client: redis.Redis, keys: Keys = KEYS) -> None:
             assert name in structural or name.startswith(per_process), name
 
 
-async def evalsha_calls(store: Any) -> int:
-    """Script calls Redis has run (``INFO commandstats``)."""
+async def command_calls(store: Any, command: str) -> int:
+    """How many times Redis has run ``command`` (``INFO commandstats``)."""
     stats = await store.redis.info("commandstats")
-    return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
+    return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
+
+
+async def evalsha_calls(store: Any) -> int:
+    """Script calls Redis has run."""
+    return await command_calls(store, "evalsha")
 
 
 async def queued(store: Any, tier: str) -> int:

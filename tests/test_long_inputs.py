@@ -23,7 +23,7 @@ from infergate.gpu.worker import Worker, WorkerSettings
 from infergate.policies import parse_policy
 from redis.exceptions import ResponseError
 
-from tests.helpers import as_yaml, evalsha_calls, policy, queued
+from tests.helpers import as_yaml, command_calls, evalsha_calls, policy, queued
 
 LONG = BESIDE_MIN_CHARS
 NOT_STORED = "its input was not stored"
@@ -388,8 +388,7 @@ async def test_a_call_refused_whole_after_its_inputs_were_written_leaves_none(
     try:
         assert out_of_memory(results[0]), results
         assert isinstance(results[1], asyncio.CancelledError)
-        stats = await store.redis.info("commandstats")
-        assert stats["cmdstat_set"]["calls"] >= 2  # (both inputs were written)
+        assert await command_calls(store, "set") >= 2  # (both inputs were written)
         for i in (1, 2):  # (deleted once the callers are answered)
             assert await _gone(store, store.keys.input("gw", f"r{i}"))
         assert await queued(store, "paid") == 0
@@ -406,7 +405,8 @@ async def test_an_admit_whose_caller_gave_up_before_it_went_sends_nothing(
     try:
         assert await _admit(queue, _envelope(1, "v" * LONG))
         gave_up = asyncio.ensure_future(_admit(queue, _envelope(2, "v" * LONG)))
-        await asyncio.sleep(0)  # (its admit waits to be sent)
+        await asyncio.sleep(0)  # (its task runs up to its admit, which waits to be sent)
+        assert len(store.admits._waiting) == 1
         gave_up.cancel()
         assert await _admit(queue, _envelope(3, "v" * LONG))
         assert not await store.redis.exists(store.keys.input("gw", "r2"))
@@ -439,6 +439,22 @@ async def test_a_request_whose_input_was_not_stored_fails_charging_nothing(
         await store.close()
 
 
+class _FreeKey:
+    """The policy's free key under ``limits`` (its tier's), charged through
+    a gateway's quotas, each request with a long input queued on its tier."""
+
+    def __init__(self, store: Store, **limits: Any) -> None:
+        self.quota = Quota(GatewayQueue(store, "gw"))
+        pol = parse_policy(as_yaml(policy(tiers={"free": limits})))
+        self.key = next(k for k in pol.document.keys if k.id == "fre")
+        self.tier = pol.tiers["free"]
+
+    async def charge(self, i: int, chars: int = LONG) -> bool:
+        data, beside = self.quota.queue.stored(_envelope(i, "z" * chars))
+        result = await self.quota.charge(self.key, self.tier, chars, "free", data, beside)
+        return result.allowed
+
+
 async def test_a_key_refused_lately_holds_its_inputs_back_until_it_has_room(
     redis_url: str,
 ) -> None:
@@ -447,34 +463,22 @@ async def test_a_key_refused_lately_holds_its_inputs_back_until_it_has_room(
     a refused request's input costs Redis nothing; one that finds room
     after all (here: a refund) is sent again with its input, charged once."""
     store = Store.connect(redis_url, "t", name="test")
-    quota = Quota(GatewayQueue(store, "gw"))
-    pol = parse_policy(as_yaml(policy(tiers={"free": {"rate_limits": ["3/minute"]}})))
-    key = next(k for k in pol.document.keys if k.id == "fre")
-    tier = pol.tiers["free"]
-
-    async def charge(i: int) -> bool:
-        data, beside = quota.queue.stored(_envelope(i, "z" * LONG))
-        result = await quota.charge(key, tier, LONG, "free", data, beside)
-        return result.allowed
-
-    async def sets() -> int:
-        stats = await store.redis.info("commandstats")
-        return int(stats.get("cmdstat_set", {}).get("calls", 0))
+    free = _FreeKey(store, rate_limits=["3/minute"])
 
     def stored(i: int) -> Awaitable[int]:
         return store.redis.exists(store.keys.input("gw", f"r{i}"))
 
     try:
-        assert [await charge(i) for i in range(1, 5)] == [True, True, True, False]
+        assert [await free.charge(i) for i in range(1, 5)] == [True, True, True, False]
         assert [await stored(i) for i in range(1, 5)] == [1, 1, 1, 0]  # (r4's deleted)
-        before = await sets()
-        assert not await charge(5)
-        assert await sets() == before  # held back: never written
-        await quota.refund(key, tier, LONG)
-        assert await charge(6)  # room after all: sent again with its input
+        before = await command_calls(store, "set")
+        assert not await free.charge(5)
+        assert await command_calls(store, "set") == before  # held back: never written
+        await free.quota.refund(free.key, free.tier, LONG)
+        assert await free.charge(6)  # room after all: sent again with its input
         assert await stored(6)
         assert await queued(store, "free") == 4
-        assert not await charge(7)  # (the limit is exact: 3 charged)
+        assert not await free.charge(7)  # (the limit is exact: 3 charged)
     finally:
         await store.close()
 
@@ -483,19 +487,11 @@ async def test_a_refusal_by_a_cost_limit_holds_nothing_back(redis_url: str) -> N
     """A cost limit refuses a request by its size, not the next one: a
     smaller request of the same key goes with its input at once."""
     store = Store.connect(redis_url, "t", name="test")
-    quota = Quota(GatewayQueue(store, "gw"))
-    tiers = {"free": {"rate_limits": ["100/minute"], "cost_limit": "3500/hour"}}
-    pol = parse_policy(as_yaml(policy(tiers=tiers)))
-    key = next(k for k in pol.document.keys if k.id == "fre")
-
-    async def charge(i: int, chars: int) -> bool:
-        data, beside = quota.queue.stored(_envelope(i, "c" * chars))
-        return (await quota.charge(key, pol.tiers["free"], chars, "free", data, beside)).allowed
-
+    free = _FreeKey(store, rate_limits=["100/minute"], cost_limit="3500/hour")
     try:
-        assert [await charge(1, 2_000), await charge(2, 2_000)] == [True, False]
+        assert [await free.charge(1, 2_000), await free.charge(2, 2_000)] == [True, False]
         before = await evalsha_calls(store)
-        assert await charge(3, LONG)
+        assert await free.charge(3, LONG)
         assert await evalsha_calls(store) - before == 1  # (not held back: one call)
         assert await store.redis.exists(store.keys.input("gw", "r3"))
         assert await queued(store, "free") == 2

@@ -123,13 +123,16 @@ class Admits:
         """The admits of the next call, oldest first: at most ``MOST`` and
         ``MOST_BYTES`` (one, however big). Those whose callers gave up
         (cancelled) are not sent: nothing of theirs reaches Redis."""
-        self._waiting = [one for one in self._waiting if not one.future.done()]
-        count, size = 0, 0
-        for one in self._waiting[:MOST]:
-            if count and size + one.size > MOST_BYTES:
+        gathered: list[_Admit] = []
+        size, passed = 0, 0
+        for one in self._waiting:
+            if len(gathered) == MOST or (gathered and size + one.size > MOST_BYTES):
                 break
-            count, size = count + 1, size + one.size
-        gathered, self._waiting = self._waiting[:count], self._waiting[count:]
+            passed += 1
+            if not one.future.done():
+                gathered.append(one)
+                size += one.size
+        del self._waiting[:passed]
         return gathered
 
     async def _send(self, gathered: list[_Admit]) -> None:
