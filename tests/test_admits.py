@@ -286,15 +286,15 @@ async def test_a_gathered_call_leaves_redis_as_one_call_a_request_would(redis_ur
         alone = await run(one_by_one, gathered=False)
         gathered = await run(together, gathered=True)
         # (the ms until a window has room is read off the clock: the runs
-        # are a moment apart)
+        # are a moment apart, and may fall on either side of the moment
+        # a window's bucket (6 s of its 60) ends, which moves it by 6 s)
         assert [r._replace(ttls_ms=[]) if isinstance(r, Admitted) else r for r in gathered] == [
             r._replace(ttls_ms=[]) if isinstance(r, Admitted) else r for r in alone
         ]
         for was, now in zip(alone, gathered, strict=True):
             if isinstance(was, Admitted) and isinstance(now, Admitted):
-                assert all(
-                    abs(a - b) < 2_000 for a, b in zip(was.ttls_ms, now.ttls_ms, strict=True)
-                )
+                apart = [abs(a - b) for a, b in zip(was.ttls_ms, now.ttls_ms, strict=True)]
+                assert all(min(d, abs(d - 6_000)) < 2_000 for d in apart), apart
         replies = [r for r in alone if isinstance(r, Admitted)]
         assert len(replies) == 24
         assert len(alone) == 25
