@@ -227,14 +227,15 @@ local function fair_state(state, fq, key_id)
   local fair = redis.pcall('HMGET', state, 'v', 'w', 'f:' .. key_id, 'n:' .. key_id, 'w:' .. key_id)
   if type(fair) ~= 'table' or fair.err then redis.call('DEL', state) fair = {} s = nil end
   if not s then
-    s = {v = finite(fair[1]) or 0, w = math.max(finite(fair[2]) or 0, 0), keys = {}, dirty = {}}
+    s = {v = finite(fair[1]) or 0, w = math.max(finite(fair[2]) or 0, 0), keys = {}, dirty = {},
+      queued = {}}
     states[state] = s
   end
   local mine = {f = finite(fair[3]) or 0, n = math.max(finite(fair[4]) or 0, 0),
     w = finite(fair[5])}
   if (mine.n > 0 or s.w > 0) and redis.call('EXISTS', fq) == 0 then
     redis.call('DEL', state)
-    s.v, s.w, s.keys, s.dirty = 0, 0, {}, {}
+    s.v, s.w, s.keys, s.dirty, s.queued = 0, 0, {}, {}, {}
     mine = {f = 0, n = 0}
   end
   s.keys[key_id] = mine
@@ -242,7 +243,14 @@ local function fair_state(state, fq, key_id)
 end
 
 local function write_state(state, s)
+  -- (a key that queued: its finish tag and its count, as the call left them)
   local pairs_ = {}
+  for key_id, mine in pairs(s.queued) do
+    pairs_[#pairs_ + 1] = 'f:' .. key_id
+    pairs_[#pairs_ + 1] = mine.f  -- (a number: redis.call writes it in full)
+    pairs_[#pairs_ + 1] = 'n:' .. key_id
+    pairs_[#pairs_ + 1] = mine.n
+  end
   for field, value in pairs(s.dirty) do
     pairs_[#pairs_ + 1] = field
     pairs_[#pairs_ + 1] = value
@@ -318,7 +326,6 @@ local function queue_fairly(fq, doorbell, state, s, key_id, envelope, cost, weig
   -- counts as none, instead of failing the step)
   local ends = start + cost * 1000 / math.max(weight, 1)
   mine.f = ends
-  s.dirty['f:' .. key_id] = string.format('%.17g', ends)
   if mine.n <= 0 then
     mine.w = weight
     s.w = s.w + weight
@@ -326,7 +333,7 @@ local function queue_fairly(fq, doorbell, state, s, key_id, envelope, cost, weig
     s.dirty['w'] = s.w
   end
   mine.n = mine.n + 1
-  s.dirty['n:' .. key_id] = mine.n
+  s.queued[key_id] = mine
   -- (one ring is enough: a dispatcher that waits takes it at once)
   -- (a key of another type, planted, is no doorbell: it goes)
   if not rung[doorbell] then
@@ -366,7 +373,9 @@ local function admit_one(KEYS, ARGV)
     -- nothing (the gateway answers 503).
     error('ERR its input was not stored (its SET was refused, or it was evicted)', 0)
   end
-  local sums, ttls, charged = {}, {}, {}
+  -- the reply, filled as it goes: {admitted, queued, handed, then each
+  -- limit's count and ms (2i + 2, 2i + 3), then the first without room}
+  local reply, charged = {0, 0, 0}, {}
   local admitted = 1
   local refused_by = 0  -- the first limit without room (1-based; 0: none)
 
@@ -375,16 +384,16 @@ local function admit_one(KEYS, ARGV)
     local amount, window_ms = tonumber(ARGV[3 * i + 1]), tonumber(ARGV[3 * i + 2]) * 1000
     local w = window(key, window_ms)
     charged[i] = w
-    sums[i] = w.eleven - w.oldest
+    reply[2 * i + 2] = w.eleven - w.oldest
     -- until the window is as it was before any charge: the current bucket
     -- leaves the last ten (the x-ratelimit-reset-requests header)
-    ttls[i] = w.eleven ~= 0 and math.ceil((w.current + 10) * window_ms / 10) - now or -2
+    reply[2 * i + 3] = w.eleven ~= 0 and math.ceil((w.current + 10) * window_ms / 10) - now or -2
     if cost > 0 then
       local fits, wait = room(key, w, cost, amount)
       if not fits then
         admitted = 0
         if refused_by == 0 then refused_by = i end
-        ttls[i] = wait >= 0 and wait or window_ms
+        reply[2 * i + 3] = wait >= 0 and wait or window_ms
       end
     end
   end
@@ -402,13 +411,15 @@ local function admit_one(KEYS, ARGV)
   -- (its input held back, expecting a refusal: ask for it, charging nothing)
   if held_back and admitted == 1 then admitted = 3 end
 
-  local reply = {admitted, 0, 0}
+  reply[1] = admitted
   if admitted == 1 then
     for i = 1, n do
       local w, cost_i = charged[i], tonumber(ARGV[3 * i])
       w.eleven, w.held, w.dirty = w.eleven + cost_i, w.held + cost_i, true
-      sums[i] = sums[i] + cost_i
-      if ttls[i] < 0 then ttls[i] = math.ceil((w.current + 10) * w.window_ms / 10) - now end
+      reply[2 * i + 2] = reply[2 * i + 2] + cost_i
+      if reply[2 * i + 3] < 0 then
+        reply[2 * i + 3] = math.ceil((w.current + 10) * w.window_ms / 10) - now
+      end
     end
     -- (a key of another type on the way: queued, as without a worker idle)
     local handable, handed = false, false
@@ -425,10 +436,6 @@ local function admit_one(KEYS, ARGV)
     end
   end
   if beside and admitted ~= 1 then redis.call('DEL', KEYS[n + 4]) end
-  for i = 1, n do
-    reply[2 * i + 2] = sums[i]
-    reply[2 * i + 3] = ttls[i]
-  end
   reply[2 * n + 4] = refused_by
   return reply
 end
@@ -457,9 +464,8 @@ local replies = {}
 local k, a = 0, 1 + 2 * count
 for r = 1, count do
   local nk, na = tonumber(ARGV[2 * r]), tonumber(ARGV[2 * r + 1])
-  local keys, args = {}, {}
-  for j = 1, nk do keys[j] = KEYS[k + j] end
-  for j = 1, na do args[j] = ARGV[a + j] end
+  -- (copied in one step each: a table filled one by one grows a few times)
+  local keys, args = {unpack(KEYS, k + 1, k + nk)}, {unpack(ARGV, a + 1, a + na)}
   k, a = k + nk, a + na
   local ok, reply = pcall(admit_one, keys, args)
   if ok then
