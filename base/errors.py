@@ -19,6 +19,17 @@ UNAVAILABLE: tuple[type[BaseException], ...] = (
 STORE_ERRORS: tuple[type[BaseException], ...] = (redis.exceptions.RedisError, OSError)
 
 
+# What admit.lua says of a request whose long input Redis did not keep (its
+# SET refused for want of memory, or the input evicted before the admit ran).
+INPUT_NOT_STORED = "its input was not stored"
+
+
+def input_not_stored(exc: BaseException) -> bool:
+    """The admit found the request's long input missing (``admit.lua``):
+    that request alone failed, charged nothing (not proof of a full Redis)."""
+    return isinstance(exc, redis.exceptions.ResponseError) and INPUT_NOT_STORED in str(exc)
+
+
 def out_of_memory(exc: BaseException) -> bool:
     """Redis refused a write for want of memory (``maxmemory`` reached):
     its OOM error, as redis-py raises it for a command or a transaction, or

@@ -118,6 +118,15 @@ def redis_unreachable() -> ApiError:
     return ApiError("SERVICE_OVERLOADED", "the queue store is unreachable", RETRY_REDIS_MS)
 
 
+def input_not_kept() -> ApiError:
+    return ApiError(
+        "SERVICE_OVERLOADED",
+        "the queue store did not keep the request's input (it is at its memory limit or "
+        "evicting): nothing was charged",
+        RETRY_REDIS_MS,
+    )
+
+
 RETRY_REDIS_FULL_MS = 5_000
 
 

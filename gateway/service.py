@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from infergate.base import clock, logs
-from infergate.base.errors import STORE_ERRORS, UNAVAILABLE, out_of_memory
+from infergate.base.errors import STORE_ERRORS, UNAVAILABLE, input_not_stored, out_of_memory
 from infergate.base.fleet import fleet_reading
 from infergate.base.keys import DEFAULT_MODEL
 from infergate.base.loops import Supervised
@@ -28,7 +28,7 @@ from infergate.base.queue.store import Store
 from infergate.base.settings import ProcessSettings
 from infergate.base.tiers import TIERS
 from infergate.gateway.auth import Authenticator
-from infergate.gateway.errors import ApiError, redis_full, redis_unreachable
+from infergate.gateway.errors import ApiError, input_not_kept, redis_full, redis_unreachable
 from infergate.gateway.holds import Holds
 from infergate.gateway.jwks import KeySet
 from infergate.gateway.limits import EdgeLimits
@@ -208,12 +208,15 @@ class Gateway:
 
     def store_failed(self, exc: BaseException, shard: int) -> ApiError:
         """The client's error for a call to ``shard``'s Redis that failed:
-        Redis out of memory is its own state, said as such; otherwise it is
+        Redis out of memory is its own state, said as such, and so is a long
+        input that Redis did not keep (its request alone); otherwise it is
         unreachable (and, if it did not answer at all, that shard is not
         ready here until its fleet view reads it again)."""
         if out_of_memory(exc):
             self.shards[shard].store.saw_full()
             return redis_full()
+        if input_not_stored(exc):
+            return input_not_kept()
         if isinstance(exc, UNAVAILABLE):
             for lane in self.lanes.on_shard(shard):
                 lane.fleet.mark_unreachable()

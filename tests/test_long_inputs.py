@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 import pytest
 from infergate.base import clock, wire
-from infergate.base.errors import out_of_memory
+from infergate.base.errors import INPUT_NOT_STORED, input_not_stored, out_of_memory
 from infergate.base.queue import dead_letters
 from infergate.base.queue.dispatcher import DispatcherQueue
 from infergate.base.queue.forming import Rule
@@ -26,7 +26,7 @@ from redis.exceptions import ResponseError
 from tests.helpers import as_yaml, command_calls, evalsha_calls, policy, queued
 
 LONG = BESIDE_MIN_CHARS
-NOT_STORED = "its input was not stored"
+NOT_STORED = INPUT_NOT_STORED
 
 
 def _envelope(i: int, text: str, deadline_in_ms: int = 9_000) -> wire.Envelope:
@@ -427,9 +427,12 @@ async def test_a_request_whose_input_was_not_stored_fails_charging_nothing(
     real = store.admits.admit
     store.admits.admit = lambda keys, args, before=None: real(keys, args)  # type: ignore[method-assign]
     try:
-        with pytest.raises(ResponseError, match=NOT_STORED):
+        with pytest.raises(ResponseError, match=NOT_STORED) as caught:
             await _admit(queue, _envelope(1, "y" * LONG))
         assert await queued(store, "paid") == 0
+        # (its own 503 at the gateway, not "Redis full" nor "unreachable")
+        assert input_not_stored(caught.value)
+        assert not out_of_memory(caught.value)
         store.admits.admit = real  # type: ignore[method-assign]
         data, beside = queue.stored(_envelope(2, "y" * LONG))
         counter = Counter(queue.counter_key("c"), 1, 100, 60)

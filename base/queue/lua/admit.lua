@@ -371,6 +371,7 @@ local function admit_one(KEYS, ARGV)
     -- Its SET was refused (out of memory, or evicted since: Redis judges
     -- memory command by command): this request alone fails, charging
     -- nothing (the gateway answers 503).
+    -- (base/errors.py reads the words 'its input was not stored')
     error('ERR its input was not stored (its SET was refused, or it was evicted)', 0)
   end
   -- the reply, filled as it goes: {admitted, queued, handed, then each
