@@ -1,0 +1,195 @@
+"""What ``admit.lua`` itself costs Redis: the admit calls a running stack
+sends (captured with MONITOR for a second of open-loop load of distinct
+inputs), replayed on an idle Redis of their own, pipelined, for Redis's CPU
+a call and a request.
+
+Live, a script's time also holds the cold caches of a Redis woken between
+other processes, and runs vary by a sixth; replayed, only the script's own
+work is left, steady to a few per cent, so a change to the script can be
+told from noise. ``--script`` replays the same calls on another
+``admit.lua`` (one that reads the same arguments); ``--merge K`` joins K
+captured calls into one, as a busier gateway sends them. Between rounds the
+fair queues and states are emptied and the long inputs written again (what
+that costs is measured alone and taken off).
+
+    python -m infergate.loadtest.admit_replay [--script FILE] [--merge 4]
+"""
+
+import argparse
+import hashlib
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import redis
+from infergate.base.queue.scripts import source
+from infergate.loadtest.redis_cost import HERE, bench
+from infergate.loadtest.sweep import cpu_s, local_stack
+from infergate.redis_server import RedisServer
+
+ESCAPES = {"n": b"\n", "r": b"\r", "t": b"\t", "a": b"\a", "b": b"\b", '"': b'"', "\\": b"\\"}
+
+
+class Request(NamedTuple):
+    keys: list[bytes]
+    args: list[bytes]
+
+
+def monitor_words(line: str) -> list[bytes]:
+    """The quoted words of one line of ``redis-cli monitor`` (its escapes undone)."""
+    words, at = [], line.find('"')
+    while 0 <= at < len(line):
+        word, at = bytearray(), at + 1
+        while line[at] != '"':
+            if line[at] == "\\" and line[at + 1] == "x":
+                word.append(int(line[at + 2 : at + 4], 16))
+                at += 4
+            elif line[at] == "\\":
+                word += ESCAPES.get(line[at + 1], line[at + 1].encode())
+                at += 2
+            else:
+                word += line[at].encode()
+                at += 1
+        words.append(bytes(word))
+        at = line.find('"', at + 1)
+    return words
+
+
+def requests_of(words: list[bytes]) -> list[Request]:
+    """An admit call's requests (``admit.lua``: ARGV[1] how many, then each
+    one's counts of keys and arguments, then its keys and its arguments)."""
+    nkeys = int(words[2])
+    keys, argv = words[3 : 3 + nkeys], words[3 + nkeys :]
+    count = int(argv[0])
+    out, k, a = [], 0, 1 + 2 * count
+    for r in range(count):
+        nk, na = int(argv[1 + 2 * r]), int(argv[2 + 2 * r])
+        out.append(Request(keys[k : k + nk], argv[a : a + na]))
+        k, a = k + nk, a + na
+    return out
+
+
+def capture(args: argparse.Namespace) -> list[list[Request]]:
+    """One second of a stack's admit calls, under the load."""
+    sha = _sha("admit")
+    with (
+        local_stack(sys.executable, args.workers, args.gateways, 100, args.policy) as stack,
+        tempfile.TemporaryFile("w+") as out,
+    ):
+        load = threading.Thread(target=bench, args=(args, stack.url, 5.0))
+        load.start()
+        time.sleep(2.5)
+        monitor = subprocess.Popen(
+            ["redis-cli", "-p", str(stack.redis_port), "monitor"], stdout=out, text=True
+        )
+        time.sleep(1.0)
+        monitor.terminate()
+        monitor.wait()
+        load.join()
+        out.seek(0)
+        return [
+            requests_of(words)
+            for line in out
+            if '"EVALSHA"' in line and (words := monitor_words(line))[1] == sha
+        ]
+
+
+def _sha(name: str) -> bytes:
+    return hashlib.sha1(source(name).encode()).hexdigest().encode()
+
+
+def merged(calls: list[list[Request]], k: int) -> list[tuple[int, list[bytes]]]:
+    """The calls, K captured ones joined into each, as EVALSHA's numkeys and words."""
+    out = []
+    for i in range(0, len(calls), k):
+        requests = [r for call in calls[i : i + k] for r in call]
+        words = [key for r in requests for key in r.keys]
+        nkeys = len(words)
+        words.append(str(len(requests)).encode())
+        for r in requests:
+            words += (str(len(r.keys)).encode(), str(len(r.args)).encode())
+        words += [a for r in requests for a in r.args]
+        out.append((nkeys, words))
+    return out
+
+
+def replay(args: argparse.Namespace, calls: list[list[Request]]) -> None:
+    requests = [r for call in calls for r in call]
+    queues = {r.keys[int(r.args[0]) + i] for r in requests for i in (0, 2) if len(r.keys) > 3}
+    inputs = {r.keys[-1] for r in requests if len(r.keys) > int(r.args[0]) + 3}
+    script = Path(args.script).read_text() if args.script else source("admit")
+    sent = merged(calls, args.merge)
+    server = RedisServer().start()
+    try:
+        client = redis.Redis(port=server.port)
+        sha = client.script_load(script)
+        long_input = b"x" * args.input_chars
+
+        def reset() -> None:
+            pipe = client.pipeline(transaction=False)
+            pipe.delete(*queues)
+            if inputs:
+                pipe.mset(dict.fromkeys(inputs, long_input))
+            pipe.execute()
+
+        def one_round() -> list[object]:
+            reset()
+            pipe = client.pipeline(transaction=False)
+            for nkeys, words in sent:
+                pipe.evalsha(sha, nkeys, *words)
+            return pipe.execute(raise_on_error=False)
+
+        replies = one_round()  # (warm-up)
+        failed = [r for reply in replies for r in _listed(reply) if isinstance(r, bytes)]
+        print(
+            f"{len(sent)} calls, {len(requests) / len(sent):.2f} requests a call"
+            f" (merge {args.merge}); requests failed: {len(failed)}"
+        )
+        for _ in range(args.trials):
+            before = cpu_s(server.proc.pid)
+            for _ in range(args.rounds):
+                one_round()
+            spent = cpu_s(server.proc.pid) - before
+            before = cpu_s(server.proc.pid)
+            for _ in range(args.rounds):
+                reset()
+            spent -= cpu_s(server.proc.pid) - before
+            print(
+                f"  {spent / (args.rounds * len(sent)) * 1e6:7.1f} µs a call"
+                f" {spent / (args.rounds * len(requests)) * 1e6:6.1f} µs a request"
+            )
+        client.close()
+    finally:
+        server.close()
+
+
+def _listed(reply: object) -> list[object]:
+    return reply if isinstance(reply, list) else [reply]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m infergate.loadtest.admit_replay")
+    p.add_argument("--script", help="another admit.lua to replay the calls on")
+    p.add_argument("--merge", type=int, default=1, help="captured calls joined into one")
+    p.add_argument("--rounds", type=int, default=30, help="replays of every call a trial")
+    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--rate", type=float, default=1000.0)
+    p.add_argument("--input-chars", type=int, default=2000)
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--gateways", type=int, default=2)
+    p.add_argument("--policy", default=str(HERE / "policy.yaml"))
+    p.add_argument("--keys", default=str(HERE / "keys.json"))
+    args = p.parse_args(argv)
+    calls = capture(args)
+    if not calls:
+        raise SystemExit("no admit call was captured")
+    replay(args, calls)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
