@@ -16,20 +16,21 @@ that costs is measured alone and taken off).
 """
 
 import argparse
+import contextlib
 import hashlib
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
 import redis
 from infergate.base.queue.scripts import source
 from infergate.loadtest.redis_cost import HERE, bench
-from infergate.loadtest.sweep import cpu_s, local_stack
-from infergate.redis_server import RedisServer
+from infergate.loadtest.sweep import cpu_s, free_port, local_stack
 
 ESCAPES = {"n": b"\n", "r": b"\r", "t": b"\t", "a": b"\a", "b": b"\b", '"': b'"', "\\": b"\\"}
 
@@ -73,8 +74,15 @@ def requests_of(words: list[bytes]) -> list[Request]:
     return out
 
 
-def capture(args: argparse.Namespace) -> list[list[Request]]:
-    """One second of a stack's admit calls, under the load."""
+def beside(redis_pid: int, program: str) -> str:
+    """``program`` (redis-cli, redis-server) from the folder of the running
+    ``redis-server`` of ``redis_pid``."""
+    return str(Path(f"/proc/{redis_pid}/exe").resolve().with_name(program))
+
+
+def capture(args: argparse.Namespace) -> tuple[list[list[Request]], str]:
+    """One second of a stack's admit calls, under the load, and the
+    ``redis-server`` that served them."""
     sha = _sha("admit")
     with (
         local_stack(sys.executable, args.workers, args.gateways, 100, args.policy) as stack,
@@ -84,18 +92,21 @@ def capture(args: argparse.Namespace) -> list[list[Request]]:
         load.start()
         time.sleep(2.5)
         monitor = subprocess.Popen(
-            ["redis-cli", "-p", str(stack.redis_port), "monitor"], stdout=out, text=True
+            [beside(stack.redis_pid, "redis-cli"), "-p", str(stack.redis_port), "monitor"],
+            stdout=out,
+            text=True,
         )
         time.sleep(1.0)
         monitor.terminate()
         monitor.wait()
         load.join()
         out.seek(0)
-        return [
+        calls = [
             requests_of(words)
             for line in out
             if '"EVALSHA"' in line and (words := monitor_words(line))[1] == sha
         ]
+        return calls, beside(stack.redis_pid, "redis-server")
 
 
 def _sha(name: str) -> bytes:
@@ -117,15 +128,37 @@ def merged(calls: list[list[Request]], k: int) -> list[tuple[int, list[bytes]]]:
     return out
 
 
-def replay(args: argparse.Namespace, calls: list[list[Request]]) -> None:
+@contextlib.contextmanager
+def idle_redis(server: str) -> Iterator[tuple[redis.Redis, int]]:
+    """A ``redis-server`` of its own (nothing kept on disk), and its pid."""
+    port = free_port()
+    process = subprocess.Popen(
+        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+    )
+    client = redis.Redis(port=port)
+    try:
+        for _ in range(100):
+            with contextlib.suppress(redis.ConnectionError):
+                client.ping()
+                break
+            time.sleep(0.05)
+        yield client, process.pid
+    finally:
+        client.close()
+        process.terminate()
+        process.wait()
+
+
+def replay(args: argparse.Namespace, calls: list[list[Request]], server: str) -> None:
     requests = [r for call in calls for r in call]
-    queues = {r.keys[int(r.args[0]) + i] for r in requests for i in (0, 2) if len(r.keys) > 3}
+    # (a request that queues: its windows, then its fair queue, doorbell and fair state)
+    queued = [r for r in requests if len(r.keys) > int(r.args[0])]
+    queues = {r.keys[int(r.args[0]) + i] for r in queued for i in (0, 2)}
     inputs = {r.keys[-1] for r in requests if len(r.keys) > int(r.args[0]) + 3}
     script = Path(args.script).read_text() if args.script else source("admit")
     sent = merged(calls, args.merge)
-    server = RedisServer().start()
-    try:
-        client = redis.Redis(port=server.port)
+    with idle_redis(server) as (client, pid):
         sha = client.script_load(script)
         long_input = b"x" * args.input_chars
 
@@ -150,21 +183,18 @@ def replay(args: argparse.Namespace, calls: list[list[Request]]) -> None:
             f" (merge {args.merge}); requests failed: {len(failed)}"
         )
         for _ in range(args.trials):
-            before = cpu_s(server.proc.pid)
+            before = cpu_s(pid)
             for _ in range(args.rounds):
                 one_round()
-            spent = cpu_s(server.proc.pid) - before
-            before = cpu_s(server.proc.pid)
+            spent = cpu_s(pid) - before
+            before = cpu_s(pid)
             for _ in range(args.rounds):
                 reset()
-            spent -= cpu_s(server.proc.pid) - before
+            spent -= cpu_s(pid) - before
             print(
                 f"  {spent / (args.rounds * len(sent)) * 1e6:7.1f} µs a call"
                 f" {spent / (args.rounds * len(requests)) * 1e6:6.1f} µs a request"
             )
-        client.close()
-    finally:
-        server.close()
 
 
 def _listed(reply: object) -> list[object]:
@@ -184,10 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", default=str(HERE / "policy.yaml"))
     p.add_argument("--keys", default=str(HERE / "keys.json"))
     args = p.parse_args(argv)
-    calls = capture(args)
+    calls, server = capture(args)
     if not calls:
         raise SystemExit("no admit call was captured")
-    replay(args, calls)
+    replay(args, calls, server)
     return 0
 
 
