@@ -78,10 +78,13 @@ def by_command(
 
 
 def pin(pid: int, cpus: set[int]) -> None:
-    """Every thread of ``pid`` onto ``cpus`` (a thread that is gone is skipped)."""
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(OSError):
-            os.sched_setaffinity(int(task.name), cpus)
+    """Every thread of ``pid`` onto ``cpus`` (a process or thread that is
+    gone is skipped)."""
+    with contextlib.suppress(OSError):
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        for task in tasks:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(int(task.name), cpus)
 
 
 def give_redis_a_core(stack: Stack) -> None:

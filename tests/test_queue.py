@@ -1003,7 +1003,7 @@ async def own_redis() -> AsyncIterator[tuple[RedisServer, Store, GatewayQueue]]:
         yield server, store, gateway
     finally:
         await store.close()
-        server.stop()
+        server.close()
 
 
 async def test_a_take_that_read_its_clock_before_a_job_came_does_not_start_it_late(

@@ -465,8 +465,16 @@ local replies = {}
 local k, a = 0, 1 + 2 * count
 for r = 1, count do
   local nk, na = tonumber(ARGV[2 * r]), tonumber(ARGV[2 * r + 1])
-  -- (copied in one step each: a table filled one by one grows a few times)
-  local keys, args = {unpack(KEYS, k + 1, k + nk)}, {unpack(ARGV, a + 1, a + na)}
+  -- (copied in one step each: a table filled one by one grows a few times;
+  -- Lua's unpack stops at 8,000 values, a key of some 2,600 limits)
+  local keys, args
+  if nk < 4000 and na < 4000 then
+    keys, args = {unpack(KEYS, k + 1, k + nk)}, {unpack(ARGV, a + 1, a + na)}
+  else
+    keys, args = {}, {}
+    for j = 1, nk do keys[j] = KEYS[k + j] end
+    for j = 1, na do args[j] = ARGV[a + j] end
+  end
   k, a = k + nk, a + na
   local ok, reply = pcall(admit_one, keys, args)
   if ok then
