@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import redis
 from infergate.base.queue.scripts import source
-from infergate.loadtest.redis_cost import HERE, bench
+from infergate.loadtest.redis_cost import bench, stack_arguments
 from infergate.loadtest.sweep import cpu_s, free_port, local_stack
 
 ESCAPES = {"n": b"\n", "r": b"\r", "t": b"\t", "a": b"\a", "b": b"\b", '"': b'"', "\\": b"\\"}
@@ -218,12 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--merge", type=int, default=1, help="captured calls joined into one")
     p.add_argument("--rounds", type=int, default=30, help="replays of every call a trial")
     p.add_argument("--trials", type=int, default=3)
-    p.add_argument("--rate", type=float, default=1000.0)
-    p.add_argument("--input-chars", type=int, default=2000)
-    p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--gateways", type=int, default=2)
-    p.add_argument("--policy", default=str(HERE / "policy.yaml"))
-    p.add_argument("--keys", default=str(HERE / "keys.json"))
+    stack_arguments(p)
     args = p.parse_args(argv)
     calls, server = capture(args)
     if not calls:

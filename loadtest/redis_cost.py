@@ -149,15 +149,20 @@ def measure(args: argparse.Namespace, url: str, redis_pid: int, client: redis.Re
     print(f"=> {per_request_us / incr_us:.1f} INCR-equivalents a request")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m infergate.loadtest.redis_cost")
+def stack_arguments(p: argparse.ArgumentParser) -> None:
+    """The stack and the load measured (this tool's and admit_replay's)."""
     p.add_argument("--rate", type=float, default=1000.0)
     p.add_argument("--input-chars", type=int, default=2000)
-    p.add_argument("--duration", type=float, default=10.0)
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--gateways", type=int, default=2)
     p.add_argument("--policy", default=str(HERE / "policy.yaml"))
     p.add_argument("--keys", default=str(HERE / "keys.json"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m infergate.loadtest.redis_cost")
+    stack_arguments(p)
+    p.add_argument("--duration", type=float, default=10.0)
     p.add_argument("--own-core", action="store_true", help="Redis alone on a CPU of its own")
     args = p.parse_args(argv)
     with (
