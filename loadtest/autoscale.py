@@ -62,6 +62,10 @@ class Timeline:
                     "ok": len(ok),
                     "refused_503": sum(1 for s in group if s.status == 503),
                     "other_errors": sum(1 for s in group if s.status not in (200, 503)),
+                    # (each of them: its status, 0 for none, and its code)
+                    "other_codes": sorted(
+                        f"{s.status} {s.code}" for s in group if s.status not in (200, 503)
+                    ),
                     "wrong_outputs": sum(1 for s in group if s.status == 200 and not s.correct),
                     "p95_ms": round(percentile(ok, 95), 1) if ok else None,
                     "p95_within_budget": bool(ok) and percentile(ok, 95) <= budget_ms,

@@ -141,7 +141,9 @@ def test_a_step_in_load_adds_workers_then_drains_them_away(tmp_path: Path, redis
         step = [r for r in rows if 4 <= r["t_s"] < 16]
         trickle = [r for r in rows if r["t_s"] >= 16]
         # Every request was answered with its own output, or refused at the door (503).
-        assert sum(r["other_errors"] + r["wrong_outputs"] for r in rows) == 0, rows
+        assert sum(r["other_errors"] + r["wrong_outputs"] for r in rows) == 0, [
+            r for r in rows if r["other_errors"] or r["wrong_outputs"]
+        ]
         # The surge added workers within seconds, and the p95 came back under budget.
         assert max(r.get("workers", 0) for r in step) >= 2, rows
         assert all(r["p95_within_budget"] for r in step[-4:]), rows
