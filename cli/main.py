@@ -199,6 +199,20 @@ def _gateway_parser(sub: Any) -> None:
         "open connections per process; more are closed at once",
         int,
     )
+    _add(
+        gw,
+        "--max-pipelined",
+        edge.max_pipelined,
+        "requests one connection may have waiting behind its answer; one more: 429, closed",
+        int,
+    )
+    _add(
+        gw,
+        "--send-timeout-s",
+        edge.send_timeout_s,
+        "how long an answer may sit unread by its client before the connection is closed",
+        float,
+    )
 
 
 def _dispatcher_parser(sub: Any) -> None:

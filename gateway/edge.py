@@ -19,7 +19,13 @@ forever. This protocol adds, per connection:
   is closed as soon as it is accepted if every one has a request in the app;
 - no switch of protocol (``Connection: Upgrade``, ``CONNECT``): 400,
   connection closed. The parser would treat the body as the new protocol's
-  bytes, where none of these limits reach.
+  bytes, where none of these limits reach;
+- at most ``max_pipelined`` requests waiting behind the one being answered
+  (one more: 429, answered after them, connection closed), and nothing more
+  read while any waits or while the client leaves an answer unread (uvicorn
+  reads on after each answer); an answer unread for ``send_timeout_s``
+  closes the connection. One connection holds a few requests and one
+  socket buffer of answers, whatever it sends.
 
 The idle keep-alive time is uvicorn's ``timeout_keep_alive``; the body's
 size limit, which follows the live policy, is in ``middleware.py`` (and in
@@ -82,6 +88,8 @@ class EdgeProtocol(HttpToolsProtocol):
         self._since = 0.0
         self._refused = False
         self._head_bytes = 0
+        self._unread_since: float | None = None  # when the client stopped reading answers
+        self._answering: Any = None  # the request cycle the app is answering
         # What to run if the connection is lost while the app holds a request.
         self._on_lost: Callable[[], None] | None = None
         self._lost = False
@@ -155,6 +163,14 @@ class EdgeProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         if self._refused:
             return
+        if len(self.pipeline) >= self.limits.max_pipelined:
+            # (the rest of this chunk is parsed for nothing: no request of it is kept)
+            self._refuse(
+                429,
+                f"more than {self.limits.max_pipelined} requests are waiting on this "
+                "connection; read the answers before sending more",
+            )
+            return
         if self._phase != _HEAD:  # a pipelined request, already in this chunk
             self._phase = _HEAD
             self._head_bytes = 0
@@ -206,7 +222,7 @@ class EdgeProtocol(HttpToolsProtocol):
         keep_alive = self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
         existing, self.cycle = self.cycle, FastCycle(self, route, keep_alive)  # type: ignore[assignment]
         if existing is None or existing.response_complete:
-            self._start_asgi_task(self.cycle, None)  # type: ignore[arg-type]
+            self._start_asgi_task(self.cycle, None)
         else:  # a pipelined request waits for the one before it
             self.flow.pause_reading()
             self.pipeline.appendleft((self.cycle, None))  # type: ignore[arg-type]
@@ -221,8 +237,18 @@ class EdgeProtocol(HttpToolsProtocol):
             return
         self._on_lost = callback
 
+    def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+        self._answering = cycle
+        super()._start_asgi_task(cycle, app)
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
+        # uvicorn marks only the latest cycle gone; with pipelining the one
+        # being answered is an earlier one, which would write to a closed
+        # transport once its wait for the client to read ends.
+        answering = self._answering
+        if answering is not None and not getattr(answering, "response_complete", True):
+            answering.disconnected = True
         lost, self._on_lost = self._on_lost, None
         super().connection_lost(exc)
         if lost is not None:
@@ -253,11 +279,35 @@ class EdgeProtocol(HttpToolsProtocol):
         elif self._phase == _BODY:  # a pipelined request's body: its time starts as reading does
             self._since = self.loop.time()
         super().on_response_complete()
+        # uvicorn reads on after every answer: not while requests wait their
+        # turn, nor while the client leaves answers unread (resume_writing).
+        if self.pipeline or self.flow.write_paused:
+            self.flow.pause_reading()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._unread_since = self.loop.time()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._unread_since = None
+        if not self.pipeline and not self._refused and self.transport is not None:
+            self.flow.resume_reading()
 
     # -- limits ----------------------------------------------------------------
 
     def overdue(self, now: float) -> None:
-        """Called by the sweep: refuse a head or body that is taking too long."""
+        """Called by the sweep: refuse a head or body that is taking too long,
+        and drop a connection whose client leaves its answers unread."""
+        if (
+            self._unread_since is not None
+            and now - self._unread_since > self.limits.send_timeout_s
+            and self.transport is not None
+        ):
+            logs.limited(log, "edge.unread_connection_closed")
+            self._refused = True
+            self.transport.abort()  # (close would wait for the client to read)
+            return
         if self._refused or self.transport is None or self.transport.is_closing():
             return
         if self._phase == _HEAD and now - self._since > self.limits.head_timeout_s:
@@ -310,7 +360,9 @@ class EdgeProtocol(HttpToolsProtocol):
         answers; nothing more is parsed from it."""
         if self._refused:
             return
-        code = {400: "INVALID_INPUT", 408: "REQUEST_TIMEOUT"}.get(status, "HEADERS_TOO_LARGE")
+        code = {400: "INVALID_INPUT", 408: "REQUEST_TIMEOUT", 429: "RATE_LIMITED"}.get(
+            status, "HEADERS_TOO_LARGE"
+        )
         logs.limited(log, "edge.refused", status=status, code=code)
         self._refused = True
         transport = self.transport
@@ -353,7 +405,8 @@ class _Sweeper:
     ) -> None:
         self.loop = loop
         self.connections = connections
-        self.interval_s = max(0.05, min(1.0, limits.head_timeout_s / 4, limits.body_timeout_s / 4))
+        timeouts_s = (limits.head_timeout_s, limits.body_timeout_s, limits.send_timeout_s)
+        self.interval_s = max(0.05, min(1.0, *(t / 4 for t in timeouts_s)))
         self.loop.call_later(self.interval_s, self.sweep)
 
     def sweep(self) -> None:

@@ -24,6 +24,12 @@ class EdgeLimits:
     keep_alive_s: float = 5.0
     # Open connections per gateway process; one more is closed when accepted.
     max_connections: int = 1_000
+    # Requests one connection may have waiting behind the one being answered
+    # (HTTP pipelining); one more is refused (429) and the connection closed.
+    max_pipelined: int = 16
+    # How long an answer may sit unread by its client before the connection
+    # is closed (the gateway reads nothing more from it meanwhile).
+    send_timeout_s: float = 10.0
 
 
 def content_length(value: bytes) -> int:
