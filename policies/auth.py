@@ -3,18 +3,11 @@ verifier that can only accept what its identity provider signed (asymmetric
 algorithms, an issuer and an audience, one source of keys), and a chat
 template that names what it renders."""
 
-from typing import Protocol
 from urllib.parse import urlsplit
 
 from infergate.policies.errors import Problem
+from infergate.policies.locator import Locator
 from infergate.policies.schema import Document, Jwt
-
-
-class _Locator(Protocol):
-    """Where in the file a path of the document is (``loader._Locator``)."""
-
-    def problem(self, path: list[str | int], message: str) -> Problem: ...
-
 
 # What a token may be signed with: public-key algorithms only. "none" and the
 # HMACs are never accepted (an HMAC "verified" with a public key is a forgery
@@ -25,12 +18,12 @@ ASYMMETRIC = (
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def check_clients(doc: Document, at: _Locator) -> list[Problem]:
+def check_clients(doc: Document, at: Locator) -> list[Problem]:
     """The sections that say how clients come in: ``auth`` and ``openai``."""
     return [*_check_jwt(doc, at), *_check_openai(doc, at)]
 
 
-def _check_jwt(doc: Document, at: _Locator) -> list[Problem]:
+def _check_jwt(doc: Document, at: Locator) -> list[Problem]:
     jwt = doc.auth.jwt
     if jwt is None:
         return []
@@ -58,7 +51,7 @@ def _check_jwt(doc: Document, at: _Locator) -> list[Problem]:
     return out
 
 
-def _check_source(jwt: Jwt, here: list[str | int], at: _Locator) -> list[Problem]:
+def _check_source(jwt: Jwt, here: list[str | int], at: Locator) -> list[Problem]:
     if (jwt.jwks_file is None) == (jwt.jwks_url is None):
         return [at.problem(here, "give exactly one of jwks_file and jwks_url")]
     if jwt.jwks_url is None or trusted_url(jwt.jwks_url):
@@ -80,7 +73,7 @@ def trusted_url(text: str) -> bool:
     return url.scheme == "http" and url.hostname in LOOPBACK
 
 
-def _check_claims(doc: Document, jwt: Jwt, here: list[str | int], at: _Locator) -> list[Problem]:
+def _check_claims(doc: Document, jwt: Jwt, here: list[str | int], at: Locator) -> list[Problem]:
     out = []
     for field in ("key_claim", "tier_claim"):
         if not getattr(jwt, field):
@@ -96,7 +89,7 @@ def _check_claims(doc: Document, jwt: Jwt, here: list[str | int], at: _Locator) 
     return out
 
 
-def _check_openai(doc: Document, at: _Locator) -> list[Problem]:
+def _check_openai(doc: Document, at: Locator) -> list[Problem]:
     template = doc.openai.chat_template
     if template is None or "{content}" in template.message:
         return []

@@ -15,7 +15,9 @@ import msgspec
 import yaml
 from infergate.base.tiers import TIERS
 from infergate.policies.auth import check_clients
+from infergate.policies.backends import OPTION_NAMES
 from infergate.policies.errors import PolicyError, Problem
+from infergate.policies.locator import Locator
 from infergate.policies.models import check_batching, check_models, check_workers
 from infergate.policies.schema import (
     Autoscale,
@@ -35,7 +37,6 @@ from limits import parse_many
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}\Z")
 _KEY_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
-_MSGSPEC_PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
 _RATE_HINT = "write e.g. '100/second' or '5000/minute' (several: a list)"
 # A request body carries one input: no policy may let a client send more.
 MAX_BODY_BYTES = 1_048_576
@@ -53,22 +54,26 @@ _Loader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 # The names a document may use: shown as they are in a public problem; any
 # other name in a problem's path came from the file and is masked.
-SCHEMA_NAMES = frozenset(TIERS) | frozenset(
-    field.name
-    for struct in (
-        Document,
-        Tier,
-        KeyEntry,
-        Batching,
-        Capacity,
-        Autoscale,
-        Jobs,
-        Sharing,
-        Limits,
-        Workers,
-        Model,
+SCHEMA_NAMES = (
+    frozenset(TIERS)
+    | frozenset(
+        field.name
+        for struct in (
+            Document,
+            Tier,
+            KeyEntry,
+            Batching,
+            Capacity,
+            Autoscale,
+            Jobs,
+            Sharing,
+            Limits,
+            Workers,
+            Model,
+        )
+        for field in msgspec.structs.fields(struct)
     )
-    for field in msgspec.structs.fields(struct)
+    | OPTION_NAMES
 )
 
 
@@ -129,7 +134,7 @@ def parse_policy(text: str, filename: str = "<policy>") -> Policy:
         raise PolicyError(
             [Problem(filename, 1, "", "the policy must be a mapping with 'tiers:' and 'keys:'")]
         )
-    locate = _Locator(root, filename)
+    locate = Locator(root, filename)
     for section, kind in (("tiers", Tier), ("models", Model)):
         entries = data.get(section)
         if not isinstance(entries, dict):
@@ -229,7 +234,7 @@ def _construct(root: yaml.Node | None, filename: str) -> Any:
         loader.dispose()
 
 
-def _check(doc: Document, at: "_Locator") -> list[Problem]:
+def _check(doc: Document, at: Locator) -> list[Problem]:
     return [
         *_check_tiers(doc, at),
         *_check_keys(doc, at),
@@ -239,7 +244,7 @@ def _check(doc: Document, at: "_Locator") -> list[Problem]:
     ]
 
 
-def _check_tiers(doc: Document, at: "_Locator") -> list[Problem]:
+def _check_tiers(doc: Document, at: Locator) -> list[Problem]:
     out: list[Problem] = []
     missing = [t for t in TIERS if t not in doc.tiers]
     if missing:
@@ -266,7 +271,7 @@ def _check_tiers(doc: Document, at: "_Locator") -> list[Problem]:
     return out
 
 
-def _check_tier(name: str, tier: Tier, at: "_Locator") -> list[Problem]:
+def _check_tier(name: str, tier: Tier, at: Locator) -> list[Problem]:
     out: list[Problem] = []
     here: list[str | int] = ["tiers", name]
     for field, value in (
@@ -295,7 +300,7 @@ def _check_tier(name: str, tier: Tier, at: "_Locator") -> list[Problem]:
     return out
 
 
-def _check_keys(doc: Document, at: "_Locator") -> list[Problem]:
+def _check_keys(doc: Document, at: Locator) -> list[Problem]:
     out: list[Problem] = []
     seen_ids: dict[str, int] = {}
     seen_digests: dict[str, int] = {}
@@ -345,7 +350,7 @@ def _check_keys(doc: Document, at: "_Locator") -> list[Problem]:
     return out
 
 
-def _check_settings(doc: Document, at: "_Locator") -> list[Problem]:
+def _check_settings(doc: Document, at: Locator) -> list[Problem]:
     out: list[Problem] = []
     if not 1 / 24 <= doc.usage.retention_days <= 400:  # (NaN fails too)
         out.append(
@@ -392,7 +397,7 @@ def _check_settings(doc: Document, at: "_Locator") -> list[Problem]:
     return out
 
 
-def _check_inputs_fit(doc: Document, at: "_Locator") -> list[Problem]:
+def _check_inputs_fit(doc: Document, at: Locator) -> list[Problem]:
     """Every input a tier allows fits in a body the gateway takes: its
     longest input of four-byte characters, plus the JSON around it."""
     out = []
@@ -416,7 +421,7 @@ def body_bytes_for(max_input_chars: int) -> int:
 
 
 def _check_rates(
-    rates: list[str], here: list[str | int], at: "_Locator", single: bool = False
+    rates: list[str], here: list[str | int], at: Locator, single: bool = False
 ) -> list[Problem]:
     out = []
     for j, rate in enumerate(rates):
@@ -428,69 +433,6 @@ def _check_rates(
             continue
         if single and len(parsed) != 1:
             out.append(at.problem(path, f"{rate!r} must be one rate, e.g. '200000/minute'"))
-    return out
-
-
-class _Locator:
-    """Maps a path in the document to the line of its YAML node."""
-
-    def __init__(self, root: yaml.Node | None, filename: str) -> None:
-        self.root = root
-        self.filename = filename
-
-    def line(self, path: list[str | int]) -> int | None:
-        node: Any = self.root
-        best = node.start_mark.line + 1 if node is not None else None
-        for part in path:
-            child = None
-            if isinstance(node, yaml.MappingNode):
-                for k, v in node.value:
-                    if k.value == str(part):
-                        child = v
-                        best = k.start_mark.line + 1
-                        break
-            elif (
-                isinstance(node, yaml.SequenceNode)
-                and isinstance(part, int)
-                and part < len(node.value)
-            ):
-                child = node.value[part]
-                best = child.start_mark.line + 1
-            if child is None:
-                break
-            node = child
-        return best
-
-    def problem(self, path: list[str | int], message: str) -> Problem:
-        return Problem(self.filename, self.line(path), _render(path), message)
-
-    def problem_from_msgspec(self, message: str, base: list[str | int] | None = None) -> Problem:
-        m = _MSGSPEC_PATH.search(message)
-        path: list[str | int] = list(base or [])
-        if m:
-            message = message[: m.start()]
-            for name, index in re.findall(r"\.([^.\[]+)|\[(\d+)\]", m.group("path")):
-                path.append(int(index) if index else name)
-        hint = {
-            "Expected `int`": "write a whole number, e.g. 5000",
-            "Expected `float`": "write a number, e.g. 0.1",
-            "Expected `bool`": "write true or false",
-            "Expected `array`": "write a list, e.g. ['100/second']",
-            "Expected `str`": "write a string in quotes",
-        }
-        extra = next((h for prefix, h in hint.items() if message.startswith(prefix)), None)
-        if message.startswith("Object contains unknown field"):
-            path.append(message.split("`")[1])
-            extra = "remove it or check its spelling against policies/example.yaml"
-        if message.startswith("Object missing required field"):
-            extra = "add it (see policies/example.yaml)"
-        return self.problem(path, f"{message}; {extra}" if extra else message)
-
-
-def _render(path: list[str | int]) -> str:
-    out = ""
-    for part in path:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
     return out
 
 

@@ -2,25 +2,18 @@
 use it, how its workers run it, and its own batching and worker settings
 (checked as the policy's own are)."""
 
-from typing import Protocol
-
 from infergate.base.keys import check_model_name
+from infergate.policies.backends import check_options, parse_spec
 from infergate.policies.errors import Problem
+from infergate.policies.locator import Locator
 from infergate.policies.schema import Batching, Document, Model, Workers
 
-
-class _Locator(Protocol):
-    """Where in the file a path of the document is (``loader._Locator``)."""
-
-    def problem(self, path: list[str | int], message: str) -> Problem: ...
-
-
-BACKENDS = ("simulated", "transformers")
+MAX_CONCURRENCY = 64
 MAX_NEW_TOKENS = 4_096
 MAX_MODELS = 64
 
 
-def check_batching(batching: Batching, here: list[str | int], at: _Locator) -> list[Problem]:
+def check_batching(batching: Batching, here: list[str | int], at: Locator) -> list[Problem]:
     if not 1 <= batching.max_batch_size <= 100:
         return [
             at.problem([*here, "max_batch_size"], "must be 1-100 (the backend contract's limit)")
@@ -28,8 +21,10 @@ def check_batching(batching: Batching, here: list[str | int], at: _Locator) -> l
     return []
 
 
-def check_workers(workers: Workers, here: list[str | int], at: _Locator) -> list[Problem]:
+def check_workers(workers: Workers, here: list[str | int], at: Locator) -> list[Problem]:
     out = []
+    if not 1 <= workers.concurrency <= MAX_CONCURRENCY:
+        out.append(at.problem([*here, "concurrency"], f"must be 1-{MAX_CONCURRENCY}, e.g. 1"))
     if workers.hang_timeout_ms < 100:
         out.append(at.problem([*here, "hang_timeout_ms"], "must be at least 100, e.g. 2000"))
     if workers.max_attempts < 1:
@@ -37,7 +32,7 @@ def check_workers(workers: Workers, here: list[str | int], at: _Locator) -> list
     return out
 
 
-def check_models(doc: Document, at: _Locator) -> list[Problem]:
+def check_models(doc: Document, at: Locator) -> list[Problem]:
     out: list[Problem] = []
     if len(doc.models) > MAX_MODELS:
         out.append(
@@ -64,7 +59,7 @@ def check_models(doc: Document, at: _Locator) -> list[Problem]:
     return out
 
 
-def _check_model(doc: Document, model: Model, here: list[str | int], at: _Locator) -> list[Problem]:
+def _check_model(doc: Document, model: Model, here: list[str | int], at: Locator) -> list[Problem]:
     out = []
     for tier in model.tiers:
         if tier not in doc.tiers:
@@ -78,10 +73,7 @@ def _check_model(doc: Document, model: Model, here: list[str | int], at: _Locato
     for key_id in model.keys:
         if key_id not in known:
             out.append(at.problem([*here, "keys"], f"no key has the id {key_id[:80]!r}"))
-    if model.backend not in BACKENDS:
-        out.append(at.problem([*here, "backend"], f"must be one of {', '.join(BACKENDS)}"))
-    elif model.backend == "transformers" and not model.path:
-        out.append(at.problem([*here, "path"], "the transformers backend needs the model's folder"))
+    out.extend(_check_backend(model, here, at))
     if not 1 <= model.max_new_tokens <= MAX_NEW_TOKENS:
         out.append(at.problem([*here, "max_new_tokens"], f"must be 1-{MAX_NEW_TOKENS}, e.g. 16"))
     if not 0 <= model.sim_latency_ms <= 60_000:
@@ -91,3 +83,18 @@ def _check_model(doc: Document, model: Model, here: list[str | int], at: _Locato
     if model.workers is not None:
         out.extend(check_workers(model.workers, [*here, "workers"], at))
     return out
+
+
+def _check_backend(model: Model, here: list[str | int], at: Locator) -> list[Problem]:
+    """The backend names a kind it can parse, with the options that kind takes."""
+    try:
+        spec = parse_spec(model.backend)
+    except ValueError as exc:
+        return [at.problem([*here, "backend"], str(exc))]
+    if spec.kind == "transformers" and not model.path:
+        return [at.problem([*here, "path"], "the transformers backend needs the model's folder")]
+    options: list[str | int] = [*here, "options"]
+    return [
+        at.problem(options if name is None else [*options, name], message)
+        for name, message in check_options(spec, model.options)
+    ]

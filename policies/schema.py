@@ -1,6 +1,8 @@
 """The policy's typed sections. Field names and defaults here are the
 document's; ``policies/example.yaml`` shows and explains every one."""
 
+from typing import Any
+
 import msgspec
 
 
@@ -93,6 +95,10 @@ class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class Workers(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # A backend call running past this is a hung worker (it exits, the batch is retried).
     hang_timeout_ms: int = 2_000
+    # Batches one worker keeps in flight (its slots): 1 for a backend in the
+    # worker's process; an engine that batches by itself (openai:URL) keeps
+    # its GPU full with several.
+    concurrency: int = 1
     # Runs of a batch before it is dead-lettered and its requests get INFERENCE_FAILED.
     # Each run of a batch that hangs costs about hang_timeout_ms + the heartbeat TTL
     # + a reaper interval (2 + 1 + 0.5 s by default): with the defaults the last
@@ -116,7 +122,12 @@ class Model(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # keys by id (empty: every key of those tiers).
     tiers: list[str] = msgspec.field(default_factory=list)
     keys: list[str] = msgspec.field(default_factory=list)
-    backend: str = "simulated"  # or "transformers"
+    # simulated, transformers, python:pkg.module:attr (the team's code), or a
+    # server the workers call with the whole batch: http:URL, kserve-v2:URL,
+    # openai:URL (policies/backends.py); ``options`` go to it (a python
+    # backend's keyword arguments, a server's model name, timeout, credentials).
+    backend: str = "simulated"
+    options: dict[str, Any] = msgspec.field(default_factory=dict)
     # transformers: the model's folder (or hub id), the GGUF file in it, the
     # most new tokens per input (a request's max_tokens may ask for fewer),
     # and the torch device (default: cuda when present).
