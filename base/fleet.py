@@ -14,7 +14,7 @@ from collections import deque
 
 from infergate.base import clock, logs, wire
 from infergate.base.loops import Backoff, Supervised
-from infergate.base.metrics import FleetReading
+from infergate.base.metrics import WORKER_STATES, FleetReading
 from infergate.base.queue.store import FleetSnapshot, Store
 from infergate.base.tiers import TIERS
 
@@ -67,6 +67,7 @@ class FleetView:
         self._batch_ms = 0.0
         self._capacity: dict[int, float] = {}
         self._models: dict[str, str] = {}  # each worker's fingerprint
+        self._lacks: frozenset[str] = frozenset()
         self.arrivals = ArrivalRates(len(TIERS))
         self.refreshed = asyncio.Event()
         refresh_s = refresh_ms / 1000.0
@@ -86,7 +87,12 @@ class FleetView:
     @snapshot.setter
     def snapshot(self, snapshot: FleetSnapshot | None) -> None:
         self._snapshot = snapshot
-        self._serving = [] if snapshot is None else [w for w in snapshot.workers if not w.draining]
+        self._serving = (
+            []
+            if snapshot is None
+            else [w for w in snapshot.workers if not w.draining and not w.upstream_down]
+        )
+        self._lacks = _lacked_by_all(self._serving)
         if snapshot is not None:
             self.arrivals.update(snapshot.gateways)
         self._models = {} if snapshot is None else {w.id: w.model for w in snapshot.workers}
@@ -105,8 +111,13 @@ class FleetView:
         return self._models.get(worker_id)
 
     def serving(self) -> list[wire.Heartbeat]:
-        """The workers that take work: alive and not draining."""
+        """The workers that take work: alive, not draining, their server up."""
         return self._serving
+
+    def lacks(self, feature: str) -> bool:
+        """Every serving worker's backend lacks ``feature`` ("sampling",
+        "max_tokens"): a request that needs it cannot be served."""
+        return feature in self._lacks
 
     @property
     def workers_alive(self) -> int:
@@ -153,6 +164,15 @@ class FleetView:
         await self.loop.stop()
 
 
+def _lacked_by_all(workers: list[wire.Heartbeat]) -> frozenset[str]:
+    if not workers:
+        return frozenset()
+    lacked = set(workers[0].lacks)
+    for w in workers[1:]:
+        lacked.intersection_update(w.lacks)
+    return frozenset(lacked)
+
+
 def fleet_reading(
     view: FleetView,
     max_batch_size: int,
@@ -164,9 +184,10 @@ def fleet_reading(
     snapshot = view.snapshot
     if snapshot is None:
         return None
-    states = {"idle": 0, "busy": 0, "draining": 0}
+    states = dict.fromkeys(WORKER_STATES, 0)
     for w in snapshot.workers:
-        states["draining" if w.draining else "busy" if w.busy else "idle"] += 1
+        state = "draining" if w.draining else "upstream_down" if w.upstream_down else None
+        states[state or ("busy" if w.busy else "idle")] += 1
     return FleetReading(
         queue_depth=dict(snapshot.queue_depth),
         workers=states,

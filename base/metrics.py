@@ -68,7 +68,7 @@ class LivePolicyLike(Protocol):
 
 REFUSAL_REASONS = ("capacity", "key_share", "quota", "no_worker", "redis", "draining")
 DROP_REASONS = ("expired", "cancelled", "malformed")
-WORKER_STATES = ("idle", "busy", "draining")
+WORKER_STATES = ("idle", "busy", "draining", "upstream_down")
 
 
 class Common:

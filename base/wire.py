@@ -159,6 +159,14 @@ class Heartbeat(msgspec.Struct, frozen=True, omit_defaults=True):
     draining: bool = False
     # A worker's backend fingerprint (what decides its outputs): the cache's key.
     model: str = ""
+    # What its backend cannot do for a request ("sampling", "max_tokens": the
+    # gateway refuses those while every worker of the model lacks them),
+    # whether the server a remote backend calls is down (it takes no work
+    # meanwhile, and admission counts it out), and how many workers (slots)
+    # its process runs.
+    lacks: list[str] = []
+    upstream_down: bool = False
+    slots: int = 1
     # A gateway's demand since it started: requests admitted, and refused for
     # capacity (503), which the fleet would have served had it been bigger.
     admitted: int = 0

@@ -219,6 +219,9 @@ class WorkerStatus(msgspec.Struct):
     busy: bool
     # Finishing its batch before it exits; not counted as capacity.
     draining: bool
+    # The server its backend calls does not answer: it takes nothing meanwhile,
+    # and is not counted as capacity.
+    upstream_down: bool
     batches_done: int
     requests_done: int
     delivered_rps: float

@@ -7,6 +7,7 @@ from infergate.gateway.errors import ApiError, redis_full, redis_unreachable
 from infergate.gateway.models import ModelLane
 from infergate.gateway.service import Gateway
 from infergate.policies import KeyEntry, Policy, Tier
+from infergate.policies.backends import MAX_TOKENS, SAMPLING, generates_up_to
 from infergate.policies.schema import Model
 
 RETRY_NO_WORKER_MS = 1_000
@@ -22,14 +23,30 @@ def check_input(text: str, tier_name: str, tier: Tier) -> None:
         )
 
 
-def check_parameters(params: Parameters | None, name: str, model: Model) -> None:
-    """What a model cannot do for this request is a 400 that says so."""
-    if params is None or params.max_tokens is None or model.backend != "transformers":
+def check_parameters(params: Parameters | None, lane: ModelLane, model: Model) -> None:
+    """What a model cannot do for this request is a 400 that says so: more
+    tokens than it generates, or what its workers' backend lacks (their
+    heartbeats say: a function without ``infer_sampled`` does not sample)."""
+    if params is None:
         return
-    if params.max_tokens > model.max_new_tokens:
+    name = lane.name
+    if params.temperature and lane.fleet.lacks(SAMPLING):
         raise ApiError(
             "INVALID_INPUT",
-            f"parameters.max_tokens {params.max_tokens} is over the {model.max_new_tokens} "
+            f"the model {name!r} does not sample: send parameters.temperature 0 (or none)",
+        )
+    if params.max_tokens is None:
+        return
+    if lane.fleet.lacks(MAX_TOKENS):
+        raise ApiError(
+            "INVALID_INPUT",
+            f"the model {name!r} cannot stop at a number of tokens: send no parameters.max_tokens",
+        )
+    most = generates_up_to(model)
+    if most is not None and params.max_tokens > most:
+        raise ApiError(
+            "INVALID_INPUT",
+            f"parameters.max_tokens {params.max_tokens} is over the {most} "
             f"new tokens the model {name!r} generates",
         )
 

@@ -121,22 +121,9 @@ class EdgeProtocol(HttpToolsProtocol):
 
     def _evict_one(self) -> bool:
         """At the cap, a new connection takes the place of the one that has
-        waited longest without a request in progress: kept alive idle, or
-        still sending its head. A connection that costs its client nothing
-        but a request every few seconds cannot hold the cap; one whose
-        request the app holds is never closed. (A scan of the connections:
-        only at the cap.)"""
-        oldest: EdgeProtocol | None = None
-        for conn in self.connections:
-            if (
-                conn is not self
-                and isinstance(conn, EdgeProtocol)
-                and conn._phase in (_IDLE, _HEAD)
-                and not conn._refused
-                and (conn.cycle is None or conn.cycle.response_complete)  # (none pipelined)
-                and (oldest is None or conn._since < oldest._since)
-            ):
-                oldest = conn
+        waited longest without a request in progress (``_longest_idle``); a
+        connection whose request the app holds is never closed."""
+        oldest = _longest_idle(self.connections, self)
         if oldest is None or oldest.transport is None:
             return False
         logs.limited(log, "edge.connection_evicted", limit=self.limits.max_connections)
@@ -420,6 +407,25 @@ class _Sweeper:
                         log.exception("edge.sweep_failed")
         finally:
             self.loop.call_later(self.interval_s, self.sweep)
+
+
+def _longest_idle(connections: set[Any], newcomer: EdgeProtocol) -> EdgeProtocol | None:
+    """The connection that has waited longest without a request in
+    progress: kept alive idle, or still sending its head. A connection that
+    costs its client nothing but a request every few seconds cannot hold
+    the cap. (A scan of the connections: only at the cap.)"""
+    oldest: EdgeProtocol | None = None
+    for conn in connections:
+        if (
+            conn is not newcomer
+            and isinstance(conn, EdgeProtocol)
+            and conn._phase in (_IDLE, _HEAD)
+            and not conn._refused
+            and (conn.cycle is None or conn.cycle.response_complete)  # (none pipelined)
+            and (oldest is None or conn._since < oldest._since)
+        ):
+            oldest = conn
+    return oldest
 
 
 def _names_a_path(url: bytes) -> bool:

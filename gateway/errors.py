@@ -106,9 +106,16 @@ RESULT_CODES = frozenset({"INFERENCE_FAILED", "TIMEOUT", "SERVICE_OVERLOADED"})
 
 
 def error_from_result(error: wire.ErrorInfo) -> ApiError:
-    """The client's error for a result that carries one, by its code."""
+    """The client's error for a result that carries one, by its code (a
+    503 says when to retry, as every 503 does)."""
     code = error.code if error.code in RESULT_CODES else "INFERENCE_FAILED"
-    return ApiError(code, error.message or "the backend failed")
+    retry_ms = RETRY_RESULT_MS if code == "SERVICE_OVERLOADED" else None
+    return ApiError(code, error.message or "the backend failed", retry_ms)
+
+
+# A result refused for want of capacity (a model's server that did not
+# answer, an input Redis no longer held): worth another try a second on.
+RETRY_RESULT_MS = 1_000
 
 
 RETRY_REDIS_MS = 1_000

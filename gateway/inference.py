@@ -187,7 +187,7 @@ class Inference:
         tier = policy.tiers[key.tier]
         check_input(body.input, key.tier, tier)
         lane = self.gw.lanes.route(policy, key, body.model)
-        check_parameters(body.parameters, lane.name, policy.models[lane.name])
+        check_parameters(body.parameters, lane, policy.models[lane.name])
         return body, tier, lane
 
     async def _serve(

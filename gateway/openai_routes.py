@@ -42,6 +42,7 @@ from infergate.gateway.openai_api import (
 )
 from infergate.gateway.service import Gateway
 from infergate.policies import KeyEntry, Policy
+from infergate.policies.backends import generates_up_to
 from litestar import Request, Response, get, post
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.openapi.spec import OpenAPIMediaType, OpenAPIResponse, OpenAPIType, Operation, Schema
@@ -98,11 +99,11 @@ async def answer_openai(
 
 def _limit(ask: Ask, policy: Policy, model: str | None) -> int | None:
     """The most tokens each output could have: the request's max_tokens, or
-    a transformers model's own max_new_tokens (None: unknown)."""
+    the model's own bound where infergate sets it (None: unknown)."""
     if ask.parameters is not None and ask.parameters.max_tokens is not None:
         return ask.parameters.max_tokens
     entry = policy.models.get(model or "")
-    return entry.max_new_tokens if entry is not None and entry.backend == "transformers" else None
+    return generates_up_to(entry) if entry is not None else None
 
 
 async def _infer_all(

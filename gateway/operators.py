@@ -133,6 +133,7 @@ class Operators:
                     id=w.id,
                     busy=w.busy,
                     draining=w.draining,
+                    upstream_down=w.upstream_down,
                     batches_done=w.batches_done,
                     requests_done=w.requests_done,
                     delivered_rps=w.delivered_rps,

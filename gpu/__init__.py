@@ -1,2 +1,2 @@
 """GPU workers and their backends. ``torch``/``transformers`` are imported only
-by ``gpu.transformers_backend``, so nothing else ever loads them."""
+by ``gpu.backends.transformers_backend``, so nothing else ever loads them."""

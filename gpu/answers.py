@@ -16,7 +16,7 @@ from infergate.base.queue import inputs
 from infergate.base.queue.replies import failure_replies, group_by_gateway
 from infergate.base.queue.usage import Charge, shares
 from infergate.base.queue.worker import KeptAnswer
-from infergate.gpu.backend import Backend, BackendError
+from infergate.gpu.backend import Backend, BackendError, Counted, UpstreamError
 from infergate.gpu.lane import slot_key
 
 log = logs.get(__name__)
@@ -108,7 +108,17 @@ class Answers:
         tokens), and its length in them."""
         if isinstance(outcome, BackendError):
             return outcome
+        if isinstance(outcome, Counted):  # (the engine stopped at max_tokens itself)
+            return str(outcome), outcome.tokens
         return self.backend.clip(outcome, max_tokens)
+
+    def _input_tokens(self, env: wire.Envelope, outcome: str | BackendError) -> int:
+        """The input's length in the backend's tokens, where its envelope asks."""
+        if not env.count_input:
+            return 0
+        if isinstance(outcome, Counted):
+            return outcome.input_tokens
+        return self.backend.clip(env.input or "", 0)[1]
 
     def of(
         self,
@@ -128,15 +138,16 @@ class Answers:
         for env in live:
             # Reported as served by the model, whichever copy ran: the keys of a
             # batch must not learn from served_by that another sent the same input.
+            outcome = outcome_of[slot_key(env)]
             result = _result(
                 env,
-                self._clipped(outcome_of[slot_key(env)], env.max_tokens),
+                self._clipped(outcome, env.max_tokens),
                 batch.id,
                 size,
                 self.worker_id,
                 started_ms,
                 infer_ms,
-                self.backend.clip(env.input or "", 0)[1] if env.count_input else 0,
+                self._input_tokens(env, outcome),
             )
             results.append((wire.destination(env), result))
             if (
@@ -259,7 +270,9 @@ def _result(
         infer_ms=infer_ms,
     )
     if isinstance(outcome, BackendError):
-        error = wire.ErrorInfo("INFERENCE_FAILED", str(outcome)[:500] or "the backend failed")
+        # (an upstream that did not answer: no input is at fault, retry)
+        code = "SERVICE_OVERLOADED" if isinstance(outcome, UpstreamError) else "INFERENCE_FAILED"
+        error = wire.ErrorInfo(code, str(outcome)[:500] or "the backend failed")
         return wire.Result(**common, error=error)  # type: ignore[arg-type]
     output, tokens = outcome
     return wire.Result(**common, output=output, tokens=tokens, input_tokens=input_tokens)  # type: ignore[arg-type]

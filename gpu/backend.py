@@ -21,12 +21,56 @@ class ContractError(BackendError):
     """The call broke the contract (batch size, concurrency)."""
 
 
+class Unusable(Exception):
+    """The backend cannot serve at all (its code, its options, what its
+    server says it serves): what to fix, in one line. A worker that meets
+    it before joining the fleet exits 2."""
+
+
+class UpstreamError(BackendError):
+    """The server a remote backend calls did not answer (down, overloaded,
+    refusing its credentials): no input is at fault, so the batch is not
+    split; its requests are answered 503, to be retried."""
+
+
+class Partial(BackendError):
+    """A call whose inputs were answered apart (an engine that takes each
+    prompt on its own), some failing alone: each input's output or error,
+    in order. The worker keeps them as they are, with no split."""
+
+    def __init__(self, outcomes: "list[str | BackendError]") -> None:
+        failed = next(o for o in outcomes if isinstance(o, BackendError))
+        super().__init__(
+            f"{sum(isinstance(o, BackendError) for o in outcomes)} inputs failed: {failed}"
+        )
+        self.outcomes = outcomes
+
+
+class Upstream(Protocol):
+    """The server behind a remote backend, as the worker watches it."""
+
+    # False from a call it could not answer until one it answers (or a probe).
+    healthy: bool
+    # The longest a call to it may take, retries included (the worker's
+    # hang timeout stays above it).
+    timeout_ms: int
+
+    def probe(self) -> bool:
+        """Whether the server answers now (a cheap request; blocking)."""
+        ...
+
+
 class Backend(Protocol):
     name: str
     # Whatever decides the outputs (backend, model, generation settings):
     # cached answers are kept per fingerprint, so a new model never serves
     # the old one's.
     fingerprint: str
+    # What it cannot do for a request (``policies.backends``: SAMPLING,
+    # MAX_TOKENS): the gateway refuses those while every worker lacks them.
+    lacks: frozenset[str]
+    # The server it calls, for a remote backend (None in the worker's process).
+    upstream: Upstream | None
 
     def infer(self, inputs: list[str]) -> list[str]: ...
 
@@ -41,9 +85,12 @@ class Backend(Protocol):
 class Prompts(list[str]):
     """The inputs of one backend call, with the slot each one fills (``keys``:
     identical greedy inputs share one), when any is sampled each one's
-    temperature, and the index of the highest tier among them (``rank``: a
-    worker serving several shards runs the best-ranked waiting call first,
-    ``gate.py``). A slice keeps them."""
+    temperature, when any asks for fewer tokens each one's ``max_tokens``
+    (0: the model's bound), the index of the highest tier among them
+    (``rank``: a worker serving several shards runs the best-ranked waiting
+    call first, ``gate.py``), and the latest deadline among their requests
+    (``deadline_ms``, epoch ms; 0: none; a remote backend retries within
+    it). A slice keeps them."""
 
     def __init__(
         self,
@@ -51,17 +98,56 @@ class Prompts(list[str]):
         keys: list[Hashable],
         temperatures: list[float] | None = None,
         rank: int = 0,
+        max_tokens: list[int] | None = None,
+        deadline_ms: int = 0,
     ) -> None:
         super().__init__(inputs)
         self.keys = keys
         self.temperatures = temperatures
         self.rank = rank
+        self.max_tokens = max_tokens
+        self.deadline_ms = deadline_ms
 
     def __getitem__(self, i):  # type: ignore[no-untyped-def]
         if not isinstance(i, slice):
             return list.__getitem__(self, i)
         temperatures = None if self.temperatures is None else self.temperatures[i]
-        return Prompts(list.__getitem__(self, i), self.keys[i], temperatures, self.rank)
+        max_tokens = None if self.max_tokens is None else self.max_tokens[i]
+        return Prompts(
+            list.__getitem__(self, i),
+            self.keys[i],
+            temperatures,
+            self.rank,
+            max_tokens,
+            self.deadline_ms,
+        )
+
+
+def max_tokens_of(inputs: list[str]) -> list[int]:
+    """Each input's ``max_tokens`` (0: the model's bound), for a call's inputs."""
+    given: list[int] | None = getattr(inputs, "max_tokens", None)
+    return given if given is not None else [0] * len(inputs)
+
+
+def deadline_of(inputs: list[str]) -> int:
+    """The latest deadline among a call's requests (epoch ms; 0: none known)."""
+    deadline: int = getattr(inputs, "deadline_ms", 0)
+    return deadline
+
+
+class Counted(str):
+    """An output with its tokens as the engine that made it counted them
+    (and its input's): usage reports these, and no clip is needed (the
+    engine stopped at the request's ``max_tokens`` itself)."""
+
+    tokens: int
+    input_tokens: int
+
+    def __new__(cls, text: str, tokens: int, input_tokens: int = 0) -> "Counted":
+        out = super().__new__(cls, text)
+        out.tokens = tokens
+        out.input_tokens = input_tokens
+        return out
 
 
 def run(backend: Backend, inputs: list[str]) -> list[str]:

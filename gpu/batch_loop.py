@@ -22,6 +22,7 @@ from infergate.gpu.answers import Answer, Finished
 from infergate.gpu.gate import GatedBackend
 from infergate.gpu.lane import Lane, Running, Stepped
 from infergate.gpu.runner import ANSWERED_WITH_TAKE_MAX, BatchRunner, ExitHung
+from infergate.gpu.upstream import UpstreamWatch
 
 log = logs.get(__name__)
 
@@ -39,9 +40,11 @@ class BatchLoop:
         pull_timeout_s: float,
         exit_hung: ExitHung,
         grace_left: Callable[[], float],
+        watch: UpstreamWatch,
         gated: GatedBackend | None = None,
     ) -> None:
         self.runner = runner
+        self.watch = watch  # (the backend's server, for a remote backend)
         self.gated = gated  # (the backend is shared with other shards' loops: gate.py)
         self.lane: Lane = runner.lane
         self.queue: WorkerQueue = runner.queue
@@ -98,6 +101,8 @@ class BatchLoop:
             data = await self.queue.batch_in_hand()
         self.unsure = False
         if data is None:
+            if not await self.watch.ready_to_take(stop):
+                return None
             self.unsure = True
             data = await self.queue.pull_batch(self.pull_timeout_s)
             self.unsure = False
@@ -123,6 +128,11 @@ class BatchLoop:
             self._answer_later(finished, stop, data)
             if stepped.taken.credit_lost:
                 await self._restore_credit(stop)
+        elif self.watch.down:
+            # Its server went down during the call: this batch is answered,
+            # nothing more is taken (the next turn waits for the server).
+            self._answer_later(finished, stop, data)
+            self.following = None
         else:
             answer = finished.answer() if finished.size <= ANSWERED_WITH_TAKE_MAX else None
             step = stepped.step if stepped else None  # the lane's, which failed

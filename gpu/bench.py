@@ -30,8 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     import torch
+    from infergate.gpu.backends.transformers_backend import TransformersBackend
     from infergate.gpu.tiny_model import build_tiny_gpt2
-    from infergate.gpu.transformers_backend import TransformersBackend
 
     n_layer, n_embd, n_head = SIZES[args.size]
     with tempfile.TemporaryDirectory() as tmp:

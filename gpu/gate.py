@@ -43,7 +43,15 @@ from collections.abc import Callable
 
 from infergate.base import logs
 from infergate.base.tiers import TIERS
-from infergate.gpu.backend import MAX_BATCH, Backend, BackendError
+from infergate.gpu.backend import (
+    MAX_BATCH,
+    Backend,
+    BackendError,
+    Partial,
+    Prompts,
+    deadline_of,
+    max_tokens_of,
+)
 
 HOLD_S = 0.030
 # A batch already formed has its requests out of the queue and its worker's
@@ -73,6 +81,9 @@ class _Call:
     ) -> None:
         self.shard, self.rank, self.ticket = shard, rank, ticket
         self.inputs, self.temperatures = inputs, temperatures
+        # Each input's max_tokens (0 for none), and the latest deadline (``Prompts``).
+        self.max_tokens = max_tokens_of(inputs)
+        self.deadline_ms = deadline_of(inputs)
         self.outputs: list[str] = [""] * len(inputs)
         self.passed = 0  # backend calls that ran without it while it waited
         self.given = 0  # inputs given to a backend call so far
@@ -98,6 +109,9 @@ class _Part:
     def temperatures(self) -> list[float]:
         given = self.call.temperatures
         return [0.0] * (self.end - self.start) if given is None else given[self.start : self.end]
+
+    def max_tokens(self) -> list[int]:
+        return self.call.max_tokens[self.start : self.end]
 
 
 # A loop's credit steps: joining a call with room for so many inputs (the
@@ -343,6 +357,10 @@ class Gate:
     @staticmethod
     def _answer(part: _Part, outputs: list[str] | None, error: BaseException | None) -> None:
         call = part.call
+        whole = part.start == 0 and part.end == len(call.inputs)
+        if isinstance(error, Partial) and not whole:
+            # (a part's outcomes are not its call's: the call is split as any failed one)
+            error = BackendError(str(error))
         if outputs is not None:
             call.outputs[part.start : part.end] = outputs
         if error is not None and call.error is None:
@@ -350,7 +368,16 @@ class Gate:
         call.answered += part.end - part.start
 
     def _backend_call(self, parts: list[_Part]) -> list[str]:
-        inputs = [text for part in parts for text in part.inputs()]
+        texts = [text for part in parts for text in part.inputs()]
+        max_tokens = [n for part in parts for n in part.max_tokens()]
+        inputs = Prompts(
+            texts,
+            list(texts),
+            None,
+            min(part.call.rank for part in parts),
+            max_tokens if any(max_tokens) else None,
+            max(part.call.deadline_ms for part in parts),
+        )
         if all(part.call.temperatures is None for part in parts):
             outputs = self.backend.infer(inputs)
         else:
@@ -368,14 +395,16 @@ class GatedBackend:
         self.backend = gate.backend
         self.name = gate.backend.name
         self.fingerprint = gate.backend.fingerprint
+        self.lacks = gate.backend.lacks
+        self.upstream = gate.backend.upstream
         self.gate = gate
         self.shard = shard
 
     def infer(self, inputs: list[str]) -> list[str]:
-        return self.gate.call(self.shard, _rank(inputs), list(inputs), None)
+        return self.gate.call(self.shard, _rank(inputs), inputs, None)
 
     def infer_sampled(self, inputs: list[str], temperatures: list[float]) -> list[str]:
-        return self.gate.call(self.shard, _rank(inputs), list(inputs), list(temperatures))
+        return self.gate.call(self.shard, _rank(inputs), inputs, list(temperatures))
 
     def clip(self, text: str, max_tokens: int) -> tuple[str, int]:
         return self.backend.clip(text, max_tokens)

@@ -54,30 +54,43 @@ def live_envelopes(batch: wire.Batch, now_ms: int) -> list[wire.Envelope]:
 
 
 # The slot of a backend call an envelope's answer comes from: its input
-# (identical inputs share one), or, for a sampled one, a pair no input can
-# equal (two samples are two draws, and no request can name another's).
-SlotKey = str | tuple[str, str]
+# (identical inputs share one), with its max_tokens if it asks for fewer
+# tokens (an engine that stops there itself answers each its own), or, for a
+# sampled one, a pair no input can equal (two samples are two draws, and no
+# request can name another's).
+SlotKey = str | tuple[str, str] | tuple[str, int]
 
 
 def slot_key(env: wire.Envelope) -> SlotKey:
-    return wire.input_of(env) if not env.temperature else ("sampled", env.id)
+    if env.temperature:
+        return ("sampled", env.id)
+    return (wire.input_of(env), env.max_tokens) if env.max_tokens else wire.input_of(env)
 
 
 def distinct_inputs(live: list[wire.Envelope]) -> Prompts:
     """The inputs of the backend's call for a batch: one per slot."""
     slots: dict[SlotKey, wire.Envelope] = {}
-    sampled = False
+    sampled = limited = False
+    deadline_ms = 0
     for env in live:
         if env.temperature:
             sampled = True
+        if env.max_tokens:
+            limited = True
+        if env.deadline_ms > deadline_ms and not env.job:
+            deadline_ms = env.deadline_ms
         key = slot_key(env)
         if key not in slots:
             slots[key] = env
-    inputs = [wire.input_of(e) for e in slots.values()]
-    rank = min((RANKS.get(e.tier, len(TIERS)) for e in live), default=len(TIERS))
-    if not sampled:
-        return Prompts(inputs, list(slots), None, rank)
-    return Prompts(inputs, list(slots), [e.temperature for e in slots.values()], rank)
+    chosen = slots.values()
+    return Prompts(
+        [wire.input_of(e) for e in chosen],
+        list(slots),
+        [e.temperature for e in chosen] if sampled else None,
+        min((RANKS.get(e.tier, len(TIERS)) for e in live), default=len(TIERS)),
+        [e.max_tokens for e in chosen] if limited else None,
+        deadline_ms,
+    )
 
 
 @dataclass(frozen=True)

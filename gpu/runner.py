@@ -20,7 +20,14 @@ from infergate.base.queue import inputs
 from infergate.base.queue.recovery import RecoveryQueue
 from infergate.base.queue.worker import WorkerQueue
 from infergate.gpu.answers import NOTHING_TO_ANSWER, Answer, Answers, Finished
-from infergate.gpu.backend import MAX_BATCH, Backend, BackendError, slot_keys
+from infergate.gpu.backend import (
+    MAX_BATCH,
+    Backend,
+    BackendError,
+    Partial,
+    UpstreamError,
+    slot_keys,
+)
 from infergate.gpu.batch_time import BatchTimes
 from infergate.gpu.lane import Lane, Ran, Running, Stepped, Then, distinct_inputs, live_envelopes
 
@@ -188,6 +195,10 @@ class BatchRunner:
         single inputs that fail."""
         try:
             return list(await self.call(inputs, then=then, running=running))
+        except Partial as exc:  # (each input answered apart: nothing to split)
+            return exc.outcomes
+        except UpstreamError as exc:  # (no input is at fault: nothing to split)
+            return [exc] * len(inputs)
         except BackendError as exc:
             if len(inputs) == 1:
                 return [exc]

@@ -47,16 +47,18 @@ from infergate.base.queue.store import Store
 from infergate.base.queue.worker import WorkerQueue
 from infergate.base.settings import ProcessSettings
 from infergate.gpu.answers import Answers, Finished, Tally
-from infergate.gpu.backend import MAX_BATCH, Backend
+from infergate.gpu.backend import MAX_BATCH, Backend, BackendError, Unusable, UpstreamError
 from infergate.gpu.batch_loop import BatchLoop
 from infergate.gpu.gate import GatedBackend
 from infergate.gpu.lane import Lane, Running
 from infergate.gpu.runner import ANSWERED_WITH_TAKE_MAX, BatchRunner
+from infergate.gpu.upstream import UpstreamWatch
 from prometheus_client import CollectorRegistry
 
 log = logs.get(__name__)
 
 EXIT_HUNG = 3
+EXIT_UNUSABLE = 2
 WARM_UP_INPUT = "warm up " * 64  # (512 characters)
 
 
@@ -73,6 +75,10 @@ class WorkerSettings(ProcessSettings):
     # The model's full batch (its policy's max_batch_size): the warm-up times
     # one, and the heartbeat's batch time is that of one (batch_time.py).
     max_batch: int = 100
+    # The batches its process keeps in flight (``workers.concurrency``): each
+    # slot is a worker of its own to the fleet; the heartbeat says how many
+    # share a process (the autoscaling signal counts processes).
+    slots: int = 1
 
 
 class Worker:
@@ -119,8 +125,14 @@ class Worker:
             lambda: self.stopping,
             self.grace_left,
         )
+        self.watch = UpstreamWatch(backend.upstream, self.queue)
         self.loop = BatchLoop(
-            self.runner, settings.pull_timeout_s, self.exit_hung, self.grace_left, self.gated
+            self.runner,
+            settings.pull_timeout_s,
+            self.exit_hung,
+            self.grace_left,
+            self.watch,
+            self.gated,
         )
         if self.gated is not None:
             self.gated.gate.attach(self.gated.shard, self._join_call, self._give_back_credit)
@@ -174,6 +186,9 @@ class Worker:
             batch_ms=round(self.runner.times.full_batch_ms(self.settings.max_batch), 2),
             draining=self.stopping.is_set(),
             model=self.backend.fingerprint,
+            lacks=sorted(self.backend.lacks),
+            upstream_down=self.watch.down,
+            slots=self.settings.slots,
         )
 
     # -- running batches (the runner's; here for callers that hold a worker) --
@@ -202,6 +217,22 @@ class Worker:
             backend=self.backend.name,
         )
 
+    async def _warm_up_when_up(self, stop: asyncio.Event) -> int:
+        """The warm-up, once a remote backend's server answers: 0 when done,
+        -1 if ``stop`` came first, ``EXIT_UNUSABLE`` if the backend failed
+        it (a breach of the contract, or a server that serves something
+        else: the log line says what)."""
+        while await self.watch.wait_until_up(stop, "warm-up"):
+            try:
+                await self.warm_up()
+                return 0
+            except UpstreamError:
+                continue  # (it went away again: wait for it)
+            except (BackendError, Unusable) as exc:
+                log.error("worker.warm_up_failed", backend=self.backend.name, error=str(exc)[:500])
+                return EXIT_UNUSABLE
+        return -1
+
     async def _register(self) -> None:
         """Batches left under this id by an earlier life are recovered first."""
         outcomes = await self.recovery.recover_worker(self.id, self.settings.max_attempts)
@@ -212,7 +243,10 @@ class Worker:
 
     async def serve(self, stop: asyncio.Event) -> int:
         self.stopping = stop
-        await self.warm_up()
+        warm = await self._warm_up_when_up(stop)
+        if warm != 0:
+            await self._close()
+            return 0 if warm < 0 else warm
         if not await retry_until_done("worker.register", self._register, stop):
             await self._close()
             return 0

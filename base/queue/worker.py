@@ -61,6 +61,19 @@ class WorkerQueue:
 
         await execute(self.store.redis, self.store.scripts, build)
 
+    async def step_aside(self) -> None:
+        """A worker whose backend cannot serve now (its server is down):
+        its credit off ``ready``, and any batch handed to it onto the shared
+        ``batches``, for a worker that can run it. Its heartbeat stays (it
+        says its server is down), and ``ensure_credit`` puts it back."""
+        keys, worker_id = self.keys, self.worker_id
+
+        def build(pipe: Pipeline) -> None:
+            pipe.lrem(keys.ready, 0, worker_id)
+            hand_back(pipe, self.store, worker_id)
+
+        await execute(self.store.redis, self.store.scripts, build)
+
     async def forget_last_step(self) -> None:
         """A worker leaving with nothing in hand: its last step's token goes."""
         await self.store.redis.delete(self.keys.last_step(self.worker_id))

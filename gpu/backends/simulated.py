@@ -17,7 +17,7 @@ import os
 import time
 import zlib
 
-from infergate.gpu.backend import BackendError, OneAtATime, check_batch, clip_words
+from infergate.gpu.backend import BackendError, OneAtATime, Upstream, check_batch, clip_words
 
 
 def sim_output(s: str, temperature: float = 0.0, model: str = "") -> str:
@@ -30,6 +30,8 @@ def sim_output(s: str, temperature: float = 0.0, model: str = "") -> str:
 
 class SimulatedBackend:
     name = "simulated"
+    lacks: frozenset[str] = frozenset()  # (it samples, and clips to max_tokens)
+    upstream: Upstream | None = None
 
     def __init__(
         self,

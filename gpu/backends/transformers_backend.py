@@ -10,11 +10,13 @@ that caused it.
 
 from typing import Any
 
-from infergate.gpu.backend import BackendError, OneAtATime, check_batch
+from infergate.gpu.backend import BackendError, OneAtATime, Upstream, check_batch
 
 
 class TransformersBackend:
     name = "transformers"
+    lacks: frozenset[str] = frozenset()  # (it samples, and clips to max_tokens)
+    upstream: Upstream | None = None
 
     def __init__(
         self,
