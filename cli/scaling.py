@@ -29,8 +29,12 @@ def worker_range(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(
             f"{text!r}: give a count (4) or a range MIN:MAX (1:8)"
         ) from None
+    if bounds == (0, 0):
+        return bounds  # (none here: workers on other hosts join the stack)
     if not 1 <= bounds[0] <= bounds[1] <= 256:
-        raise argparse.ArgumentTypeError(f"{text!r}: need 1 <= MIN <= MAX <= 256 (e.g. 1:8)")
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: need 1 <= MIN <= MAX <= 256 (e.g. 1:8), or 0 (workers run elsewhere)"
+        )
     return bounds
 
 

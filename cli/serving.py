@@ -1,11 +1,15 @@
 """Which model a dispatcher or worker serves, and the backend a worker runs:
 its flags first, then the policy's entry for its model (``models:``), then
-the defaults."""
+the defaults. A backend that cannot be made (a bad spec or options, code
+that does not import, a credential variable unset) is one line on stderr,
+and the worker exits 2 before it joins the fleet."""
 
 import argparse
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import yaml
+from infergate.policies.backends import BackendSpec, check_options, parse_spec
 from infergate.policies.schema import Model
 
 if TYPE_CHECKING:
@@ -30,35 +34,83 @@ def serve_model(args: argparse.Namespace, live: "LivePolicy", role: str) -> Mode
     return models[name]
 
 
+def backend_options(text: str | None) -> dict[str, Any]:
+    """``--backend-options``: a YAML (or JSON) mapping, e.g. '{model: echo}'."""
+    if not text:
+        return {}
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f"{text[:80]!r} is not a mapping; write e.g. '{{model: echo, timeout_ms: 30000}}'"
+        )
+    return value
+
+
 def backend_for(args: argparse.Namespace, model: Model) -> "Backend | None":
     """The backend the flags and the model's entry ask for, or None (and a
-    message) if they cannot."""
-    backend = args.backend or model.backend
-    if backend == "simulated":
-        from infergate.gpu.simulated import SimulatedBackend
+    message) if they cannot. The policy's options go with the policy's
+    backend; ``--backend-options`` add to them (or are all, for another)."""
+    from infergate.gpu.backend import Unusable
+
+    text = args.backend or model.backend
+    try:
+        spec = parse_spec(text)
+    except ValueError as exc:
+        return _refused(f"--backend: {exc}")
+    options = {**(model.options if text == model.backend else {}), **(args.backend_options or {})}
+    problems = check_options(spec, options)
+    if problems:
+        return _refused("; ".join(f"{name or 'options'}: {why}" for name, why in problems))
+    try:
+        return _build(args, model, spec, options)
+    except (Unusable, ValueError) as exc:
+        return _refused(f"{spec.kind} backend: {exc}")
+
+
+def _build(
+    args: argparse.Namespace, model: Model, spec: BackendSpec, options: dict[str, Any]
+) -> "Backend | None":
+    if spec.kind == "simulated":
+        from infergate.gpu.backends.simulated import SimulatedBackend
 
         latency_ms = model.sim_latency_ms if args.sim_latency_ms is None else args.sim_latency_ms
         named = "" if args.model_name == "default" else args.model_name
         return SimulatedBackend(latency_ms, args.sim_fail_marker, args.sim_hang_marker, model=named)
-    if backend == "transformers":
+    max_new_tokens = args.max_new_tokens or model.max_new_tokens
+    if spec.kind == "transformers":
         path = args.model or model.path
         if not path:
-            print(
-                "infergate worker: --model (or the policy model's path) is required with "
-                "--backend transformers",
-                file=sys.stderr,
+            return _refused(
+                "--model (or the policy model's path) is required with --backend transformers"
             )
-            return None
-        from infergate.gpu.transformers_backend import TransformersBackend
+        from infergate.gpu.backends.transformers_backend import TransformersBackend
 
         return TransformersBackend(
             path,
             gguf_file=args.gguf_file or model.gguf_file,
-            max_new_tokens=args.max_new_tokens or model.max_new_tokens,
+            max_new_tokens=max_new_tokens,
             device=args.device or model.device,
         )
-    print(
-        f"infergate worker: unknown backend {backend!r}; use simulated or transformers",
-        file=sys.stderr,
-    )
+    if spec.kind == "python":
+        from infergate.gpu.backends.python_code import PythonBackend
+
+        return PythonBackend(spec.target, options)
+    if spec.kind == "http":
+        from infergate.gpu.backends.http_batch import HttpBatchBackend
+
+        return HttpBatchBackend(spec.target, options)
+    if spec.kind == "kserve-v2":
+        from infergate.gpu.backends.kserve import KServeBackend
+
+        return KServeBackend(spec.target, options)
+    from infergate.gpu.backends.openai_engine import OpenAIEngineBackend
+
+    return OpenAIEngineBackend(spec.target, options, max_new_tokens)
+
+
+def _refused(message: str) -> "Backend | None":
+    print(f"infergate worker: {message}", file=sys.stderr)
     return None

@@ -11,6 +11,7 @@ and its own Redis.
 import argparse
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -18,14 +19,13 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
 from infergate.base import logs
-from infergate.base.loops import Backoff
 from infergate.base.queue import redis_url, shards
 from infergate.base.queue.scale_signal import SignalReader
+from infergate.children import Child, Stack
 from infergate.policies import PolicyError, load_policy
 from infergate.policies.demo import ADMIN_TIER, demo_policy
 from infergate.policies.loader import public_error
@@ -35,109 +35,7 @@ from infergate.scaling import WorkerScaler
 
 log = logs.get(__name__)
 
-# Longer than any child's drain: a gateway's 10 s, a worker's hang timeout + 10 s.
-STOP_TIMEOUT_S = 25.0
-CHILD_STABLE_S = 30.0  # a child that lived this long restarts without waiting
 READY_TIMEOUT_S = 60.0
-
-
-@dataclass
-class Child:
-    name: str
-    role: str
-    argv: list[str]
-    proc: subprocess.Popen[bytes] | None = None
-    restarts: int = 0
-    next_start: float = 0.0
-    started_at: float = 0.0
-    ids: list[str] = field(default_factory=list)
-    slot: int = 0  # a worker's place: its GPU and metrics port follow from it
-    retiring: bool = False  # stopped on purpose (scaled down): not restarted
-    # Extra environment for this child alone (a worker's CUDA_VISIBLE_DEVICES).
-    env: dict[str, str] = field(default_factory=dict)
-    backoff: Backoff = field(default_factory=lambda: Backoff(base_s=0.5, cap_s=10.0))
-
-    def start(self, env: dict[str, str]) -> None:
-        process_id = f"{self.name}-{os.urandom(3).hex()}"
-        self.ids.append(process_id)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "infergate", self.role, "--id", process_id, *self.argv],
-            env={**env, **self.env},
-            # Its own session: Ctrl-C reaches `up` alone, which then stops each
-            # child once, with SIGTERM (a second signal would end it unclean).
-            start_new_session=True,
-        )
-        self.started_at = time.monotonic()
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-
-class Stack:
-    def __init__(self, children: list[Child], env: dict[str, str]) -> None:
-        self.children = children
-        self.env = env
-        self.stopping = False
-
-    def start_all(self) -> None:
-        for child in self.children:
-            child.start(self.env)
-
-    def failed_child(self) -> Child | None:
-        return next((c for c in self.children if not c.alive()), None)
-
-    def workers(self) -> list[Child]:
-        """The workers running or restarting, not those being retired."""
-        return [c for c in self.children if c.role == "worker" and not c.retiring]
-
-    def add(self, child: Child) -> None:
-        self.children.append(child)
-        child.start(self.env)
-
-    def retire(self, child: Child) -> None:
-        """Stop a child for good by SIGTERM (a worker drains its batch first)."""
-        child.retiring = True
-        if child.alive() and child.proc is not None:
-            child.proc.send_signal(signal.SIGTERM)
-
-    def supervise_once(self) -> None:
-        """Restart children that died, with backoff (reset after a long life);
-        forget retired ones once they have exited."""
-        now = time.monotonic()
-        self.children = [c for c in self.children if not (c.retiring and not c.alive())]
-        for child in self.children:
-            if child.alive() or self.stopping or child.retiring:
-                continue
-            if child.next_start == 0.0:
-                code = child.proc.returncode if child.proc else None
-                if now - child.started_at > CHILD_STABLE_S:
-                    child.backoff.reset()
-                delay = child.backoff.next_s()
-                child.next_start = now + delay
-                log.warning(
-                    "up.child_died", child=child.name, exit_code=code, restart_in_s=round(delay, 2)
-                )
-            elif now >= child.next_start:
-                child.restarts += 1
-                child.next_start = 0.0
-                child.start(self.env)
-                log.info("up.child_restarted", child=child.name, restarts=child.restarts)
-
-    def stop_all(self) -> None:
-        self.stopping = True
-        for child in self.children:
-            if child.alive() and child.proc is not None and not child.retiring:
-                child.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        for child in self.children:
-            if child.proc is None:
-                continue
-            try:
-                child.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("up.child_killed", child=child.name)
-                child.proc.kill()
-                child.proc.wait(5)
 
 
 def _ready(url: str) -> bool:
@@ -250,7 +148,9 @@ def _model_children(args: argparse.Namespace, policy_path: str, gpus: list[str])
 
 
 # The worker's flags ``up`` passes on when given (a real model's settings).
-WORKER_FLAGS = ("model", "gguf_file", "max_new_tokens", "device", "hang_timeout_ms")
+WORKER_FLAGS = ("model", "gguf_file", "max_new_tokens", "device", "hang_timeout_ms", "concurrency")
+# Backends whose code runs on the worker's GPU: one GPU each (a remote one's runs elsewhere).
+ON_THE_GPU = ("transformers", "python")
 
 
 def worker_child(
@@ -260,19 +160,32 @@ def worker_child(
     from the slot; ``model``: the policy's model it serves (``--models``)."""
     argv = ["--backend", args.backend, "--sim-latency-ms", str(args.sim_latency_ms)]
     argv += ["--policy", policy_path]
-    for flag in WORKER_FLAGS:
-        if getattr(args, flag) is not None:
-            argv += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
+    argv += _worker_flags(args)
     if model:
         argv += ["--model-name", model]
     if args.metrics_port:
         argv += ["--metrics-port", str(args.metrics_port + slot)]
     name = f"worker-{model}-{slot + 1}" if model else f"worker-{slot + 1}"
     child = Child(name, "worker", argv, slot=slot)
-    if args.backend == "transformers":
+    if _kind(args.backend) in ON_THE_GPU:
         # One GPU per worker (each sees it as cuda:0); CPU when there are none.
         child.env["CUDA_VISIBLE_DEVICES"] = gpus[slot % len(gpus)] if gpus else ""
     return child
+
+
+def _worker_flags(args: argparse.Namespace) -> list[str]:
+    """The flags of ``up`` a worker takes too, as given."""
+    argv = []
+    for flag in WORKER_FLAGS:
+        if getattr(args, flag) is not None:
+            argv += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
+    if args.backend_options:
+        argv += ["--backend-options", json.dumps(args.backend_options)]
+    return argv
+
+
+def _kind(backend: str) -> str:
+    return backend.partition(":")[0]
 
 
 def _gpus(flag: str | None) -> list[str]:
@@ -402,16 +315,21 @@ def _run(args: argparse.Namespace, policy_path: str, url: str, stop: list[int]) 
     """Start the children, wait until ready, supervise (and scale) until a
     signal, stop them."""
     env = {**os.environ, "REDIS_URL": url, "INFERGATE_NAMESPACE": args.namespace}
-    gpus = _gpus(args.gpus) if args.backend == "transformers" else []
+    gpus = _gpus(args.gpus) if _kind(args.backend) in ON_THE_GPU else []
     stack = Stack(_children(args, policy_path, gpus), env)
     scaler = _scaler(args, policy_path, gpus, stack, url)
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     try:
         stack.start_all()
-        code = _wait_ready(stack, f"http://{host}:{args.port}/readyz", stop)
+        # Without workers of its own the stack is up once its gateway answers
+        # (ready once a worker elsewhere joins).
+        probe = "/readyz" if args.workers[1] else "/healthz"
+        code = _wait_ready(stack, f"http://{host}:{args.port}{probe}", stop)
         if code is not None:
             return code
         _say_ready(args, url)
+        if not args.workers[1] and not args.models:
+            _say_how_to_join(args, policy_path, url)
         while not stop:
             stack.supervise_once()
             if scaler is not None:
@@ -473,3 +391,26 @@ def _say_ready(args: argparse.Namespace, url: str) -> None:
         f"Redis {' '.join(redis_url.redact(u) for u in url.split())})",
         file=sys.stderr,
     )
+
+
+def _say_how_to_join(args: argparse.Namespace, policy_path: str, url: str) -> None:
+    """``--workers 0``: the command a worker on a GPU host runs to join."""
+    policy = f" --policy {shlex.quote(args.policy)}" if args.policy else ""
+    flags = " ".join(shlex.quote(a) for a in ["--backend", args.backend, *_worker_flags(args)])
+    print(
+        "infergate up: no workers here; on each GPU host, one worker per GPU:\n"
+        f"  REDIS_URL={shlex.quote(url)} INFERGATE_NAMESPACE={shlex.quote(args.namespace)} "
+        f"infergate worker {flags}{policy}",
+        file=sys.stderr,
+    )
+    if "127.0.0.1" in url and "REDIS_URL" not in os.environ:
+        print(
+            "infergate up: (this Redis listens on 127.0.0.1 only: for workers on other hosts, "
+            "start up with REDIS_URL naming a Redis they can reach)",
+            file=sys.stderr,
+        )
+    if not args.policy:
+        print(
+            f"infergate up: (the demo policy is {policy_path}; give --policy FILE to share one)",
+            file=sys.stderr,
+        )
