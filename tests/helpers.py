@@ -318,9 +318,12 @@ class Cluster:
         metrics: bool = False,
         policy_file: Path | None = None,
         models: dict[str, int] | None = None,
+        worker_args: Sequence[str] = (),
     ) -> None:
         """``models``: a dispatcher and this many workers for each model
-        named (``--model-name``), in place of ``dispatchers`` and ``workers``."""
+        named (``--model-name``), in place of ``dispatchers`` and ``workers``;
+        ``worker_args``: more flags for every worker (its backend)."""
+        self.worker_args = list(worker_args)
         self.tmp = tmp
         # With metrics, each process serves /metrics on its own port: name -> port.
         self.metrics_ports: dict[str, int] | None = {} if metrics else None
@@ -387,7 +390,9 @@ class Cluster:
             return 0
         return int(body["workers_alive"])
 
-    def add_worker(self, wrapper: Sequence[str] = (), model: str = "") -> Proc:
+    def add_worker(
+        self, wrapper: Sequence[str] = (), model: str = "", args: Sequence[str] = ()
+    ) -> Proc:
         named = ["--model-name", model] if model else []
         worker = self._start(
             [
@@ -397,6 +402,8 @@ class Cluster:
                 "--policy",
                 str(self.policy_path),
                 *named,
+                *self.worker_args,
+                *args,
             ],
             f"worker-{model}" if model else "worker",
             wrapper,

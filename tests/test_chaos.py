@@ -10,7 +10,7 @@ from pathlib import Path
 
 import aiohttp
 import redis
-from infergate.gpu.simulated import sim_output
+from infergate.gpu.backends.simulated import sim_output
 from infergate.redis_server import RedisServer
 
 from tests.helpers import SECRETS, Cluster, assert_redis_clean, policy_yaml, redis_clean, wait_for

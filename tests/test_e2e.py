@@ -15,7 +15,7 @@ import redis
 from infergate.base import wire
 from infergate.base.keys import Keys
 from infergate.base.queue.inputs import BESIDE_MIN_CHARS
-from infergate.gpu.simulated import sim_output
+from infergate.gpu.backends.simulated import sim_output
 from infergate.redis_server import RedisServer, free_port
 
 from tests.helpers import (

@@ -12,7 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 import aiohttp
-from infergate.gpu.simulated import sim_output
+from infergate.gpu.backends.simulated import sim_output
 
 from tests.helpers import SECRETS, Cluster, assert_redis_clean, policy_yaml, redis_clean, wait_for
 from tests.sentinel import SentinelSet

@@ -9,7 +9,7 @@ import random
 import time
 
 import aiohttp
-from infergate.gpu.simulated import sim_output
+from infergate.gpu.backends.simulated import sim_output
 
 from tests.helpers import SECRETS, Cluster, http, key_entry, policy_yaml
 

@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 import redis
 from infergate.base import clock, wire
-from infergate.gpu.simulated import SimulatedBackend, sim_output
+from infergate.gpu.backends.simulated import SimulatedBackend, sim_output
 from infergate.gpu.worker import Worker, WorkerSettings
 from infergate.redis_server import RedisServer
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from infergate.gpu.simulated import sim_output
+from infergate.gpu.backends.simulated import sim_output
 
 from tests.helpers import (
     KEYS,

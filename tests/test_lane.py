@@ -16,8 +16,8 @@ from infergate.base.queue.inputs import BESIDE_MIN_CHARS
 from infergate.base.queue.store import Store
 from infergate.base.queue.worker import WorkerQueue
 from infergate.gpu.backend import BackendError
+from infergate.gpu.backends.simulated import SimulatedBackend
 from infergate.gpu.lane import Lane, Ran, Then
-from infergate.gpu.simulated import SimulatedBackend
 from infergate.gpu.worker import Worker, WorkerSettings
 
 from tests.helpers import paid_envelope, queued

@@ -184,7 +184,11 @@ def test_torch_and_transformers_only_in_gpu(graph: dict[str, set[str]]) -> None:
     ]
     assert bad == []
     # ...and in gpu/ only by the modules that need them, so a simulated worker never loads them.
-    for module in ("infergate.gpu.worker", "infergate.gpu.backend", "infergate.gpu.simulated"):
+    for module in (
+        "infergate.gpu.worker",
+        "infergate.gpu.backend",
+        "infergate.gpu.backends.simulated",
+    ):
         assert not any(t.split(".")[0] in HEAVY for t in graph[module])
 
 

@@ -18,7 +18,7 @@ from infergate.base.queue.gateway import Counter, GatewayQueue, Place
 from infergate.base.queue.inputs import BESIDE_MIN_CHARS, GRACE_MS
 from infergate.base.queue.store import Store
 from infergate.gateway.quota import Quota
-from infergate.gpu.simulated import SimulatedBackend, sim_output
+from infergate.gpu.backends.simulated import SimulatedBackend, sim_output
 from infergate.gpu.worker import Worker, WorkerSettings
 from infergate.policies import parse_policy
 from redis.exceptions import ResponseError

@@ -10,7 +10,7 @@ import pytest
 import redis
 from infergate.base.keys import Keys
 from infergate.gpu.backend import clip_words
-from infergate.gpu.simulated import sim_output
+from infergate.gpu.backends.simulated import sim_output
 from infergate.policies import PolicyError, parse_policy
 
 from tests.helpers import as_yaml, auth, http, key_entry, policy, wait_for

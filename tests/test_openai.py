@@ -17,7 +17,7 @@ import redis
 from infergate.gateway.calls import Fanout
 from infergate.gateway.errors import ApiError
 from infergate.gateway.openai_api import read_chat, read_completion, render_chat
-from infergate.gpu.simulated import sim_output
+from infergate.gpu.backends.simulated import sim_output
 from infergate.policies.schema import ChatTemplate
 from infergate.redis_server import RedisServer
 

@@ -18,7 +18,7 @@ GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 @pytest.mark.timeout(600)
 def test_smollm2_answers_a_batch() -> None:
-    from infergate.gpu.transformers_backend import TransformersBackend
+    from infergate.gpu.backends.transformers_backend import TransformersBackend
 
     model_dir = str(Path(spec.origin).parent)
     backend = TransformersBackend(model_dir, gguf_file=GGUF, max_new_tokens=8)

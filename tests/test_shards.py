@@ -17,8 +17,8 @@ import pytest
 import redis
 from infergate.base.queue import shards
 from infergate.gpu.backend import BackendError
+from infergate.gpu.backends.simulated import sim_output
 from infergate.gpu.gate import Gate
-from infergate.gpu.simulated import sim_output
 from infergate.redis_server import RedisServer
 
 from tests.helpers import (

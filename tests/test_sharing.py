@@ -10,7 +10,7 @@ from infergate.base.keys import Keys
 from infergate.base.queue.gateway import GatewayQueue
 from infergate.base.queue.store import Store
 from infergate.gateway.sharing import Cache
-from infergate.gpu.simulated import sim_output
+from infergate.gpu.backends.simulated import sim_output
 from infergate.redis_server import free_port
 
 from tests.helpers import SECRETS, Cluster, auth, http, policy_yaml

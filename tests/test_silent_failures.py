@@ -24,7 +24,7 @@ from infergate.base.queue.gateway import GatewayQueue
 from infergate.base.queue.store import Store
 from infergate.base.queue.worker import WorkerQueue
 from infergate.gpu.answers import Answer, Finished
-from infergate.gpu.simulated import SimulatedBackend, sim_output
+from infergate.gpu.backends.simulated import SimulatedBackend, sim_output
 from infergate.gpu.worker import Worker, WorkerSettings
 from infergate.redis_server import RedisServer
 
@@ -390,7 +390,7 @@ async def test_an_unreadable_batch_is_dead_lettered_not_dropped(redis_url: str) 
 async def test_a_finished_batch_is_published_once_redis_returns_however_long_it_takes(
     own_redis: RedisServer,
 ) -> None:
-    from infergate.gpu.simulated import SimulatedBackend
+    from infergate.gpu.backends.simulated import SimulatedBackend
 
     worker = Worker(WorkerSettings("w-pub", own_redis.url), SimulatedBackend(latency_ms=0))
     store = worker.store
@@ -431,7 +431,7 @@ async def test_a_worker_that_leaves_a_batch_unanswered_leaves_it_to_the_reaper(
     redis_url: str,
 ) -> None:
     from infergate.base.queue.recovery import RecoveryQueue
-    from infergate.gpu.simulated import SimulatedBackend
+    from infergate.gpu.backends.simulated import SimulatedBackend
 
     worker = Worker(WorkerSettings("w-left", redis_url), SimulatedBackend(latency_ms=0))
     store = worker.store
@@ -533,7 +533,7 @@ async def test_a_worker_stopping_has_one_publish_grace_for_everything_it_still_s
     """The grace counts from the first step that finds the worker stopping:
     a take and an answer after it share it, so the shutdown grace covers both."""
     from infergate.base.loops import retry_until_done
-    from infergate.gpu.simulated import SimulatedBackend
+    from infergate.gpu.backends.simulated import SimulatedBackend
 
     settings = WorkerSettings("w-grace", redis_url, publish_grace_s=0.5)
     worker = Worker(settings, SimulatedBackend(latency_ms=0))

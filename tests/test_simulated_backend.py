@@ -3,7 +3,7 @@ import time
 
 import pytest
 from infergate.gpu.backend import BackendError, ContractError
-from infergate.gpu.simulated import SimulatedBackend, sim_output
+from infergate.gpu.backends.simulated import SimulatedBackend, sim_output
 
 
 def test_one_output_per_input_containing_the_input() -> None:

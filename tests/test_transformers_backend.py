@@ -12,8 +12,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 from infergate.gpu.backend import BackendError, ContractError  # noqa: E402
+from infergate.gpu.backends.transformers_backend import TransformersBackend  # noqa: E402
 from infergate.gpu.tiny_model import build_tiny_gpt2  # noqa: E402
-from infergate.gpu.transformers_backend import TransformersBackend  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,162 @@
+"""The team's own code as the backend (``python:pkg.module:attr``): a batch
+function, an async one, a class built with the policy's options. What it
+cannot be made from is one line and exit 2 before the worker joins; what
+it does wrong at run time fails only the inputs it must, never the worker.
+The code is ``tests/user_backends/mymodel.py``, imported as a user's."""
+
+import concurrent.futures
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from infergate.gpu.backend import BackendError, Unusable
+from infergate.gpu.backends.python_code import PythonBackend
+from infergate.policies.backends import MAX_TOKENS, SAMPLING
+from infergate.redis_server import RedisServer
+
+from tests.helpers import Cluster, as_yaml, policy
+
+USER_CODE = Path(__file__).parent / "user_backends"
+
+
+@pytest.fixture(autouse=True)
+def _user_code_importable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(USER_CODE))
+
+
+# -- made once, as the worker starts ------------------------------------------
+
+
+def test_a_batch_function_an_async_one_a_class_and_a_factory() -> None:
+    fn = PythonBackend("mymodel:batchstring", {})
+    assert fn.infer(["a", "b"]) == ["fn:a", "fn:b"]
+    assert fn.lacks == {SAMPLING, MAX_TOKENS}
+    assert fn.fingerprint == "python/mymodel:batchstring"
+    assert PythonBackend("mymodel:abatch", {}).infer(["é"]) == ["async:é"]
+    cls = PythonBackend("mymodel:Reverser", {"prefix": "p", "delay_ms": 0})
+    assert cls.infer(["abc"]) == ["p:cba"]
+    assert cls.infer_sampled(["ab", "ab"], [0.0, 0.5]) == ["p:ba", "p:ba~0.5"]
+    assert cls.clip("p:cba", 2) == ("p:", 2)
+    assert cls.lacks == frozenset()
+    assert cls.fingerprint == "reverser/p"  # (its own, as it names its version)
+    assert PythonBackend("mymodel:make_reverser", {}).infer(["ab"]) == ["made:ba"]
+
+
+@pytest.mark.parametrize(
+    ("target", "options", "says"),
+    [
+        ("nomodule:fn", {}, "cannot import nomodule: ModuleNotFoundError"),
+        ("mymodel:missing", {}, "mymodel has no attribute 'missing'"),
+        ("mymodel:needs_two", {}, "takes 2 arguments: a batch function takes one"),
+        ("mymodel:batchstring", {"prefix": "x"}, "is a batch function: it takes no options"),
+        ("mymodel:Reverser", {"colour": "red"}, "building mymodel:Reverser failed: TypeError"),
+        ("mymodel:USER_CODE_MISSING", {}, "has no attribute"),
+    ],
+)
+def test_what_cannot_be_made_says_what_to_fix(target: str, options: dict, says: str) -> None:
+    with pytest.raises(Unusable, match=says):
+        PythonBackend(target, options)
+
+
+@pytest.mark.parametrize(
+    ("marker", "says"),
+    [
+        ("__raise__", "RuntimeError: the model cannot read this input"),
+        ("__count__", "returned 1 outputs for 2 inputs"),
+        ("__type__", "output 0 is int, not a string"),
+    ],
+)
+def test_a_call_that_breaks_the_contract_is_a_backend_error(marker: str, says: str) -> None:
+    with pytest.raises(BackendError, match=says):
+        PythonBackend("mymodel:batchstring", {}).infer(["fine", marker])
+
+
+def test_a_worker_that_cannot_make_its_backend_exits_2_before_joining(
+    redis_url: str, tmp_path: Path
+) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "infergate", "worker", "--backend", "python:mymodel:needs_two"],
+        env={"PYTHONPATH": str(USER_CODE), "REDIS_URL": redis_url, "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert lines == [
+        "infergate worker: python backend: mymodel:needs_two takes 2 arguments: a batch "
+        "function takes one, the list of inputs"
+    ]
+    assert redis.Redis.from_url(redis_url).keys("*") == []  # (it never joined)
+
+
+# -- serving, through a real stack ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    tmp_path_factory: pytest.TempPathFactory, module_redis: RedisServer
+) -> Iterator[Cluster]:
+    doc = policy()
+    doc["models"] = {
+        "fn": {"backend": "python:mymodel:batchstring"},
+        "rev": {"backend": "python:mymodel:Reverser", "options": {"prefix": "pol"}},
+    }
+    with Cluster(
+        tmp_path_factory.mktemp("python-backend"),
+        module_redis.url,
+        as_yaml(doc),
+        models={"fn": 1, "rev": 1},
+        env={"PYTHONPATH": str(USER_CODE)},
+    ) as c:
+        yield c
+        for worker in c.workers:
+            assert worker.alive(), worker.output()[-2000:]
+            assert "Traceback" not in worker.output()
+
+
+def _infer(c: Cluster, text: str, model: str, **extra: object) -> tuple[int, dict]:
+    status, _, body = c.infer("paid", text, model=model, **extra)
+    return status, body
+
+
+def test_a_batch_function_serves_and_a_breach_fails_only_its_input(cluster: Cluster) -> None:
+    texts = [f"input {i}" for i in range(12)] + ["bad __raise__", "short __count__", "n __type__"]
+    with concurrent.futures.ThreadPoolExecutor(len(texts)) as pool:
+        answers = list(pool.map(lambda t: _infer(cluster, t, "fn"), texts))
+    for text, (status, body) in zip(texts, answers, strict=True):
+        if "__" in text:
+            assert status == 500, body
+            assert body["error"]["code"] == "INFERENCE_FAILED"
+        else:
+            assert status == 200, body
+            assert body["output"] == f"fn:{text}"
+            assert body["metadata"]["model_version"] == "python/mymodel:batchstring"
+    assert "cannot read this input" in answers[12][1]["error"]["message"]
+
+
+def test_what_a_function_cannot_do_is_refused_with_400(cluster: Cluster) -> None:
+    status, body = _infer(cluster, "hi", "fn", parameters={"temperature": 0.7})
+    assert status == 400
+    assert body["error"]["message"] == (
+        "the model 'fn' does not sample: send parameters.temperature 0 (or none)"
+    )
+    status, body = _infer(cluster, "hi", "fn", parameters={"max_tokens": 3})
+    assert status == 400
+    assert "cannot stop at a number of tokens" in body["error"]["message"]
+
+
+def test_a_class_gets_the_policys_options_samples_and_counts_its_tokens(
+    cluster: Cluster,
+) -> None:
+    status, body = _infer(cluster, "abc", "rev")
+    assert (status, body["output"]) == (200, "pol:cba")
+    assert body["metadata"]["tokens_used"] == len("pol:cba")  # (its own count: characters)
+    status, body = _infer(cluster, "abc", "rev", parameters={"temperature": 0.5})
+    assert (status, body["output"]) == (200, "pol:cba~0.5")
+    status, body = _infer(cluster, "abcdef", "rev", parameters={"max_tokens": 5})
+    assert (status, body["output"], body["metadata"]["tokens_used"]) == (200, "pol:f", 5)
