@@ -10,7 +10,7 @@ import argparse
 import os
 from typing import Any
 
-from infergate import __version__, plan, usage
+from infergate import __version__, backend_check, plan, usage
 from infergate.serving import backend_options
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -279,6 +279,7 @@ def _tool_parsers(sub: Any) -> None:
     new.add_argument("--admin", action="store_true")
     usage.add_parser(sub)
     plan.add_parser(sub)
+    backend_check.add_parser(sub)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from infergate import plan, usage
+from infergate import backend_check, plan, usage
 from infergate.flags import build_parser
 
 if TYPE_CHECKING:
@@ -59,7 +59,14 @@ def _check_redis_url(url: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        return _run(build_parser().parse_args(argv))
+    except BrokenPipeError:  # (its output piped into `head`: no traceback for that)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "up":
         from infergate.up import run_stack
 
@@ -78,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         return usage.run(args)
     if args.command == "plan":
         return plan.run(args)
+    if args.command == "backend":
+        return backend_check.run(args)
     return 2
 
 
@@ -197,8 +206,8 @@ def _worker(args: argparse.Namespace) -> int:
     from infergate.base import runtime
     from infergate.base.shard_group import one_or_group
     from infergate.gpu.gate import Gate, GatedBackend
-    from infergate.gpu.worker import Worker, WorkerSettings
-    from infergate.policies.models import MAX_CONCURRENCY
+    from infergate.gpu.worker import SharedWarmUp, Worker, WorkerSettings
+    from infergate.policies.models import MAX_CONCURRENCY, ONE_CALL_AT_A_TIME
     from infergate.serving import backend_for, serve_model
 
     common = _process(args, "worker")
@@ -213,6 +222,14 @@ def _worker(args: argparse.Namespace) -> int:
     if not 1 <= slots <= MAX_CONCURRENCY:
         print(f"infergate worker: --concurrency must be 1-{MAX_CONCURRENCY}", file=sys.stderr)
         return 2
+    if slots > 1 and backend.name in ONE_CALL_AT_A_TIME:
+        print(
+            f"infergate worker: the {backend.name} backend runs one batch at a time "
+            "(--concurrency is for a server that batches by itself, or code that may be "
+            "called from several threads)",
+            file=sys.stderr,
+        )
+        return 2
     hang_floor_ms = args.hang_timeout_ms or workers.hang_timeout_ms
     if backend.upstream is not None:  # (a remote call returns by its own bound)
         hang_floor_ms = max(hang_floor_ms, backend.upstream.timeout_ms + 5_000)
@@ -225,6 +242,7 @@ def _worker(args: argparse.Namespace) -> int:
         slots=slots,
     )
     members = []
+    warm = SharedWarmUp()  # (one warm-up for the process: its slots share the backend)
     for slot in range(slots):
         # Each slot a worker of its own to the fleet (its id, credit, batches).
         named = (
@@ -235,9 +253,9 @@ def _worker(args: argparse.Namespace) -> int:
         each = _per_shard(named)
         if len(each) > 1:  # (one call at a time a slot, for every shard's loop)
             gate = Gate(backend, settings.max_batch)
-            members += [Worker(s, GatedBackend(gate, i)) for i, s in enumerate(each)]
+            members += [Worker(s, GatedBackend(gate, i), warm) for i, s in enumerate(each)]
         else:
-            members.append(Worker(named, backend))
+            members.append(Worker(named, backend, warm))
     worker = one_or_group(members)
     with _side_port(args, worker.registry, worker.probes()):
         # (its batch's hang timeout, as measured then, and 10 s to answer it)

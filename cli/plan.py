@@ -31,6 +31,12 @@ def add_parser(sub: Any) -> None:
         default=0.7,
         help="the most each role may be busy at peak (0.01-1; default 0.7)",
     )
+    p.add_argument(
+        "--backend-times",
+        default=None,
+        help="the batch times `infergate backend check --times-out` measured (instead of "
+        "--batch-ms and --max-batch)",
+    )
     p.add_argument("--costs", default=None, help="a costs file (default: the one shipped)")
     p.add_argument(
         "--ceiling",
@@ -51,9 +57,14 @@ def run(args: argparse.Namespace) -> int:
     if args.rps is None:
         print("infergate plan: --rps is required (or --ceiling)", file=sys.stderr)
         return 2
-    target = Target(
-        args.rps, args.peak, args.input_chars, args.batch_ms, args.max_batch, args.utilization
-    )
+    batch_ms, max_batch = args.batch_ms, args.max_batch
+    if args.backend_times:
+        try:
+            batch_ms, max_batch = _backend_times(args.backend_times)
+        except (OSError, ValueError) as exc:
+            print(f"infergate plan: --backend-times: {exc}", file=sys.stderr)
+            return 2
+    target = Target(args.rps, args.peak, args.input_chars, batch_ms, max_batch, args.utilization)
     print(_render(costs, target, plan(costs, target)))
     return 0
 
@@ -70,6 +81,20 @@ def _costs(path: str | None) -> Costs:
     except json.JSONDecodeError as exc:
         raise ValueError(f"the costs file is not JSON: {exc}") from None
     return Costs.from_json(data)
+
+
+def _backend_times(path: str) -> tuple[float, int]:
+    """The batch time and size a backend check found best (``--times-out``)."""
+    with Path(path).open("rb") as f:
+        raw = f.read(1 << 16)
+    try:
+        data = json.loads(raw)
+        batch_ms, max_batch = float(data["full_batch_ms"]), int(data["max_batch"])
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError):
+        raise ValueError("not the times of `infergate backend check --times-out`") from None
+    if not (1 <= batch_ms <= 3_600_000 and 1 <= max_batch <= 100):
+        raise ValueError(f"a batch of {max_batch} in {batch_ms:g} ms is out of range")
+    return batch_ms, max_batch
 
 
 def _render(costs: Costs, t: Target, p: Plan) -> str:

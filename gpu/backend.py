@@ -46,6 +46,14 @@ class Partial(BackendError):
         self.outcomes = outcomes
 
 
+def unanswered(exc: BackendError) -> bool:
+    """The call failed only because its server did not answer (no input at fault)."""
+    if isinstance(exc, Partial):
+        failed = [o for o in exc.outcomes if isinstance(o, BackendError)]
+        return all(isinstance(o, UpstreamError) for o in failed)
+    return isinstance(exc, UpstreamError)
+
+
 class Upstream(Protocol):
     """The server behind a remote backend, as the worker watches it."""
 
@@ -57,6 +65,10 @@ class Upstream(Protocol):
 
     def probe(self) -> bool:
         """Whether the server answers now (a cheap request; blocking)."""
+        ...
+
+    def close(self) -> None:
+        """Close its connections (blocking)."""
         ...
 
 

@@ -33,6 +33,16 @@ class BatchTimes:
         self._anchors.append((inputs, chars, ms))
         self._fit = self._slowest = None
 
+    @property
+    def anchors(self) -> list[tuple[int, int, float]]:
+        """The warm-up's calls (another slot of the same backend adopts them)."""
+        return list(self._anchors)
+
+    def adopt(self, anchors: list[tuple[int, int, float]]) -> None:
+        """Start from another slot's warm-up, as if this one had run it."""
+        for anchor in anchors:
+            self.anchor(*anchor)
+
     def took(self, inputs: int, chars: int, ms: float) -> None:
         self._recent.append((inputs, chars, ms))
         self._fit = self._slowest = None

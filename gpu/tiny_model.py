@@ -5,7 +5,9 @@ downloading anything."""
 from pathlib import Path
 
 
-def build_tiny_gpt2(path: Path, n_layer: int = 2, n_embd: int = 32, n_head: int = 2) -> Path:
+def build_tiny_gpt2(
+    path: Path, n_layer: int = 2, n_embd: int = 32, n_head: int = 2, n_positions: int = 256
+) -> Path:
     from tokenizers import ByteLevelBPETokenizer
     from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
@@ -30,7 +32,7 @@ def build_tiny_gpt2(path: Path, n_layer: int = 2, n_embd: int = 32, n_head: int 
         bos_token_id=eos,
         eos_token_id=eos,
         vocab_size=len(tokenizer),
-        n_positions=256,
+        n_positions=n_positions,
         n_layer=n_layer,
         n_embd=n_embd,
         n_head=n_head,

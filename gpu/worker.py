@@ -47,7 +47,7 @@ from infergate.base.queue.store import Store
 from infergate.base.queue.worker import WorkerQueue
 from infergate.base.settings import ProcessSettings
 from infergate.gpu.answers import Answers, Finished, Tally
-from infergate.gpu.backend import MAX_BATCH, Backend, BackendError, Unusable, UpstreamError
+from infergate.gpu.backend import MAX_BATCH, Backend, BackendError, Unusable, unanswered
 from infergate.gpu.batch_loop import BatchLoop
 from infergate.gpu.gate import GatedBackend
 from infergate.gpu.lane import Lane, Running
@@ -81,10 +81,23 @@ class WorkerSettings(ProcessSettings):
     slots: int = 1
 
 
+class SharedWarmUp:
+    """One backend's warm-up for every member of a process that shares it
+    (its slots, its shards' loops): the first runs it, the others start
+    from its times. Its server is asked for one warm-up, not one a slot."""
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.anchors: list[tuple[int, int, float]] | None = None
+
+
 class Worker:
-    def __init__(self, settings: WorkerSettings, backend: Backend) -> None:
+    def __init__(
+        self, settings: WorkerSettings, backend: Backend, warm: SharedWarmUp | None = None
+    ) -> None:
         self.settings = settings
         self.backend = backend
+        self.shared_warm_up = warm or SharedWarmUp()
         self.id = settings.process_id
         self.store = Store.connect(
             settings.redis_url,
@@ -209,13 +222,31 @@ class Worker:
         bound_ms = max(600_000, self.settings.hang_timeout_ms)
         await self.runner.call(["warm-up"], timeout_ms=bound_ms, record="")
         full = max(1, min(MAX_BATCH, self.settings.max_batch))
-        for batch in (["warm up"], ["warm up"] * full, [WARM_UP_INPUT] * full):
+        for batch in (["warm up"], ["warm up"] * full):
             await self.runner.call(batch, timeout_ms=bound_ms, record="anchor")
+        try:
+            await self.runner.call([WARM_UP_INPUT] * full, timeout_ms=bound_ms, record="anchor")
+        except BackendError as exc:
+            if unanswered(exc):
+                raise
+            # (a model whose context is shorter: its batch time starts from the short ones)
+            log.warning("worker.warm_up_long_inputs_failed", error=str(exc)[:300])
         log.info(
             "worker.warm",
             batch_ms=round(self.runner.times.full_batch_ms(self.settings.max_batch), 1),
             backend=self.backend.name,
         )
+
+    async def _warm_up_once(self) -> None:
+        """This process's one warm-up: run here, or adopted from the member
+        that ran it."""
+        shared = self.shared_warm_up
+        async with shared.lock:
+            if shared.anchors is None:
+                await self.warm_up()
+                shared.anchors = self.runner.times.anchors
+            else:
+                self.runner.times.adopt(shared.anchors)
 
     async def _warm_up_when_up(self, stop: asyncio.Event) -> int:
         """The warm-up, once a remote backend's server answers: 0 when done,
@@ -224,11 +255,14 @@ class Worker:
         else: the log line says what)."""
         while await self.watch.wait_until_up(stop, "warm-up"):
             try:
-                await self.warm_up()
+                await self._warm_up_once()
                 return 0
-            except UpstreamError:
-                continue  # (it went away again: wait for it)
-            except (BackendError, Unusable) as exc:
+            except BackendError as exc:
+                if unanswered(exc):
+                    continue  # (it went away again: wait for it)
+                log.error("worker.warm_up_failed", backend=self.backend.name, error=str(exc)[:500])
+                return EXIT_UNUSABLE
+            except Unusable as exc:
                 log.error("worker.warm_up_failed", backend=self.backend.name, error=str(exc)[:500])
                 return EXIT_UNUSABLE
         return -1
@@ -268,6 +302,8 @@ class Worker:
 
     async def _close(self) -> None:
         await asyncio.to_thread(self.lane.close, 5.0)
+        if self.backend.upstream is not None:  # (shared by a process's slots: closed once)
+            await asyncio.to_thread(self.backend.upstream.close)
         self._blocking_take.close()
         await self.store.close()
 

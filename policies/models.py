@@ -9,6 +9,9 @@ from infergate.policies.locator import Locator
 from infergate.policies.schema import Batching, Document, Model, Workers
 
 MAX_CONCURRENCY = 64
+# Backends that run one batch at a time in the worker (the contract's GPU):
+# their workers take no concurrency.
+ONE_CALL_AT_A_TIME = ("simulated", "transformers")
 MAX_NEW_TOKENS = 4_096
 MAX_MODELS = 64
 
@@ -82,6 +85,13 @@ def _check_model(doc: Document, model: Model, here: list[str | int], at: Locator
         out.extend(check_batching(model.batching, [*here, "batching"], at))
     if model.workers is not None:
         out.extend(check_workers(model.workers, [*here, "workers"], at))
+        if model.workers.concurrency > 1 and model.backend in ONE_CALL_AT_A_TIME:
+            out.append(
+                at.problem(
+                    [*here, "workers", "concurrency"],
+                    f"the {model.backend} backend runs one batch at a time: leave it at 1",
+                )
+            )
     return out
 
 

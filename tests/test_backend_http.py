@@ -8,6 +8,7 @@ workers come back by themselves with it."""
 
 import concurrent.futures
 import json
+import re
 import threading
 import time
 import urllib.request
@@ -17,8 +18,8 @@ from pathlib import Path
 import pytest
 from infergate.redis_server import RedisServer
 
-from tests.helpers import Cluster, as_yaml, policy, wait_for
-from tests.upstreams import Server, batch_server
+from tests.helpers import Cluster, as_yaml, http, policy, wait_for
+from tests.upstreams import Server, batch_server, completions_server
 
 TIMEOUT_MS = 6_000
 
@@ -46,7 +47,7 @@ def cluster(
         yield c
         for worker in c.workers:
             assert worker.alive() or worker in c.killed, worker.output()[-2000:]
-            assert "Traceback" not in worker.output()
+            assert not re.search(r"^Traceback", worker.output(), re.M)
 
 
 def _calls(server: Server) -> dict:
@@ -143,7 +144,10 @@ def test_a_server_down_takes_its_workers_out_and_they_come_back(
     # their server is down: a new request gets a prompt 503, not a 504.
     status, _, _ = cluster.infer("paid", "while it is down")
     wait_for(
-        lambda: all(w["upstream_down"] for w in cluster.status()["workers"]),
+        lambda: (
+            all(w["upstream_down"] for w in cluster.status()["workers"])
+            and http("GET", cluster.urls[0] + "/readyz")[2]["workers_alive"] == 0
+        ),
         10,
         "the workers to say their server is down",
     )
@@ -180,3 +184,30 @@ def test_a_worker_starts_before_its_server_and_waits_for_it(
         worker.stop()
         cluster.killed = [*cluster.killed, worker]
         late.stop()
+
+
+# -- openai: with a server that takes a list of prompts --------------------------------
+
+
+def test_an_engine_that_takes_lists_gets_one_call_a_batch(tmp_path: Path, redis_url: str) -> None:
+    """vLLM's wire (``user_backends/completions_server.py``): a batch is one
+    call with its prompts, one call per distinct max_tokens; its tokens are
+    the server's count, its total shared by length; a prompt it refuses
+    fails alone (the batch is split)."""
+    with completions_server(tmp_path) as engine:
+        doc = policy()
+        doc["models"] = {"default": {"backend": f"openai:{engine.url}/v1", "max_new_tokens": 32}}
+        with Cluster(tmp_path, redis_url, as_yaml(doc), workers=1) as c:
+            before = json.loads(urllib.request.urlopen(engine.url + "/calls").read())
+            texts = [f"one two three {i}" for i in range(20)] + ["x __refuse__"]
+            answers = _all(c, texts, parameters={"max_tokens": 3})
+            after = json.loads(urllib.request.urlopen(engine.url + "/calls").read())
+            for text, (status, body) in zip(texts, answers, strict=True):
+                if "__refuse__" in text:
+                    assert (status, body["error"]["code"]) == (500, "INFERENCE_FAILED"), body
+                    assert "over the context" in body["error"]["message"]
+                else:
+                    assert (status, body["output"]) == (200, "ONE TWO THREE"), body
+                    assert body["metadata"]["tokens_used"] == 3
+            # Fewer calls than prompts, though the refused one was split down to.
+            assert after["calls"] - before["calls"] < 20

@@ -5,6 +5,7 @@ it does wrong at run time fails only the inputs it must, never the worker.
 The code is ``tests/user_backends/mymodel.py``, imported as a user's."""
 
 import concurrent.futures
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -116,7 +117,7 @@ def cluster(
         yield c
         for worker in c.workers:
             assert worker.alive(), worker.output()[-2000:]
-            assert "Traceback" not in worker.output()
+            assert not re.search(r"^Traceback", worker.output(), re.M)
 
 
 def _infer(c: Cluster, text: str, model: str, **extra: object) -> tuple[int, dict]:
@@ -160,3 +161,49 @@ def test_a_class_gets_the_policys_options_samples_and_counts_its_tokens(
     assert (status, body["output"]) == (200, "pol:cba~0.5")
     status, body = _infer(cluster, "abcdef", "rev", parameters={"max_tokens": 5})
     assert (status, body["output"], body["metadata"]["tokens_used"]) == (200, "pol:f", 5)
+
+
+# -- infergate backend check -----------------------------------------------------------
+
+
+def _check(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "infergate", "backend", "check", *args],
+        env={"PYTHONPATH": str(USER_CODE), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+
+
+def test_backend_check_passes_a_function_that_keeps_the_contract(tmp_path: Path) -> None:
+    times = tmp_path / "times.json"
+    out = _check(tmp_path, "python:mymodel:batchstring", "--times-out", str(times))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "verdict: keeps the contract" in out.stdout
+    assert "sampling: no, max_tokens: no" in out.stdout
+    # ...and its batch times are what `plan` sizes the workers by.
+    planned = subprocess.run(
+        [sys.executable, "-m", "infergate", "plan", "--rps", "1000", "--backend-times", str(times)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "batches of up to 100 taking" in planned.stdout
+
+
+def test_backend_check_catches_a_function_that_drops_an_output(tmp_path: Path) -> None:
+    out = _check(tmp_path, "python:mymodel:drops_one_of_many")
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert (
+        "BREACH   a batch of 64: failed: the backend returned 63 outputs for 64 inputs"
+        in out.stdout
+    )
+    assert "verdict: 2 breaches of the contract" in out.stdout  # (64 and 100)
+
+
+def test_backend_check_of_code_that_cannot_be_made_exits_2(tmp_path: Path) -> None:
+    out = _check(tmp_path, "python:mymodel:needs_two")
+    assert out.returncode == 2
+    assert "takes 2 arguments" in out.stderr

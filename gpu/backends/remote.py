@@ -168,6 +168,12 @@ class Remote:
             )
         return self._session
 
+    def close(self) -> None:
+        """Close its connections (the worker leaving)."""
+        if self._session is not None:
+            session, self._session = self._session, None
+            self.io.run(session.close())
+
     # -- health ----------------------------------------------------------------
 
     def probe(self) -> bool:

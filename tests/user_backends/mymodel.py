@@ -64,3 +64,9 @@ def needs_two(a: list[str], b: list[str]) -> list[str]:
 def make_reverser(prefix: str = "made") -> Reverser:
     """A factory: its parameters are all keywords."""
     return Reverser(prefix)
+
+
+def drops_one_of_many(inputs: list[str]) -> list[str]:
+    """Keeps the contract for small batches, breaks it from 50 inputs on."""
+    outputs = [f"fn:{s}" for s in inputs]
+    return outputs[:-1] if len(outputs) >= 50 else outputs
