@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install install-torch lock lock-check test lint up up-loadtest bench sweep real-model-check clean FORCE
+.PHONY: install install-torch lock lock-check test test-upstreams lint up up-loadtest bench sweep real-model-check clean FORCE
 
 # Every install takes its versions from the lock: pip reads it as constraints,
 # so a fresh clone gets what CI tested. One lock for every extra (torch's
@@ -64,6 +64,12 @@ test: install          ## lint, type-check and run the whole test suite
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/pytest -q --durations=15
+
+# The remote backends against servers this project did not write (Triton
+# through PyTriton, transformers serve), each in a venv of its own.
+test-upstreams: install
+	bash .ci/upstreams
+	$(BIN)/pytest -q tests/test_backend_servers.py
 
 lint: install
 	$(BIN)/ruff check .

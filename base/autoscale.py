@@ -63,9 +63,13 @@ class DemandMeter:
 
 
 def per_worker_capacity_rps(workers: list[wire.Heartbeat], max_batch_size: int) -> float:
-    """The mean measured capacity of the workers that take work (0 if none has measured)."""
+    """The mean measured capacity of a worker process that takes work (0 if
+    none has measured): a process of N slots (``--concurrency``) beats once
+    a slot, and serves N slots' worth."""
     measured = [
-        worker_capacity_rps(w, max_batch_size) for w in workers if not w.draining and w.batch_ms > 0
+        worker_capacity_rps(w, max_batch_size) * max(1, w.slots)
+        for w in workers
+        if not w.draining and w.batch_ms > 0
     ]
     return sum(measured) / len(measured) if measured else 0.0
 
@@ -103,6 +107,6 @@ class Autoscaler:
             demand_rps=round(demand, 1),
             worker_capacity_rps=round(capacity, 1),
             target_utilization=target_utilization,
-            workers=sum(1 for w in workers if not w.draining),
+            workers=round(sum(1 / max(1, w.slots) for w in workers if not w.draining)),
             at_ms=now_ms,
         )

@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -223,6 +224,7 @@ def local_stack(
     latency_ms: int,
     policy: str,
     log_path: str | None = None,
+    extra: list[str] | None = None,
 ) -> Iterator[Stack]:
     """``infergate up`` with its own Redis on a free port, ready (and every
     worker in the fleet view), stopped on the way out."""
@@ -235,7 +237,7 @@ def local_stack(
             [
                 python, "-m", "infergate", "up", "--port", str(port),
                 "--workers", str(workers), "--gateways", str(gateways),
-                "--sim-latency-ms", str(latency_ms), "--policy", policy,
+                "--sim-latency-ms", str(latency_ms), "--policy", policy, *(extra or []),
             ],
             env=env,
             stdout=subprocess.DEVNULL,
@@ -283,6 +285,11 @@ def main(argv: list[str] | None = None) -> int:
         default="inference",
         help="the route to load: POST /v1/inference or an OpenAI-compatible one",
     )
+    p.add_argument(
+        "--stack-args",
+        default="",
+        help="more flags for `infergate up`, e.g. '--backend http:http://127.0.0.1:9100/infer'",
+    )
     p.add_argument("--log", default=None, help="append the stack's log lines to this file")
     p.add_argument("--json-out", default=None)
     p.add_argument(
@@ -298,7 +305,13 @@ def main(argv: list[str] | None = None) -> int:
 
     reports = []
     with local_stack(
-        args.stack_python, args.workers, args.gateways, args.sim_latency_ms, args.policy, args.log
+        args.stack_python,
+        args.workers,
+        args.gateways,
+        args.sim_latency_ms,
+        args.policy,
+        args.log,
+        shlex.split(args.stack_args),
     ) as stack:
         url, up_pid, redis_pid, args.redis_port = stack
         for rate in rates:

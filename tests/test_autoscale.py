@@ -29,8 +29,8 @@ def gateway(gid: str, beat_ms: int, admitted: int, refused: int = 0) -> wire.Hea
     return wire.Heartbeat("gateway", gid, 0, beat_ms, admitted=admitted, refused=refused)
 
 
-def worker(wid: str, batch_ms: float, draining: bool = False) -> wire.Heartbeat:
-    return wire.Heartbeat("worker", wid, 0, 0, batch_ms=batch_ms, draining=draining)
+def worker(wid: str, batch_ms: float, draining: bool = False, slots: int = 1) -> wire.Heartbeat:
+    return wire.Heartbeat("worker", wid, 0, 0, batch_ms=batch_ms, draining=draining, slots=slots)
 
 
 def test_demand_is_admitted_plus_refused_over_each_gateways_own_beats() -> None:
@@ -92,6 +92,18 @@ def test_the_signal_uses_measured_capacity_and_keeps_it_while_none_reports() -> 
     assert later.desired_workers == 1  # 100 req/s now (the hold is in Redis: above)
 
 
+def test_the_signal_counts_worker_processes_not_their_slots() -> None:
+    """A worker of 4 slots (``--concurrency 4``) beats once a slot: it is
+    one process to start, with four slots' capacity."""
+    scaler = Autoscaler()
+    slots = [worker(f"w.{i}", 100.0, slots=4) for i in range(4)]
+    scaler.signal([gateway("a", 0, 0)], slots, 100, 0.5, 0)
+    signal = scaler.signal([gateway("a", 1_000, 8_000)], slots, 100, 0.5, 1)  # 8,000 req/s
+    assert signal is not None
+    # 4,000 req/s a process (4 slots of 1,000), at 0.5: 4 processes; 1 runs now.
+    assert (signal.desired_workers, signal.worker_capacity_rps, signal.workers) == (4, 4000.0, 1)
+
+
 @pytest.mark.parametrize("text", ["0:4", "3:2", "x", "1:", "1:1000", "-1"])
 def test_worker_range_refuses_what_cannot_run(text: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError):
@@ -101,6 +113,7 @@ def test_worker_range_refuses_what_cannot_run(text: str) -> None:
 def test_worker_range_reads_a_count_or_a_range() -> None:
     assert worker_range("4") == (4, 4)
     assert worker_range("1:8") == (1, 8)
+    assert worker_range("0") == (0, 0)  # (workers on other hosts)
 
 
 def alive_workers(url: str) -> int:

@@ -5,7 +5,9 @@ it does wrong at run time fails only the inputs it must, never the worker.
 The code is ``tests/user_backends/mymodel.py``, imported as a user's."""
 
 import concurrent.futures
+import json
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -16,9 +18,10 @@ import redis
 from infergate.gpu.backend import BackendError, Unusable
 from infergate.gpu.backends.python_code import PythonBackend
 from infergate.policies.backends import MAX_TOKENS, SAMPLING
-from infergate.redis_server import RedisServer
+from infergate.redis_server import RedisServer, free_port
 
-from tests.helpers import Cluster, as_yaml, policy
+from tests.helpers import Cluster, as_yaml, http, policy, wait_for
+from tests.upstreams import answers
 
 USER_CODE = Path(__file__).parent / "user_backends"
 
@@ -207,3 +210,51 @@ def test_backend_check_of_code_that_cannot_be_made_exits_2(tmp_path: Path) -> No
     out = _check(tmp_path, "python:mymodel:needs_two")
     assert out.returncode == 2
     assert "takes 2 arguments" in out.stderr
+
+
+def _readme_block(heading: str) -> list[str]:
+    """The first ``sh`` block under ``heading`` in README.md, by line."""
+    text = (Path(__file__).parent.parent / "README.md").read_text("utf-8")
+    section = text.split(heading, 1)[1]
+    return section.split("```sh\n", 1)[1].split("```", 1)[0].splitlines()
+
+
+def test_the_readmes_bring_your_model_runs_as_written(tmp_path: Path) -> None:
+    """README's "Bring your model", pasted into a shell in a fresh folder:
+    the contract check passes, and `up` serves the function (on a free
+    port, through the flag's environment variable: the lines unchanged)."""
+    lines = _readme_block("## Bring your model")
+    (tmp_path / ".venv").symlink_to(Path(sys.executable).parent.parent)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    *first, up = lines
+    checked = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", "\n".join(first)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "verdict: keeps the contract" in checked.stdout
+    port = free_port()
+    stack = subprocess.Popen(
+        ["bash", "-c", "exec " + up],
+        cwd=tmp_path,
+        env={**env, "INFERGATE_PORT": str(port)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(lambda: answers(f"http://127.0.0.1:{port}/readyz"), 60, "the stack")
+        key = json.loads((tmp_path / "keys.json").read_text())["paid"]
+        status, _, body = http(
+            "POST",
+            f"http://127.0.0.1:{port}/v1/inference",
+            {"input": "hello"},
+            {"Authorization": f"Bearer {key}"},
+        )
+        assert (status, body["output"]) == (200, "HELLO")
+    finally:
+        stack.send_signal(signal.SIGINT)
+        assert stack.wait(40) == 0
