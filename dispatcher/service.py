@@ -169,9 +169,15 @@ class Dispatcher:
         await keep_policy(self.store, policy.version, text)
 
     def pacing_interval_ms(self, rule: BatchRule) -> int:
+        """Hand-offs spaced a batch time over the workers apart, to stagger
+        backends that run one batch at a time; none for workers that keep
+        several in flight (``--concurrency``: an engine that batches by
+        itself takes a request whenever it comes)."""
         workers = self.fleet.workers_alive
         batch_ms = self.fleet.batch_ms()
         if not rule.pacing or workers < 2 or batch_ms <= 0:
+            return 0
+        if any(w.slots > 1 for w in self.fleet.serving()):
             return 0
         return int(batch_ms / workers)
 

@@ -6,10 +6,14 @@ that says when its client has gone.
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from infergate.gateway.api import InferenceRequest
 from infergate.gateway.auth import SEVERAL_AUTHORIZATIONS
 from infergate.gateway.errors import Headers
+
+if TYPE_CHECKING:
+    from infergate.gateway.prompt_lists import ListCharge
 
 # Registers what to run if the client disconnects while its request waits
 # (None clears it). The HTTP edge runs it from the connection's loss: no task
@@ -32,6 +36,8 @@ class Call:
     count_input: bool = False
     # Its key's hold on a connection is taken already (one per call of several prompts).
     held: bool = False
+    # One of a list of prompts: the list's quota, charged for it already.
+    charged: "ListCharge | None" = None
 
 
 def call_from(

@@ -55,8 +55,11 @@ class ApiError(Exception):
         retry_after_ms: int | None = None,
         headers: dict[str, str] | None = None,
         param: str | None = None,
+        retryable: bool | None = None,
     ) -> None:
         super().__init__(message)
+        # False: no retry can succeed (x-should-retry: false); None: by its status.
+        self.retryable = retryable
         self.code = code
         self.message = message
         self.retry_after_ms = retry_after_ms

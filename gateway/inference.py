@@ -31,6 +31,7 @@ from infergate.gateway.errors import (
     error_from_result,
 )
 from infergate.gateway.models import ModelLane
+from infergate.gateway.prompt_lists import ListCharge
 from infergate.gateway.service import Gateway
 from infergate.gateway.sharing import input_digest, scope_owner
 from infergate.policies import KeyEntry, Policy, Tier
@@ -98,8 +99,10 @@ class Request:
     temperature: float = 0.0
     count_input: bool = False
     # The x-ratelimit-* headers, once the request's quota is charged: by its
-    # first enqueue (the same round trip), or before it follows another.
+    # first enqueue (the same round trip), or before it follows another, or
+    # with its list of prompts (``charged``, until it queues: prompt_lists.py).
     quota_headers: dict[str, str] | None = None
+    charged: "ListCharge | None" = None
 
 
 class Inference:
@@ -198,7 +201,11 @@ class Inference:
         share = Share.of(policy, key, body.input, params)
         cached = None if share is None or share.digest is None else await self._cached(lane, share)
         if cached is not None:
-            headers = await self.charge_quota(lane, key, tier, len(body.input))
+            if call.charged is not None:  # (one of a list: charged with it)
+                call.charged.use(call.request_id)
+                headers = call.charged.headers
+            else:
+                headers = await self.charge_quota(lane, key, tier, len(body.input))
             self.gw.metrics.cache_hits.labels(key.tier).inc()
             return respond(call, started, key, lane, cached), headers
         allowance = check_capacity(self.gw, lane, policy.for_model(lane.name), key)
@@ -212,6 +219,8 @@ class Inference:
             request.max_tokens = params.max_tokens or 0
             request.temperature = params.temperature or 0.0
         request.count_input = call.count_input
+        if call.charged is not None:  # (one of a list: charged with it, not again)
+            request.quota_headers, request.charged = call.charged.headers, call.charged
         try:
             result = await self._collapsed_or_run(request, call.on_disconnect)
         except ApiError as exc:
@@ -274,7 +283,11 @@ class Inference:
         lane = request.lane
         if request.quota_headers is not None:
             if envelope is not None:
-                await self._enqueue(lane, envelope, request.key, len(request.text))
+                await self._enqueue(lane, envelope, request)
+            if request.charged is not None:  # (its share of its list's charge is spent)
+                request.charged.use(request.id)
+                request.charged = None
+                self.gw.count_admitted(request.key, lane)
             return
         key, queue_on = request.key, None if envelope is None else envelope.tier
         data, beside = (b"", None) if envelope is None else lane.queue.stored(envelope)
@@ -329,12 +342,7 @@ class Inference:
         if quota.over_share:
             # (not demand the fleet should grow for: one key over its share)
             self.gw.count_refused(key, "key_share", lane, for_capacity=False)
-            raise ApiError(
-                "SERVICE_OVERLOADED",
-                f"this key already has its share of the {key.tier} tier waiting: "
-                "retry when some of its requests are answered",
-                round(lane.fleet.batch_ms() or 100.0),
-            )
+            raise over_share(key, lane)
         if not quota.allowed:
             self.gw.count_refused(key, "quota", lane, for_capacity=False)
             raise ApiError(
@@ -370,7 +378,11 @@ class Inference:
         )
         future = self.gw.replies.park(request_id)
         try:
-            await self._admit(request, envelope)
+            try:
+                await self._admit(request, envelope)
+            except asyncio.CancelledError:  # (its admit may still be on its way: withdrawn)
+                await cancel(request.lane.queue, envelope)
+                raise
             result = await wait_for_reply(
                 request.lane.queue, future, envelope, self._remaining_s(request), on_disconnect
             )
@@ -386,17 +398,26 @@ class Inference:
             raise error_from_result(result.error)
         return result
 
-    async def _enqueue(
-        self, lane: ModelLane, envelope: wire.Envelope, key: KeyEntry, chars: int
-    ) -> None:
-        """Queue the envelope of a request whose quota is charged already
-        (an identical request's follower that runs on its own)."""
-        place = Place(key.id, max(1, chars), key.weight)
+    async def _enqueue(self, lane: ModelLane, envelope: wire.Envelope, request: "Request") -> None:
+        """Queue the envelope of a request whose quota is charged already (an
+        identical request's follower that runs on its own, one of a list of
+        prompts), within its key's share of its tier, as an admit is."""
+        key = request.key
+        place = Place(
+            key.id,
+            max(1, len(request.text)),
+            key.weight,
+            request.allowance,
+            self.gw.shares.recent_weight(key.tier, model=lane.label) if request.allowance else 0.0,
+        )
         try:
-            await lane.queue.enqueue(envelope.tier, *lane.queue.stored(envelope), place)
+            queued = await lane.queue.enqueue(envelope.tier, *lane.queue.stored(envelope), place)
         except STORE_ERRORS as exc:
             logs.limited(log, "request.enqueue_failed", level="warning", error=type(exc).__name__)
             raise self.gw.store_failed(exc, lane.shard) from exc
+        if not queued:
+            self.gw.count_refused(key, "key_share", lane, for_capacity=False)
+            raise over_share(key, lane)
 
 
 async def wait_for_reply(
@@ -440,6 +461,15 @@ async def cancel(queue: GatewayQueue, envelope: wire.Envelope) -> None:
         log.info("request.cancelled", request_id=request_id)
     except STORE_ERRORS as exc:
         logs.limited(log, "request.cancel_failed", level="warning", error=type(exc).__name__)
+
+
+def over_share(key: KeyEntry, lane: ModelLane) -> ApiError:
+    return ApiError(
+        "SERVICE_OVERLOADED",
+        f"this key already has its share of the {key.tier} tier waiting: "
+        "retry when some of its requests are answered",
+        round(lane.fleet.batch_ms() or 100.0),
+    )
 
 
 def _failed(exc: ApiError) -> wire.Result:

@@ -1,5 +1,11 @@
 """Raw ASGI middleware around the Litestar app: the request id on every
-response, and the body's limits, live.
+response, one path per route, HEAD wherever GET, and the body's limits,
+live.
+
+A route has one path: one spelled otherwise (``//v1/admin/usage``,
+``/v1//admin``, a trailing slash, ``/v1/%61dmin``, a dot segment) is 404,
+so a proxy's rule on a path cannot be walked around. HEAD is answered as
+GET is, without its body (load balancers probe with it).
 
 The body is read here, whole, before the app sees it: at most the policy's
 ``limits.max_body_bytes`` (re-read for every request, so a live edit
@@ -10,6 +16,7 @@ same bytes back.
 """
 
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -67,6 +74,12 @@ class RequestIdAndLimits:
                 message["headers"] = [*message.get("headers", ()), header]
             await send(message)
 
+        if not canonical(scope.get("raw_path") or b"/"):
+            logs.limited(log, "request.refused", status=404, code="NOT_FOUND")
+            error = ApiError("NOT_FOUND", "no such path (each route has one spelling)")
+            await _send_error(send_with_id, error, request_id, close=False)
+            return
+
         try:
             body = await self._read_body(scope, receive)
         except BodyRefused as exc:
@@ -76,6 +89,8 @@ class RequestIdAndLimits:
             return
         except ClientLeft:
             return
+        if scope["method"] == "HEAD":  # (answered as GET; uvicorn sends no body for HEAD)
+            scope = {**scope, "method": "GET"}
         await self.app(scope, _replay(body, receive), send_with_id)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
@@ -88,6 +103,27 @@ class RequestIdAndLimits:
             if not message.get("more_body", False) and not body.too_large:
                 return body.whole()
         raise BodyRefused(body.error())
+
+
+# A percent-escape of one of these spells a path a second way: %61 is "a",
+# %2F a slash, %2E a dot (the router decodes them; a proxy's rule may not).
+_NEEDLESS_ESCAPES = re.compile(rb"%(?:[46][1-9A-Fa-f]|[57][0-9Aa]|3[0-9]|2[DEFdef]|5[Ff]|7[Ee])")
+
+
+def canonical(raw_path: bytes) -> bool:
+    """A path as its route spells it: no empty or dot segment, no trailing
+    slash, no escape of a character that needs none (an id that needs one,
+    such as a non-ASCII character, is its route's to refuse)."""
+    if raw_path == b"/":
+        return True
+    return (
+        raw_path.startswith(b"/")
+        and not raw_path.endswith(b"/")
+        and b"//" not in raw_path
+        and b"/./" not in raw_path + b"/"
+        and b"/../" not in raw_path + b"/"
+        and (b"%" not in raw_path or _NEEDLESS_ESCAPES.search(raw_path) is None)
+    )
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
@@ -106,8 +142,10 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-async def _send_error(send: Send, error: ApiError, request_id: str) -> None:
+async def _send_error(send: Send, error: ApiError, request_id: str, close: bool = True) -> None:
     status, headers, body = render(error, request_id)
-    headers += [(b"content-length", b"%d" % len(body)), (b"connection", b"close")]
+    headers += [(b"content-length", b"%d" % len(body))]
+    if close:
+        headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

@@ -189,14 +189,14 @@ SSE = [
 # -- errors ------------------------------------------------------------------
 
 
-def should_retry(error: ApiError, prompts: int = 1) -> bool | None:
+def should_retry(error: ApiError) -> bool | None:
     """What ``x-should-retry`` says (None: leave it to the client's rule,
     which retries 408, 409, 429 and 5xx): no where a retry cannot succeed
-    soon (a quota that resets later, a failing input, a refused key), nor
-    for a list of prompts (its other prompts may be charged and served: a
-    retry would run them all again)."""
+    soon (a quota that resets later, a failing input, a refused key, a list
+    of prompts over a limit as a whole). A list of prompts that failed was
+    withdrawn whole (``prompt_lists.py``): it retries as one prompt does."""
     status = error.status
-    if prompts > 1 or not (status in (408, 409, 429) or status >= 500):
+    if error.retryable is False or not (status in (408, 409, 429) or status >= 500):
         return False
     if error.code == "INFERENCE_FAILED":
         return False
@@ -206,13 +206,13 @@ def should_retry(error: ApiError, prompts: int = 1) -> bool | None:
 
 
 def render_openai(
-    error: ApiError, request_id: str, param: str | None, prompts: int = 1
+    error: ApiError, request_id: str, param: str | None
 ) -> tuple[int, Headers, bytes]:
     """An error in OpenAI's shape (``code`` in its lower case), with
     retry-after, retry-after-ms and x-should-retry."""
     headers = [JSON]
     headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in error.all_headers().items()]
-    if should_retry(error, prompts) is False:
+    if should_retry(error) is False:
         headers.append((b"x-should-retry", b"false"))
     detail = OpenAIErrorDetail(
         error.message, ERRORS[error.code][1], error.param or param, error.code.lower(), request_id

@@ -10,7 +10,7 @@ OpenAI refuses it. ``user`` is accepted and not used.
 
 import re
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from infergate.gateway.api import MAX_TOKENS, InferenceRequest, Parameters
@@ -63,8 +63,10 @@ class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
     text: str = ""
 
 
+# OpenAI's roles, and no other: a role a caller made up, written into a
+# template, could forge a turn of another (``user|>...<|system``).
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
-    role: Annotated[str, msgspec.Meta(max_length=64)]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
 

@@ -13,8 +13,9 @@ import dataclasses
 import time
 from typing import Any
 
-from infergate.base import logs
+from infergate.base import clock, logs
 from infergate.base.metrics import NO_TIER
+from infergate.gateway import prompt_lists
 from infergate.gateway.admin_routes import authorization_of, error_spec
 from infergate.gateway.api import (
     InferenceRequest,
@@ -40,6 +41,7 @@ from infergate.gateway.openai_api import (
     read_chat,
     read_completion,
 )
+from infergate.gateway.prompt_lists import ListCharge
 from infergate.gateway.service import Gateway
 from infergate.policies import KeyEntry, Policy
 from infergate.policies.backends import generates_up_to
@@ -86,8 +88,7 @@ async def answer_openai(
         # (an input the tier refuses is the prompt's or the messages' fault)
         read = ask is not None and exc.code == "INVALID_INPUT"
         where = ("messages" if chat else "prompt") if read else None
-        prompts = 1 if ask is None else len(ask.inputs)
-        return render_openai(exc, request_id, where, prompts)
+        return render_openai(exc, request_id, where)
     except Exception as exc:
         log.exception("request.unexpected_error", request_id=request_id, error=type(exc).__name__)
         return render_openai(ApiError("INTERNAL", "internal error"), request_id, None)
@@ -116,8 +117,15 @@ async def _infer_all(
     if len(requests) == 1:
         response, headers = await inference.infer(_one(call, requests[0], call.request_id))
         return [response], headers
-    holds = inference.gw.holds
+    ids = [f"{call.request_id}-{i}" for i in range(len(requests))]
     try:
+        # One unit (prompt_lists.py): every prompt checked, then all charged at once.
+        checked = [inference.read_body(r, policy, key) for r in requests]
+        _, tier, lane = checked[0]
+        charged = await prompt_lists.charge(
+            inference.gw, lane, key, tier, {i: r.input for i, r in zip(ids, requests, strict=True)}
+        )
+        holds = inference.gw.holds
         holds.take(key.id, policy.document.limits.key_connection_share)
     except ApiError as exc:
         exc.tier = key.tier
@@ -132,15 +140,18 @@ async def _infer_all(
                         _one(
                             call,
                             request,
-                            f"{call.request_id}-{i}",
+                            ids[i],
                             None if fanout is None else fanout.hook_of(i),
                             held=True,
+                            charged=charged,
                         )
                     )
                 )
                 for i, request in enumerate(requests)
             ]
     except BaseExceptionGroup as failed:
+        until_ms = clock.now_ms() + tier.deadline_ms
+        await prompt_lists.withdraw(lane, key, tier, ids, until_ms, charged)
         raise _first_error(failed) from None
     finally:
         holds.release(key.id)
@@ -165,9 +176,11 @@ def _one(
     hook: OnDisconnect | None = None,
     *,
     held: bool = False,
+    charged: ListCharge | None = None,
 ) -> Call:
     """One prompt's call: its own request id, its body read, its input
-    counted (and, one of several, its own disconnect hook)."""
+    counted (and, one of several, its own disconnect hook, and the list's
+    quota charged already)."""
     return dataclasses.replace(
         call,
         request_id=request_id,
@@ -175,6 +188,7 @@ def _one(
         count_input=True,
         held=held,
         on_disconnect=hook if held else call.on_disconnect,
+        charged=charged,
     )
 
 

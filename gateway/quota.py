@@ -150,11 +150,39 @@ class Quota:
         hold_s = min((retry_after_ms - HOLD_EARLY_MS) / 1000.0, HOLD_MOST_S)
         self._refused_until[key_id] = now + hold_s
 
-    async def refund(self, key: KeyEntry, tier: Tier, input_chars: int) -> None:
-        """Give back what ``charge`` took for a request refused after it (a job
-        over its key's queued bound): a charge of minus the cost."""
-        counters = [c.counter for c in self.charges(key, tier, input_chars)]
-        await self.queue.admit([c._replace(cost=-c.cost) for c in counters])
+    async def refund(self, key: KeyEntry, tier: Tier, input_chars: int, requests: int = 1) -> None:
+        """Give back what ``charge`` took for ``requests`` refused after it
+        (a job over its key's queued bound, a list of prompts that failed):
+        a charge of minus the cost."""
+        charges = self._for_many(self.charges(key, tier, input_chars), requests)
+        await self.queue.admit([c.counter._replace(cost=-c.counter.cost) for c in charges])
+
+    async def charge_list(self, key: KeyEntry, tier: Tier, input_chars: list[int]) -> QuotaResult:
+        """Charge ``len(input_chars)`` requests at once, in one step: all of
+        them, or none if any limit lacks room for all."""
+        charges = self._for_many(self.charges(key, tier, sum(input_chars)), len(input_chars))
+        if not charges:
+            return QuotaResult(True)
+        return _result(charges, await self.queue.admit([c.counter for c in charges]))
+
+    def over_as_a_whole(self, key: KeyEntry, tier: Tier, input_chars: list[int]) -> str | None:
+        """The limit that ``input_chars`` (requests at once) are over even in
+        an empty window, if one is: no wait makes room for them."""
+        for c in self.charges(key, tier, sum(input_chars)):
+            need = len(input_chars) if c.kind == "requests" else sum(input_chars)
+            if need > c.counter.amount:
+                return str(c.what)
+        return None
+
+    @staticmethod
+    def _for_many(charges: list[Charge], requests: int) -> list[Charge]:
+        """Charges of ``requests`` requests (a cost limit's is already their total)."""
+        if requests == 1:
+            return charges
+        return [
+            c if c.kind != "requests" else c._replace(counter=c.counter._replace(cost=requests))
+            for c in charges
+        ]
 
 
 def _costing(charge: Charge, cost: int) -> Charge:

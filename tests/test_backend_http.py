@@ -211,3 +211,27 @@ def test_an_engine_that_takes_lists_gets_one_call_a_batch(tmp_path: Path, redis_
                     assert body["metadata"]["tokens_used"] == 3
             # Fewer calls than prompts, though the refused one was split down to.
             assert after["calls"] - before["calls"] < 20
+
+
+def test_pacing_does_not_hold_requests_for_workers_that_keep_several_batches() -> None:
+    """Pacing staggers backends that run one batch at a time; an engine's
+    slots (--concurrency) take a request whenever it comes: held by pacing,
+    a lone request waited a batch time over the slots (400 ms here)."""
+    from types import SimpleNamespace
+
+    from infergate.base import wire
+    from infergate.base.fleet import FleetView
+    from infergate.base.queue.store import FleetSnapshot
+    from infergate.dispatcher.service import BatchRule, Dispatcher
+
+    def interval(slots: int) -> int:
+        view = FleetView(store=None)  # type: ignore[arg-type]
+        beats = [
+            wire.Heartbeat("worker", f"w.{i}", 0, 0, batch_ms=1600.0, slots=slots) for i in range(4)
+        ]
+        view.snapshot = FleetSnapshot(beats, {}, 0)
+        rule = BatchRule(max_batch_size=100, pacing=True)
+        return Dispatcher.pacing_interval_ms(SimpleNamespace(fleet=view), rule)  # type: ignore[arg-type]
+
+    assert interval(slots=1) == 400  # (four workers of one batch at a time: staggered)
+    assert interval(slots=4) == 0

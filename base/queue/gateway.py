@@ -236,6 +236,10 @@ class GatewayQueue:
         long input, if it has one)."""
         await self.store.redis.zadd(self.keys.cancelled, {request_id: until_ms})
 
+    async def cancel_all(self, request_ids: Sequence[str], until_ms: int) -> None:
+        """``cancel`` for several requests, in one command."""
+        await self.store.redis.zadd(self.keys.cancelled, dict.fromkeys(request_ids, until_ms))
+
     async def dead_letters(self, limit: int) -> tuple[int, list[dead_letters.DeadLetter]]:
         """For operators: the dead-letter list's size and its newest ``limit`` batches."""
         return await dead_letters.read(self.store, limit)
