@@ -61,6 +61,9 @@ class Keys:
         self.reaper_lock = self.prefix + "reaper-lock"
         self.quota_prefix = self.root + "quota"
         self.policy = self.root + "policy"
+        # A token set once per Redis (per shard): changed after a subscription
+        # dropped, that Redis lost its contents (a restart without them).
+        self.epoch = self.root + "epoch"
         self.scale_signal = self.prefix + "scale-signal"
         self.scale_history = self.prefix + "scale-history"
         self.queues = tuple(self.queue(t) for t in TIERS)

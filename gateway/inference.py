@@ -26,12 +26,10 @@ from infergate.gateway.api import (
 )
 from infergate.gateway.calls import Call, OnDisconnect
 from infergate.gateway.checks import check_capacity, check_input, check_parameters
-from infergate.gateway.errors import (
-    ApiError,
-    error_from_result,
-)
+from infergate.gateway.errors import RETRY_REDIS_MS, ApiError, error_from_result
 from infergate.gateway.models import ModelLane
 from infergate.gateway.prompt_lists import ListCharge
+from infergate.gateway.replies import QueueLost
 from infergate.gateway.service import Gateway
 from infergate.gateway.sharing import input_digest, scope_owner
 from infergate.policies import KeyEntry, Policy, Tier
@@ -376,7 +374,7 @@ class Inference:
             temperature=request.temperature,
             count_input=request.count_input,
         )
-        future = self.gw.replies.park(request_id)
+        future = self.gw.replies.park(request_id, request.lane.shard)
         try:
             try:
                 await self._admit(request, envelope)
@@ -442,6 +440,12 @@ async def wait_for_reply(
     except ClientGone:
         await cancel(queue, envelope)
         raise ApiError("CLIENT_CLOSED", "the client disconnected") from None
+    except QueueLost:
+        raise ApiError(
+            "SERVICE_OVERLOADED",
+            "the queue store restarted without its contents while the request waited; retry",
+            RETRY_REDIS_MS,
+        ) from None
     except asyncio.CancelledError:  # (another prompt of its call failed)
         await cancel(queue, envelope)
         raise

@@ -5,6 +5,12 @@ resolves futures as replies arrive on ``reply:{gateway}`` (one listener per
 Redis shard: a worker publishes on the shard it took the batch from). A reply can
 arrive twice (a batch retried after a crash between publish and ack): the
 first resolves the future and the rest find nothing to resolve.
+
+A Redis that restarted empty lost the queues its parked requests waited in:
+its token (``GatewayQueue.epoch``) is new when the listener subscribes again.
+Its requests still parked then are given the time a running batch needs to
+answer (``grace_s``), and those not answered by then get ``QueueLost`` (a
+503, to be retried), not a 504 at their deadline.
 """
 
 import asyncio
@@ -19,25 +25,51 @@ from infergate.base.queue.gateway import GatewayQueue
 log = logs.get(__name__)
 
 
+class QueueLost(Exception):
+    """The Redis that held the request's queue restarted without its contents."""
+
+
 class ReplyRouter:
     def __init__(
-        self, queues: list[GatewayQueue], on_ignored: Callable[[], None] = lambda: None
+        self,
+        queues: list[GatewayQueue],
+        on_ignored: Callable[[], None] = lambda: None,
+        grace_s: Callable[[], float] = lambda: 1.0,
     ) -> None:
         self.on_ignored = on_ignored
+        self.grace_s = grace_s
         self.pending: dict[str, asyncio.Future[wire.Result]] = {}
+        self.shard_of: dict[str, int] = {}  # (a request parked on a shard other than 0)
         # Long polls of jobs: woken when the jobs-done channel names their job.
         self.job_waiters: dict[str, list[asyncio.Event]] = {}
         self.duplicates = 0
         self.unreadable = 0
         self.listeners = [_Listener(self, queue, i) for i, queue in enumerate(queues)]
 
-    def park(self, request_id: str) -> asyncio.Future[wire.Result]:
+    def park(self, request_id: str, shard: int = 0) -> asyncio.Future[wire.Result]:
         fut: asyncio.Future[wire.Result] = asyncio.get_running_loop().create_future()
         self.pending[request_id] = fut
+        if shard:
+            self.shard_of[request_id] = shard
         return fut
 
     def forget(self, request_id: str) -> None:
         self.pending.pop(request_id, None)
+        self.shard_of.pop(request_id, None)
+
+    def queue_lost(self, shard: int) -> None:
+        """``shard``'s Redis restarted empty: its parked requests get
+        ``QueueLost`` once a running batch has had time to answer them."""
+        lost = [rid for rid in self.pending if self.shard_of.get(rid, 0) == shard]
+        log.warning("replies.queue_lost", shard=shard, parked=len(lost))
+        if lost:
+            asyncio.get_running_loop().call_later(self.grace_s(), self._fail, lost)
+
+    def _fail(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            fut = self.pending.get(request_id)
+            if fut is not None and not fut.done():
+                fut.set_exception(QueueLost())
 
     def deliver(self, reply: wire.Reply) -> None:
         for result in reply.results:
@@ -106,6 +138,7 @@ class _Listener:
         self.router = router
         self.queue = queue
         self.shard = shard
+        self.epoch: bytes | None = None  # (its Redis's token, when first subscribed)
         self.subscribed = asyncio.Event()
         self.loop = Supervised("reply-listener", self.listen, 0, Backoff(0.05, 1.0))
 
@@ -115,6 +148,10 @@ class _Listener:
         router = self.router
         try:
             async with self.queue.replies() as subscription:
+                epoch = await self.queue.epoch()
+                if self.epoch is not None and epoch != self.epoch:
+                    router.queue_lost(self.shard)
+                self.epoch = epoch
                 self.subscribed.set()
                 self.loop.backoff.reset()
                 log.info("replies.subscribed", shard=self.shard)

@@ -85,7 +85,9 @@ class Gateway:
         self.registry = CollectorRegistry()
         self.metrics = GatewayMetrics(self.registry)
         self.replies = ReplyRouter(
-            [shard.queue for shard in self.shards], on_ignored=self.metrics.replies_ignored.inc
+            [shard.queue for shard in self.shards],
+            on_ignored=self.metrics.replies_ignored.inc,
+            grace_s=self._running_batch_s,
         )
         self.started_ms = clock.now_ms()
         self.lanes = Lanes(self._lane, self.id, len(self.shards), self.shard_index)
@@ -129,6 +131,12 @@ class Gateway:
         shard when none is named: one Redis serves all of a shard's models)."""
         lanes = list(self.lanes) if shard is None else self.lanes.on_shard(shard)
         return bool(lanes) and all(lane.fleet.redis_ok for lane in lanes)
+
+    def _running_batch_s(self) -> float:
+        """How long a batch running now may take to answer: twice the
+        slowest model's batch time, and a second at least."""
+        slowest_ms = max((lane.fleet.batch_ms() for lane in self.lanes), default=0.0)
+        return max(1.0, 2 * slowest_ms / 1000.0)
 
     def workers_alive(self, shard: int = 0) -> int:
         """The workers alive on ``shard`` (a worker serves every shard)."""

@@ -5,6 +5,7 @@ memory, and other clients are still served; a list of prompts is one unit
 answered wherever GET is, and a chat's roles are OpenAI's. Real sockets, a
 real stack."""
 
+import concurrent.futures
 import json
 import re
 import socket
@@ -16,6 +17,7 @@ from typing import Any
 
 import pytest
 import redis
+from infergate.gpu.backends.simulated import sim_output
 from infergate.redis_server import RedisServer
 
 from tests.helpers import (
@@ -324,3 +326,35 @@ def test_a_chat_role_is_one_of_openais(cluster: Cluster) -> None:
         auth("paid"),
     )
     assert (status, body["error"]["param"]) == (400, "messages"), body
+
+
+# -- a queue that Redis lost ---------------------------------------------------------
+
+
+def test_requests_whose_queue_redis_lost_get_a_prompt_503(tmp_path: Path) -> None:
+    """Redis restarts empty while requests wait: the one whose batch is
+    running is answered by its worker as before, the queued ones get 503
+    (retry) a moment later, not 504 at their deadline (10 s)."""
+    server = RedisServer().start()
+    try:
+        with Cluster(
+            tmp_path, server.url, as_yaml(policy(max_batch_size=4)), workers=1, latency_ms=1500
+        ) as c:
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                running = pool.submit(c.infer, "paid", "in the running batch")
+                time.sleep(0.5)  # (taken: the worker runs it for 1.5 s)
+                queued = [pool.submit(c.infer, "paid", f"queued {i}") for i in range(3)]
+                time.sleep(0.5)
+                started = time.monotonic()
+                server.restart()
+                answers = [f.result(timeout=30) for f in queued]
+                took = time.monotonic() - started
+                status, _, body = running.result(timeout=30)
+            assert (status, body["output"]) == (200, sim_output("in the running batch")), body
+            for status, headers, body in answers:
+                assert (status, body["error"]["code"]) == (503, "SERVICE_OVERLOADED"), body
+                assert "restarted without its contents" in body["error"]["message"]
+                assert "retry-after" in headers
+            assert took < 8.0
+    finally:
+        server.close()

@@ -2,6 +2,7 @@
 one step), cancel one, keep and find jobs, and listen for its own replies."""
 
 import contextlib
+import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import NamedTuple
 
@@ -230,6 +231,14 @@ class GatewayQueue:
         """The answer a worker kept for this input digest and model, if any."""
         raw: bytes | None = await self.store.redis.get(self.keys.cache(digest, fingerprint))  # type: ignore[assignment]
         return None if raw is None else raw.decode("utf-8", errors="replace")
+
+    async def epoch(self) -> bytes:
+        """This Redis's token, set by the first to ask (``Keys.epoch``)."""
+        pipe = self.store.redis.pipeline(transaction=True)
+        pipe.set(self.keys.epoch, os.urandom(8).hex(), nx=True)
+        pipe.get(self.keys.epoch)
+        _, token = await pipe.execute()
+        return bytes(token or b"")
 
     async def cancel(self, request_id: str, until_ms: int) -> None:
         """Mark a queued request as abandoned; ``take`` drops it (and its
