@@ -61,6 +61,9 @@ class Keys:
         self.reaper_lock = self.prefix + "reaper-lock"
         self.quota_prefix = self.root + "quota"
         self.policy = self.root + "policy"
+        # Workers warming up (a real model loads, then runs its first batches
+        # for seconds or minutes), each until when it says so: ``up`` waits on.
+        self.warming = self.root + "warming"
         # A token set once per Redis (per shard): changed after a subscription
         # dropped, that Redis lost its contents (a restart without them).
         self.epoch = self.root + "epoch"

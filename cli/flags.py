@@ -121,6 +121,13 @@ def _up_parser(sub: Any) -> None:
     _add(up, "--max-new-tokens", None, "most tokens generated per input (transformers)", int)
     _add(up, "--device", None, "torch device of every worker, e.g. cpu (default: one GPU each)")
     _add(up, "--hang-timeout-ms", None, "the floor of the workers' hang timeout", int)
+    _add(
+        up,
+        "--ready-timeout-s",
+        60.0,
+        "how long to wait for the stack to be ready, and longer while a worker warms up",
+        float,
+    )
     from infergate.scaling import model_counts
 
     _add(

@@ -208,12 +208,15 @@ def _worker(args: argparse.Namespace) -> int:
     from infergate.gpu.gate import Gate, GatedBackend
     from infergate.gpu.worker import SharedWarmUp, Worker, WorkerSettings
     from infergate.policies.models import MAX_CONCURRENCY, ONE_CALL_AT_A_TIME
-    from infergate.serving import backend_for, serve_model
+    from infergate.serving import backend_for, serve_model, warming_said
 
     common = _process(args, "worker")
     live = _live_policy(args, required=False)
     model = serve_model(args, live, "worker")
-    backend = None if model is None else backend_for(args, model)
+    if model is None:
+        return 2
+    with warming_said(args.redis_url, args.namespace, common["process_id"]):
+        backend = backend_for(args, model)
     if backend is None:
         return 2
     document = live.current.document

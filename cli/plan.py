@@ -98,14 +98,16 @@ def _backend_times(path: str) -> tuple[float, int]:
 
 
 def _render(costs: Costs, t: Target, p: Plan) -> str:
-    lengths = ", ".join(str(m.input_chars) for m in costs.measured)
+    sizes = [str(m.input_chars) for m in costs.measured]
+    lengths = sizes[0] if len(sizes) == 1 else ", ".join(sizes[:-1]) + " and " + sizes[-1]
     cores = p.cores_at_peak
     return "\n".join(
         [
             f"{t.rps:g} req/s, peaks x{t.peak:g} ({p.peak_rps:g} req/s), {t.input_chars}-character"
             f" inputs, batches of up to {t.max_batch} taking {t.batch_ms:g} ms,"
             f" every role at most {t.utilization:.0%} busy at peak",
-            f"(costs measured on {costs.machine}, at {lengths} characters: a plan in its cores)",
+            f"(each role's cost was measured on one machine ({costs.machine}) with inputs of"
+            f" {lengths} characters: the cores below are that machine's)",
             "",
             f"  GPU workers      {p.workers:>6}   one GPU each; batches of {p.batch_at_peak:g}"
             f" at peak, {p.batch_at_average:g} at average",

@@ -5,10 +5,15 @@ that does not import, a credential variable unset) is one line on stderr,
 and the worker exits 2 before it joins the fleet."""
 
 import argparse
+import contextlib
 import sys
+import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import redis
 import yaml
+from infergate.base.keys import Keys
 from infergate.policies.backends import BackendSpec, check_options, parse_spec
 from infergate.policies.schema import Model
 
@@ -32,6 +37,32 @@ def serve_model(args: argparse.Namespace, live: "LivePolicy", role: str) -> Mode
         return None
     live.model = name
     return models[name]
+
+
+@contextlib.contextmanager
+def warming_said(redis_url: str, namespace: str, process_id: str) -> Iterator[None]:
+    """While the block runs (the backend is made: a model's weights load),
+    the worker says it is warming up (``Keys.warming``, on the first shard),
+    every two seconds, for five; the warm-up itself says so next."""
+    done = threading.Event()
+    client = redis.Redis.from_url(redis_url.split()[0], socket_timeout=1.0)
+    key = Keys(namespace).warming
+
+    def say() -> None:
+        while not done.is_set():
+            with contextlib.suppress(redis.RedisError):
+                seconds, micros = client.time()
+                client.zadd(key, {process_id: seconds * 1000 + micros // 1000 + 5_000})
+            done.wait(2.0)
+
+    thread = threading.Thread(target=say, name="warming", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join(2.0)
+        client.close()
 
 
 def backend_options(text: str | None) -> dict[str, Any]:

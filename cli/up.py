@@ -13,6 +13,7 @@ import json
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -22,20 +23,22 @@ import urllib.request
 from pathlib import Path
 from types import FrameType
 
+import redis
 from infergate.base import logs
+from infergate.base.keys import Keys
 from infergate.base.queue import redis_url, shards
 from infergate.base.queue.scale_signal import SignalReader
 from infergate.children import Child, Stack
 from infergate.policies import PolicyError, load_policy
+from infergate.policies.backends import check_options, parse_spec
 from infergate.policies.demo import ADMIN_TIER, demo_policy
 from infergate.policies.loader import public_error
+from infergate.policies.models import ONE_CALL_AT_A_TIME
 from infergate.private_file import write_private
 from infergate.redis_server import RedisServer
 from infergate.scaling import WorkerScaler
 
 log = logs.get(__name__)
-
-READY_TIMEOUT_S = 60.0
 
 
 def _ready(url: str) -> bool:
@@ -205,9 +208,13 @@ def _gpus(flag: str | None) -> list[str]:
     return [line.strip() for line in out.splitlines() if line.strip()]
 
 
-def _wait_ready(stack: Stack, url: str, stop_requested: list[int]) -> int | None:
-    """None once the gateway answers ready; else the exit code to stop with."""
-    deadline = time.monotonic() + READY_TIMEOUT_S
+def _wait_ready(
+    stack: Stack, url: str, stop_requested: list[int], timeout_s: float, warming: "Warming"
+) -> int | None:
+    """None once the gateway answers ready; else the exit code to stop with.
+    The wait lasts ``timeout_s``, and as long after it as a worker says it
+    is warming up (a real model on a CPU takes a minute)."""
+    deadline = time.monotonic() + timeout_s
     while not _ready(url):
         failed = stack.failed_child()
         if failed is not None:
@@ -219,13 +226,58 @@ def _wait_ready(stack: Stack, url: str, stop_requested: list[int]) -> int | None
             return 1
         if stop_requested:
             return 0
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline and not warming.any():
             print(
-                f"infergate up: not ready within {READY_TIMEOUT_S:.0f}s ({url}); stopping",
+                f"infergate up: not ready within {timeout_s:.0f}s ({url}), and no worker is "
+                "warming up; stopping (--ready-timeout-s waits longer)",
                 file=sys.stderr,
             )
             return 1
         time.sleep(0.1)
+    return None
+
+
+class Warming:
+    """Whether a worker says it is warming up (``Keys.warming``), on the
+    first shard's Redis, on Redis's clock."""
+
+    def __init__(self, url: str, namespace: str) -> None:
+        self.client = redis.Redis.from_url(url, socket_timeout=1.0)
+        self.key = Keys(namespace).warming
+
+    def any(self) -> bool:
+        try:
+            seconds, micros = self.client.time()
+            return bool(self.client.zcount(self.key, seconds * 1000 + micros // 1000, "+inf"))
+        except redis.RedisError:
+            return False
+
+    def __enter__(self) -> "Warming":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.client.close()
+
+
+def _preflight(args: argparse.Namespace) -> str | None:
+    """What cannot work, found before anything starts (Redis, the demo
+    keys): the backend's spec and options, the gateway's port."""
+    try:
+        spec = parse_spec(args.backend)
+    except ValueError as exc:
+        return f"--backend: {exc}"
+    problems = check_options(spec, args.backend_options or {})
+    if problems:
+        return "--backend-options: " + "; ".join(f"{n or 'options'}: {why}" for n, why in problems)
+    if args.concurrency and args.concurrency > 1 and spec.kind in ONE_CALL_AT_A_TIME:
+        return f"--concurrency: the {spec.kind} backend runs one batch at a time"
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((args.host, args.port))
+        except OSError as exc:
+            return f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}"
     return None
 
 
@@ -249,6 +301,10 @@ def _metrics_ports_fit(args: argparse.Namespace) -> bool:
 def run_stack(args: argparse.Namespace) -> int:
     logs.configure("up", "up")
     if not _metrics_ports_fit(args):
+        return 2
+    problem = _preflight(args)
+    if problem is not None:
+        print(f"infergate up: {problem}", file=sys.stderr)
         return 2
     if not 1 <= args.shards <= shards.MAX_SHARDS:
         print(f"infergate up: --shards is 1-{shards.MAX_SHARDS}", file=sys.stderr)
@@ -324,7 +380,10 @@ def _run(args: argparse.Namespace, policy_path: str, url: str, stop: list[int]) 
         # Without workers of its own the stack is up once its gateway answers
         # (ready once a worker elsewhere joins).
         probe = "/readyz" if args.workers[1] else "/healthz"
-        code = _wait_ready(stack, f"http://{host}:{args.port}{probe}", stop)
+        with Warming(url.split()[0], args.namespace) as warming:
+            code = _wait_ready(
+                stack, f"http://{host}:{args.port}{probe}", stop, args.ready_timeout_s, warming
+            )
         if code is not None:
             return code
         _say_ready(args, url)
@@ -369,12 +428,18 @@ def _scaler(
     return WorkerScaler(reader, low, high, lambda: len(stack.workers()), add, retire)
 
 
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" if n == 1 else f"{n} {what}s"
+
+
 def _say_ready(args: argparse.Namespace, url: str) -> None:
     low, high = args.workers
-    workers = f"{low} workers" if low == high else f"{low}-{high} workers (autoscaled)"
+    workers = _count(low, "worker") if low == high else f"{low}-{high} workers (autoscaled)"
     dispatchers = args.dispatchers
     if args.models:
-        workers = "models " + ", ".join(f"{name} ({n} workers)" for name, n in args.models)
+        workers = "models " + ", ".join(
+            f"{name} ({_count(n, 'worker')})" for name, n in args.models
+        )
         high, dispatchers = sum(n for _, n in args.models), dispatchers * len(args.models)
     if args.metrics_port:
         first_other = args.metrics_port + high
@@ -387,7 +452,7 @@ def _say_ready(args: argparse.Namespace, url: str) -> None:
         )
     print(
         f"infergate up: ready at http://{args.host}:{args.port} "
-        f"({args.gateways} gateway, {args.dispatchers} dispatcher, {workers}; "
+        f"({_count(args.gateways, 'gateway')}, {_count(dispatchers, 'dispatcher')}, {workers}; "
         f"Redis {' '.join(redis_url.redact(u) for u in url.split())})",
         file=sys.stderr,
     )

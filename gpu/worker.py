@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from infergate.base import clock, logs, wire
+from infergate.base.errors import STORE_ERRORS
 from infergate.base.heartbeat import Heartbeater
 from infergate.base.loops import retry_until_done
 from infergate.base.metrics import WorkerMetrics
@@ -59,6 +60,8 @@ log = logs.get(__name__)
 
 EXIT_HUNG = 3
 EXIT_UNUSABLE = 2
+# A worker says it is warming up for this long, again every two fifths of it.
+WARMING_SAID_MS = 5_000
 WARM_UP_INPUT = "warm up " * 64  # (512 characters)
 
 
@@ -239,14 +242,29 @@ class Worker:
 
     async def _warm_up_once(self) -> None:
         """This process's one warm-up: run here, or adopted from the member
-        that ran it."""
+        that ran it. Meanwhile the worker says it is warming up (``up``
+        waits for a stack whose workers do)."""
         shared = self.shared_warm_up
         async with shared.lock:
-            if shared.anchors is None:
-                await self.warm_up()
-                shared.anchors = self.runner.times.anchors
-            else:
+            if shared.anchors is not None:
                 self.runner.times.adopt(shared.anchors)
+                return
+            saying = asyncio.create_task(self._say_warming())
+            try:
+                await self.warm_up()
+            finally:
+                saying.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await saying
+                with contextlib.suppress(*STORE_ERRORS):
+                    await self.queue.warming(None)
+            shared.anchors = self.runner.times.anchors
+
+    async def _say_warming(self) -> None:
+        while True:
+            with contextlib.suppress(*STORE_ERRORS):
+                await self.queue.warming(clock.now_ms() + WARMING_SAID_MS)
+            await asyncio.sleep(WARMING_SAID_MS / 2500)
 
     async def _warm_up_when_up(self, stop: asyncio.Event) -> int:
         """The warm-up, once a remote backend's server answers: 0 when done,

@@ -74,6 +74,13 @@ class WorkerQueue:
 
         await execute(self.store.redis, self.store.scripts, build)
 
+    async def warming(self, until_ms: int | None) -> None:
+        """Say this worker is warming up until ``until_ms`` (None: done)."""
+        if until_ms is None:
+            await self.store.redis.zrem(self.keys.warming, self.worker_id)
+        else:
+            await self.store.redis.zadd(self.keys.warming, {self.worker_id: until_ms})
+
     async def forget_last_step(self) -> None:
         """A worker leaving with nothing in hand: its last step's token goes."""
         await self.store.redis.delete(self.keys.last_step(self.worker_id))

@@ -70,3 +70,13 @@ def drops_one_of_many(inputs: list[str]) -> list[str]:
     """Keeps the contract for small batches, breaks it from 50 inputs on."""
     outputs = [f"fn:{s}" for s in inputs]
     return outputs[:-1] if len(outputs) >= 50 else outputs
+
+
+class SlowToLoad:
+    """Loads its weights for ``load_s`` (a real model on a CPU takes a minute)."""
+
+    def __init__(self, load_s: float = 4.0) -> None:
+        time.sleep(load_s)
+
+    def infer(self, inputs: list[str]) -> list[str]:
+        return [f"loaded:{s}" for s in inputs]
