@@ -42,6 +42,9 @@ class Envelope(msgspec.Struct, frozen=True, omit_defaults=True):
     temperature: float = 0.0
     # Count the input's tokens too (the OpenAI routes' usage).
     count_input: bool = False
+    # A chat's messages, as JSON: a backend with a chat template of its own
+    # renders them in place of ``input`` (the gateway's rendering).
+    conversation: str | None = None
 
 
 class Batch(msgspec.Struct, frozen=True):

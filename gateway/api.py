@@ -149,6 +149,10 @@ class Metadata(msgspec.Struct, omit_defaults=True):
     model_version: str
     # The input's length in them (the OpenAI routes' usage; not sent here).
     input_tokens: int | None = None
+    # The backend answered with nothing: said, not left to an empty string
+    # (an instruct model often ends at once on a prompt outside its chat
+    # template: /v1/chat/completions renders one for it).
+    empty: bool = False
 
 
 class InferenceResponse(msgspec.Struct, omit_defaults=True):

@@ -38,6 +38,8 @@ class Call:
     held: bool = False
     # One of a list of prompts: the list's quota, charged for it already.
     charged: "ListCharge | None" = None
+    # A chat's messages as JSON (``openai_api.Ask``), for the backend.
+    conversation: str | None = None
 
 
 def call_from(

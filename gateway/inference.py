@@ -63,7 +63,12 @@ class Share:
 
     @classmethod
     def of(
-        cls, policy: Policy, key: KeyEntry, text: str, params: Parameters | None
+        cls,
+        policy: Policy,
+        key: KeyEntry,
+        text: str,
+        params: Parameters | None,
+        conversation: str | None = None,
     ) -> "Share | None":
         sharing = policy.document.sharing
         cache_ttl_ms = round(sharing.cache_ttl_s * 1000)
@@ -75,6 +80,8 @@ class Share:
                 return None
             if params.max_tokens is not None:  # the same answer, cut the same
                 owner += f"\nmax_tokens={params.max_tokens}"
+        if conversation is not None:  # (a chat: the same answer for the same messages)
+            owner, text = owner + "\nchat", conversation
         digest = input_digest(owner, text) if cache_ttl_ms > 0 else None
         return cls((owner, text), sharing.collapse, cache_ttl_ms, digest)
 
@@ -101,6 +108,7 @@ class Request:
     # with its list of prompts (``charged``, until it queues: prompt_lists.py).
     quota_headers: dict[str, str] | None = None
     charged: "ListCharge | None" = None
+    conversation: str | None = None
 
 
 class Inference:
@@ -196,7 +204,7 @@ class Inference:
     ) -> tuple[InferenceResponse, dict[str, str]]:
         body, tier, lane = self.read_body(call.request or call.body, policy, key)
         params = body.parameters
-        share = Share.of(policy, key, body.input, params)
+        share = Share.of(policy, key, body.input, params, call.conversation)
         cached = None if share is None or share.digest is None else await self._cached(lane, share)
         if cached is not None:
             if call.charged is not None:  # (one of a list: charged with it)
@@ -217,6 +225,7 @@ class Inference:
             request.max_tokens = params.max_tokens or 0
             request.temperature = params.temperature or 0.0
         request.count_input = call.count_input
+        request.conversation = call.conversation
         if call.charged is not None:  # (one of a list: charged with it, not again)
             request.quota_headers, request.charged = call.charged.headers, call.charged
         try:
@@ -373,6 +382,7 @@ class Inference:
             max_tokens=request.max_tokens,
             temperature=request.temperature,
             count_input=request.count_input,
+            conversation=request.conversation,
         )
         future = self.gw.replies.park(request_id, request.lane.shard)
         try:
@@ -488,7 +498,7 @@ def respond(
     lane.served += 1
     latency_ms = round(clock.elapsed_ms(started), 2)
     version = lane.fleet.fingerprint_of(result.worker) or lane.fleet.fingerprint() or ""
-    metadata = Metadata(result.tokens, latency_ms, version)
+    metadata = Metadata(result.tokens, latency_ms, version, empty=not result.output)
     if call.count_input and call.request is not None:
         # (A cached answer, or one collapsed onto a request that did not ask,
         # has no count from the worker: its words stand in, as for tokens_used.)

@@ -8,6 +8,7 @@ ignored: OpenAI's own fields are accepted at their neutral values (``n: 1``,
 OpenAI refuses it. ``user`` is accepted and not used.
 """
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -95,6 +96,9 @@ class Ask:
     stream: bool
     include_usage: bool
     chat: bool
+    # A chat's messages, as JSON (role and text each): a backend with a chat
+    # template of its own (a transformers tokenizer's) renders them itself.
+    conversation: str | None = None
 
     def requests(self) -> list[InferenceRequest]:
         return [InferenceRequest(text, None, self.model, self.parameters) for text in self.inputs]
@@ -160,7 +164,11 @@ def read_chat(body: bytes, template: ChatTemplate | None) -> Ask:
     text = render_chat(req.messages, template)
     if not text:
         raise invalid("the conversation renders to an empty input", "messages")
-    return _ask(req, [text], req.max_completion_tokens or req.max_tokens, chat=True)
+    ask = _ask(req, [text], req.max_completion_tokens or req.max_tokens, chat=True)
+    conversation = msgspec.json.encode(
+        [{"role": m.role, "content": _text(m)} for m in req.messages]
+    ).decode()
+    return dataclasses.replace(ask, conversation=conversation)
 
 
 def _ask(req: _Common, inputs: list[str], max_tokens: int | None, *, chat: bool) -> Ask:

@@ -115,7 +115,8 @@ async def _infer_all(
     requests too) and fails the call."""
     requests = ask.requests()
     if len(requests) == 1:
-        response, headers = await inference.infer(_one(call, requests[0], call.request_id))
+        one = _one(call, requests[0], call.request_id, conversation=ask.conversation)
+        response, headers = await inference.infer(one)
         return [response], headers
     ids = [f"{call.request_id}-{i}" for i in range(len(requests))]
     try:
@@ -177,6 +178,7 @@ def _one(
     *,
     held: bool = False,
     charged: ListCharge | None = None,
+    conversation: str | None = None,
 ) -> Call:
     """One prompt's call: its own request id, its body read, its input
     counted (and, one of several, its own disconnect hook, and the list's
@@ -189,6 +191,7 @@ def _one(
         held=held,
         on_disconnect=hook if held else call.on_disconnect,
         charged=charged,
+        conversation=conversation,
     )
 
 

@@ -100,9 +100,11 @@ class Prompts(list[str]):
     temperature, when any asks for fewer tokens each one's ``max_tokens``
     (0: the model's bound), the index of the highest tier among them
     (``rank``: a worker serving several shards runs the best-ranked waiting
-    call first, ``gate.py``), and the latest deadline among their requests
+    call first, ``gate.py``), the latest deadline among their requests
     (``deadline_ms``, epoch ms; 0: none; a remote backend retries within
-    it). A slice keeps them."""
+    it), and where any is a chat's, each one's messages (``conversations``,
+    JSON; a backend with a chat template of its own renders them). A slice
+    keeps them."""
 
     def __init__(
         self,
@@ -112,6 +114,7 @@ class Prompts(list[str]):
         rank: int = 0,
         max_tokens: list[int] | None = None,
         deadline_ms: int = 0,
+        conversations: list[str | None] | None = None,
     ) -> None:
         super().__init__(inputs)
         self.keys = keys
@@ -119,12 +122,14 @@ class Prompts(list[str]):
         self.rank = rank
         self.max_tokens = max_tokens
         self.deadline_ms = deadline_ms
+        self.conversations = conversations
 
     def __getitem__(self, i):  # type: ignore[no-untyped-def]
         if not isinstance(i, slice):
             return list.__getitem__(self, i)
         temperatures = None if self.temperatures is None else self.temperatures[i]
         max_tokens = None if self.max_tokens is None else self.max_tokens[i]
+        conversations = None if self.conversations is None else self.conversations[i]
         return Prompts(
             list.__getitem__(self, i),
             self.keys[i],
@@ -132,6 +137,7 @@ class Prompts(list[str]):
             self.rank,
             max_tokens,
             self.deadline_ms,
+            conversations,
         )
 
 
@@ -139,6 +145,12 @@ def max_tokens_of(inputs: list[str]) -> list[int]:
     """Each input's ``max_tokens`` (0: the model's bound), for a call's inputs."""
     given: list[int] | None = getattr(inputs, "max_tokens", None)
     return given if given is not None else [0] * len(inputs)
+
+
+def conversations_of(inputs: list[str]) -> list[str | None]:
+    """Each input's chat messages as JSON, where it is a chat's (None: not)."""
+    given: list[str | None] | None = getattr(inputs, "conversations", None)
+    return given if given is not None else [None] * len(inputs)
 
 
 def deadline_of(inputs: list[str]) -> int:

@@ -49,6 +49,7 @@ from infergate.gpu.backend import (
     BackendError,
     Partial,
     Prompts,
+    conversations_of,
     deadline_of,
     max_tokens_of,
 )
@@ -84,6 +85,7 @@ class _Call:
         # Each input's max_tokens (0 for none), and the latest deadline (``Prompts``).
         self.max_tokens = max_tokens_of(inputs)
         self.deadline_ms = deadline_of(inputs)
+        self.conversations = conversations_of(inputs)
         self.outputs: list[str] = [""] * len(inputs)
         self.passed = 0  # backend calls that ran without it while it waited
         self.given = 0  # inputs given to a backend call so far
@@ -112,6 +114,9 @@ class _Part:
 
     def max_tokens(self) -> list[int]:
         return self.call.max_tokens[self.start : self.end]
+
+    def conversations(self) -> list[str | None]:
+        return self.call.conversations[self.start : self.end]
 
 
 # A loop's credit steps: joining a call with room for so many inputs (the
@@ -370,6 +375,7 @@ class Gate:
     def _backend_call(self, parts: list[_Part]) -> list[str]:
         texts = [text for part in parts for text in part.inputs()]
         max_tokens = [n for part in parts for n in part.max_tokens()]
+        conversations = [c for part in parts for c in part.conversations()]
         inputs = Prompts(
             texts,
             list(texts),
@@ -377,6 +383,7 @@ class Gate:
             min(part.call.rank for part in parts),
             max_tokens if any(max_tokens) else None,
             max(part.call.deadline_ms for part in parts),
+            conversations if any(c is not None for c in conversations) else None,
         )
         if all(part.call.temperatures is None for part in parts):
             outputs = self.backend.infer(inputs)

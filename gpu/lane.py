@@ -58,25 +58,29 @@ def live_envelopes(batch: wire.Batch, now_ms: int) -> list[wire.Envelope]:
 # tokens (an engine that stops there itself answers each its own), or, for a
 # sampled one, a pair no input can equal (two samples are two draws, and no
 # request can name another's).
-SlotKey = str | tuple[str, str] | tuple[str, int]
+SlotKey = str | tuple[str, str] | tuple[str, int, str]
 
 
 def slot_key(env: wire.Envelope) -> SlotKey:
     if env.temperature:
         return ("sampled", env.id)
-    return (wire.input_of(env), env.max_tokens) if env.max_tokens else wire.input_of(env)
+    if env.max_tokens or env.conversation is not None:  # (a chat's whole conversation)
+        return (wire.input_of(env), env.max_tokens, env.conversation or "")
+    return wire.input_of(env)
 
 
 def distinct_inputs(live: list[wire.Envelope]) -> Prompts:
     """The inputs of the backend's call for a batch: one per slot."""
     slots: dict[SlotKey, wire.Envelope] = {}
-    sampled = limited = False
+    sampled = limited = chats = False
     deadline_ms = 0
     for env in live:
         if env.temperature:
             sampled = True
         if env.max_tokens:
             limited = True
+        if env.conversation is not None:
+            chats = True
         if env.deadline_ms > deadline_ms and not env.job:
             deadline_ms = env.deadline_ms
         key = slot_key(env)
@@ -90,6 +94,7 @@ def distinct_inputs(live: list[wire.Envelope]) -> Prompts:
         min((RANKS.get(e.tier, len(TIERS)) for e in live), default=len(TIERS)),
         [e.max_tokens for e in chosen] if limited else None,
         deadline_ms,
+        [e.conversation for e in chosen] if chats else None,
     )
 
 

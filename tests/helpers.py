@@ -497,6 +497,8 @@ def assert_redis_clean(client: redis.Redis, keys: Keys = KEYS) -> None:
         keys.cancelled,
         keys.doorbell,
         keys.policy,
+        keys.epoch,
+        keys.warming,
     )
     per_process = (keys.prefix + "members:", keys.prefix + "credits:", keys.prefix + "step:")
     assert client.llen(keys.doorbell) <= 1

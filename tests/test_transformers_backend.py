@@ -202,3 +202,19 @@ def test_each_row_is_sampled_at_its_own_temperature(tiny_model: Path) -> None:
     text, tokens = backend.clip(greedy, 2)
     assert tokens <= 2
     assert greedy.startswith(text)
+
+
+def test_a_chat_goes_through_the_tokenizers_own_template(tiny_model: Path) -> None:
+    """A chat request's messages are rendered by the tokenizer's chat
+    template where it has one (the gateway's rendering otherwise)."""
+    from infergate.gpu.backend import Prompts
+
+    backend = TransformersBackend(str(tiny_model), max_new_tokens=2, device="cpu")
+    assert backend.chat_template is None  # (the tiny tokenizer has none)
+    conversation = '[{"role":"system","content":"be brief"},{"role":"user","content":"hi"}]'
+    inputs = Prompts(["hi", "plain"], ["a", "b"], conversations=[conversation, None])
+    assert backend._prompts(inputs) == ["hi", "plain"]
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+    backend.tokenizer.chat_template = backend.chat_template = template
+    assert backend._prompts(inputs) == ["<system>be brief<user>hi<assistant>", "plain"]
+    assert len(backend.infer(inputs)) == 2

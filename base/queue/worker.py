@@ -6,7 +6,7 @@ results and its answers for the cache and ack it, in one transaction."""
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
-from infergate.base import wire
+from infergate.base import clock, wire
 from infergate.base.queue import inputs, redis_url
 from infergate.base.queue.forming import TakeResult, new_batch_id, take_args, take_keys, take_result
 from infergate.base.queue.replies import reply_commands
@@ -76,10 +76,13 @@ class WorkerQueue:
 
     async def warming(self, until_ms: int | None) -> None:
         """Say this worker is warming up until ``until_ms`` (None: done)."""
+        pipe = self.store.redis.pipeline(transaction=False)
         if until_ms is None:
-            await self.store.redis.zrem(self.keys.warming, self.worker_id)
+            pipe.zrem(self.keys.warming, self.worker_id)
         else:
-            await self.store.redis.zadd(self.keys.warming, {self.worker_id: until_ms})
+            pipe.zadd(self.keys.warming, {self.worker_id: until_ms})
+        pipe.zremrangebyscore(self.keys.warming, 0, clock.now_ms())  # (those that ended)
+        await pipe.execute()
 
     async def forget_last_step(self) -> None:
         """A worker leaving with nothing in hand: its last step's token goes."""

@@ -1,16 +1,22 @@
 """The real backend: a ``transformers`` causal LM on torch, CUDA when present.
 
-The only module that imports torch or transformers. ``infer`` tokenizes the
-batch with left padding, generates greedily (deterministic) up to
+The only module that imports torch or transformers. A chat request's
+messages go through the tokenizer's own chat template where it has one.
+``infer`` tokenizes the batch with left padding, generates greedily (deterministic) up to
 ``max_new_tokens`` and returns each input's continuation; ``infer_sampled``
 samples each row at its own temperature (0: greedy) in the same one call. Any failure in the
 model call is raised as ``BackendError`` so the worker can isolate the input
 that caused it.
 """
 
+import json
+import os
 from typing import Any
 
-from infergate.gpu.backend import BackendError, OneAtATime, Upstream, check_batch
+from infergate.base import logs
+from infergate.gpu.backend import BackendError, OneAtATime, Upstream, check_batch, conversations_of
+
+log = logs.get(__name__)
 
 
 class TransformersBackend:
@@ -27,8 +33,14 @@ class TransformersBackend:
         max_input_tokens: int = 512,
         device: str | None = None,
     ) -> None:
+        # Progress bars (the weights' download or conversion) stay out of the logs.
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("TQDM_DISABLE", "1")
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
 
         self._torch = torch
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -54,6 +66,9 @@ class TransformersBackend:
             f"transformers/{model_path}/{gguf_file}/{max_new_tokens}/{max_input_tokens}"
         )
         self._one_at_a_time = OneAtATime()
+        # A chat request is rendered by the tokenizer's own template, if it has one.
+        self.chat_template: str | None = getattr(self.tokenizer, "chat_template", None) or None
+        log.info("transformers.chat_template", own=self.chat_template is not None)
 
     def infer(self, inputs: list[str]) -> list[str]:
         return self.infer_sampled(inputs, [])
@@ -75,9 +90,27 @@ class TransformersBackend:
                     f"model call failed: {type(exc).__name__}: {str(exc)[:200]}"
                 ) from exc
 
+    def _prompts(self, inputs: list[str]) -> list[str]:
+        """Each input as the model reads it: a chat's messages through the
+        tokenizer's own chat template where it has one (the gateway's
+        rendering otherwise)."""
+        conversations = conversations_of(inputs)
+        if self.chat_template is None or all(c is None for c in conversations):
+            return list(inputs)
+        return [
+            text
+            if conversation is None
+            else str(
+                self.tokenizer.apply_chat_template(
+                    json.loads(conversation), tokenize=False, add_generation_prompt=True
+                )
+            )
+            for text, conversation in zip(inputs, conversations, strict=True)
+        ]
+
     def _generate(self, inputs: list[str], temperatures: list[float]) -> list[str]:
         enc = self.tokenizer(
-            inputs,
+            self._prompts(inputs),
             return_tensors="pt",
             padding=True,
             truncation=True,
