@@ -245,7 +245,7 @@ class EdgeProtocol(HttpToolsProtocol):
         if self._refused:
             return
         if isinstance(self.cycle, FastCycle):
-            self.cycle.take(body)
+            self.cycle.add(body)
         else:
             super().on_body(body)
 

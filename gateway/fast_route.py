@@ -121,7 +121,7 @@ class FastCycle:
 
     # -- the protocol's side ---------------------------------------------------
 
-    def take(self, chunk: bytes) -> None:
+    def add(self, chunk: bytes) -> None:
         self.body.add(chunk)
         self.message_event.set()
 

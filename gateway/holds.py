@@ -23,7 +23,7 @@ class Holds:
     def limit(self, share: float) -> int:
         return max(1, math.floor(share * self.max_connections))
 
-    def take(self, key_id: str, share: float) -> None:
+    def acquire(self, key_id: str, share: float) -> None:
         """Count one more waiting request of ``key_id`` (``release`` when it
         ends); 429 if the key already holds its share."""
         held = self._held.get(key_id, 0)

@@ -14,76 +14,29 @@ import msgspec
 from infergate.base import clock, logs, tracing, wire
 from infergate.base.errors import STORE_ERRORS
 from infergate.base.metrics import NO_TIER
-from infergate.base.queue.gateway import GatewayQueue, Place
-from infergate.base.queue.inputs import Beside
+from infergate.base.queue.gateway import Place
 from infergate.gateway.api import (
     BadRequestBody,
     InferenceRequest,
     InferenceResponse,
     Metadata,
-    Parameters,
     decode_inference_request,
 )
 from infergate.gateway.calls import Call, OnDisconnect
+from infergate.gateway.charging import charge_quota, over_share
 from infergate.gateway.checks import check_capacity, check_input, check_parameters
-from infergate.gateway.errors import RETRY_REDIS_MS, ApiError, error_from_result
+from infergate.gateway.errors import ApiError, error_from_result
 from infergate.gateway.models import ModelLane
 from infergate.gateway.prompt_lists import ListCharge
-from infergate.gateway.replies import QueueLost
 from infergate.gateway.service import Gateway
-from infergate.gateway.sharing import input_digest, scope_owner
+from infergate.gateway.sharing import Share
+from infergate.gateway.waiting import cancel, wait_for_reply
 from infergate.policies import KeyEntry, Policy, Tier
 
 log = logs.get(__name__)
 _tracer = tracing.tracer(__name__)
 
 RETRY_DRAINING_MS = 100
-
-
-class ClientGone(Exception):
-    """The client closed its connection while its request waited."""
-
-
-def _fail(future: "asyncio.Future[wire.Result]", error: type[Exception]) -> None:
-    if not future.done():
-        future.set_exception(error())
-
-
-@dataclass(frozen=True)
-class Share:
-    """How a request may share its answer (``sharing`` in the policy)."""
-
-    # The input within its scope: who may share it, and the text (a dict key
-    # of this process; no hashing on the request path unless the cache is on).
-    identity: tuple[str, str]
-    collapse: bool
-    cache_ttl_ms: int
-    # The cache's key (a SHA-256 of the identity), only with the cache on.
-    digest: str | None
-
-    @classmethod
-    def of(
-        cls,
-        policy: Policy,
-        key: KeyEntry,
-        text: str,
-        params: Parameters | None,
-        conversation: str | None = None,
-    ) -> "Share | None":
-        sharing = policy.document.sharing
-        cache_ttl_ms = round(sharing.cache_ttl_s * 1000)
-        if not sharing.collapse and cache_ttl_ms <= 0:
-            return None
-        owner = scope_owner(sharing.scope, key)
-        if params is not None:
-            if params.temperature:  # a sample is a draw of its own
-                return None
-            if params.max_tokens is not None:  # the same answer, cut the same
-                owner += f"\nmax_tokens={params.max_tokens}"
-        if conversation is not None:  # (a chat: the same answer for the same messages)
-            owner, text = owner + "\nchat", conversation
-        digest = input_digest(owner, text) if cache_ttl_ms > 0 else None
-        return cls((owner, text), sharing.collapse, cache_ttl_ms, digest)
 
 
 @dataclass
@@ -171,7 +124,7 @@ class Inference:
         holds = None if call.held else self.gw.holds
         try:
             if holds is not None:
-                holds.take(key.id, policy.document.limits.key_connection_share)
+                holds.acquire(key.id, policy.document.limits.key_connection_share)
         except ApiError as exc:
             exc.tier = key.tier
             raise
@@ -211,7 +164,7 @@ class Inference:
                 call.charged.use(call.request_id)
                 headers = call.charged.headers
             else:
-                headers = await self.charge_quota(lane, key, tier, len(body.input))
+                headers = await charge_quota(self.gw, lane, key, tier, len(body.input))
             self.gw.metrics.cache_hits.labels(key.tier).inc()
             return respond(call, started, key, lane, cached), headers
         allowance = check_capacity(self.gw, lane, policy.for_model(lane.name), key)
@@ -299,7 +252,8 @@ class Inference:
         key, queue_on = request.key, None if envelope is None else envelope.tier
         data, beside = (b"", None) if envelope is None else lane.queue.stored(envelope)
         try:
-            request.quota_headers = await self.charge_quota(
+            request.quota_headers = await charge_quota(
+                self.gw,
                 lane,
                 key,
                 request.tier,
@@ -313,52 +267,6 @@ class Inference:
             lane.admission.released(key.tier)  # counted when it was let in
             raise
         self.gw.count_admitted(key, lane)
-
-    async def charge_quota(
-        self,
-        lane: ModelLane,
-        key: KeyEntry,
-        tier: Tier,
-        input_chars: int,
-        queue_on: str | None = None,
-        envelope: bytes = b"",
-        beside: Beside | None = None,
-        allowance: float = 0.0,
-    ) -> dict[str, str]:
-        """Charge the key's limits (and queue ``envelope`` on ``queue_on``, with
-        its long input ``beside`` it, in the same step, if the key holds less
-        than its share of the tier's ``allowance``); returns the x-ratelimit-*
-        headers, or raises 429 (a limit) or 503 (the key's share)."""
-        try:
-            quota = await lane.quota.charge(
-                key,
-                tier,
-                input_chars,
-                queue_on,
-                envelope,
-                beside,
-                allowance,
-                self.gw.shares.recent_weight(key.tier, model=lane.label) if allowance else 0.0,
-            )
-        except STORE_ERRORS as exc:
-            error = self.gw.store_failed(exc, lane.shard)
-            reason = "redis_full" if lane.store.full else "redis"
-            self.gw.count_refused(key, reason, lane, for_capacity=False)
-            raise error from exc
-        headers = quota.headers()
-        if quota.over_share:
-            # (not demand the fleet should grow for: one key over its share)
-            self.gw.count_refused(key, "key_share", lane, for_capacity=False)
-            raise over_share(key, lane)
-        if not quota.allowed:
-            self.gw.count_refused(key, "quota", lane, for_capacity=False)
-            raise ApiError(
-                "RATE_LIMITED",
-                f"rate limit {quota.refused_by} exceeded for this key",
-                quota.retry_after_ms,
-                headers,
-            )
-        return headers
 
     async def _run(self, request: "Request", on_disconnect: OnDisconnect | None) -> wire.Result:
         now_ms = clock.now_ms()
@@ -426,64 +334,6 @@ class Inference:
         if not queued:
             self.gw.count_refused(key, "key_share", lane, for_capacity=False)
             raise over_share(key, lane)
-
-
-async def wait_for_reply(
-    queue: GatewayQueue,
-    future: asyncio.Future[wire.Result],
-    envelope: wire.Envelope,
-    remaining_s: float,
-    on_disconnect: OnDisconnect | None,
-) -> wire.Result:
-    """The request's reply, or 504 at its deadline, or a cancel if the
-    client leaves: one timer, and the edge's disconnect callback."""
-    timer = asyncio.get_running_loop().call_later(
-        max(0.0, remaining_s), _fail, future, TimeoutError
-    )
-    if on_disconnect is not None:
-        on_disconnect(lambda: _fail(future, ClientGone))
-    try:
-        return await future
-    except TimeoutError:
-        timeout_ms = envelope.deadline_ms - envelope.enqueued_ms
-        raise ApiError("TIMEOUT", f"no result within the {timeout_ms} ms deadline") from None
-    except ClientGone:
-        await cancel(queue, envelope)
-        raise ApiError("CLIENT_CLOSED", "the client disconnected") from None
-    except QueueLost:
-        raise ApiError(
-            "SERVICE_OVERLOADED",
-            "the queue store restarted without its contents while the request waited; retry",
-            RETRY_REDIS_MS,
-        ) from None
-    except asyncio.CancelledError:  # (another prompt of its call failed)
-        await cancel(queue, envelope)
-        raise
-    finally:
-        timer.cancel()
-        if on_disconnect is not None:
-            on_disconnect(None)
-
-
-async def cancel(queue: GatewayQueue, envelope: wire.Envelope) -> None:
-    """The client left: mark the request so ``take`` drops it (and its
-    long input) before a worker sees it. One already in a batch runs;
-    its input goes with the answer."""
-    request_id = envelope.id
-    try:
-        await queue.cancel(request_id, envelope.deadline_ms)
-        log.info("request.cancelled", request_id=request_id)
-    except STORE_ERRORS as exc:
-        logs.limited(log, "request.cancel_failed", level="warning", error=type(exc).__name__)
-
-
-def over_share(key: KeyEntry, lane: ModelLane) -> ApiError:
-    return ApiError(
-        "SERVICE_OVERLOADED",
-        f"this key already has its share of the {key.tier} tier waiting: "
-        "retry when some of its requests are answered",
-        round(lane.fleet.batch_ms() or 100.0),
-    )
 
 
 def _failed(exc: ApiError) -> wire.Result:

@@ -22,6 +22,7 @@ from infergate.base import clock, logs, wire
 from infergate.base.errors import STORE_ERRORS
 from infergate.gateway.api import InferenceResponse, JobAccepted, JobView, Parameters
 from infergate.gateway.calls import Call, OnDisconnect
+from infergate.gateway.charging import charge_quota
 from infergate.gateway.errors import (
     ERRORS,
     ApiError,
@@ -67,7 +68,7 @@ class Jobs:
             raise redis_full()
         body, tier, lane = self.inference.read_body(call.body, policy, key)
         params = body.parameters or Parameters()
-        headers = await self.inference.charge_quota(lane, key, tier, len(body.input))
+        headers = await charge_quota(gw, lane, key, tier, len(body.input))
         now_ms = clock.now_ms()
         deadline_ms = tier.job_deadline_ms
         if body.timeout_ms is not None:
@@ -123,7 +124,7 @@ class Jobs:
         if not wait_s > 0:  # (NaN too)
             return await self._read(job_id, key.id)
         holds = self.gateway.holds
-        holds.take(key.id, policy.document.limits.key_connection_share)  # a long poll waits
+        holds.acquire(key.id, policy.document.limits.key_connection_share)  # a long poll waits
         try:
             gone = asyncio.Event()
             if on_disconnect is not None:

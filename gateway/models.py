@@ -30,7 +30,7 @@ log = logs.get(__name__)
 
 
 class ModelLane:
-    """One model's face of a gateway."""
+    """What a gateway keeps for one model of the policy (its lane)."""
 
     def __init__(
         self,

@@ -127,7 +127,7 @@ async def _infer_all(
             inference.gw, lane, key, tier, {i: r.input for i, r in zip(ids, requests, strict=True)}
         )
         holds = inference.gw.holds
-        holds.take(key.id, policy.document.limits.key_connection_share)
+        holds.acquire(key.id, policy.document.limits.key_connection_share)
     except ApiError as exc:
         exc.tier = key.tier
         inference.count_refused(exc)

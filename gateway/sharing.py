@@ -21,11 +21,13 @@ Quotas are charged the same for every request, however it is served.
 import asyncio
 import hashlib
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from infergate.base import logs, wire
 from infergate.base.errors import STORE_ERRORS
 from infergate.base.queue.gateway import GatewayQueue
-from infergate.policies import KeyEntry
+from infergate.gateway.api import Parameters
+from infergate.policies import KeyEntry, Policy
 
 log = logs.get(__name__)
 
@@ -108,3 +110,40 @@ class Cache:
             self.on_error()
             logs.limited(log, "cache.bypassed", error=type(exc).__name__)
             return None
+
+
+@dataclass(frozen=True)
+class Share:
+    """How a request may share its answer (``sharing`` in the policy)."""
+
+    # The input within its scope: who may share it, and the text (a dict key
+    # of this process; no hashing on the request path unless the cache is on).
+    identity: tuple[str, str]
+    collapse: bool
+    cache_ttl_ms: int
+    # The cache's key (a SHA-256 of the identity), only with the cache on.
+    digest: str | None
+
+    @classmethod
+    def of(
+        cls,
+        policy: Policy,
+        key: KeyEntry,
+        text: str,
+        params: Parameters | None,
+        conversation: str | None = None,
+    ) -> "Share | None":
+        sharing = policy.document.sharing
+        cache_ttl_ms = round(sharing.cache_ttl_s * 1000)
+        if not sharing.collapse and cache_ttl_ms <= 0:
+            return None
+        owner = scope_owner(sharing.scope, key)
+        if params is not None:
+            if params.temperature:  # a sample is a draw of its own
+                return None
+            if params.max_tokens is not None:  # the same answer, cut the same
+                owner += f"\nmax_tokens={params.max_tokens}"
+        if conversation is not None:  # (a chat: the same answer for the same messages)
+            owner, text = owner + "\nchat", conversation
+        digest = input_digest(owner, text) if cache_ttl_ms > 0 else None
+        return cls((owner, text), sharing.collapse, cache_ttl_ms, digest)

@@ -17,7 +17,7 @@ from infergate.base.queue.replies import failure_replies, group_by_gateway
 from infergate.base.queue.usage import Charge, shares
 from infergate.base.queue.worker import KeptAnswer
 from infergate.gpu.backend import Backend, BackendError, Counted, UpstreamError
-from infergate.gpu.lane import slot_key
+from infergate.gpu.backend_thread import slot_key
 
 log = logs.get(__name__)
 

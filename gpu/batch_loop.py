@@ -2,11 +2,11 @@
 the last one answered, for as long as the worker lives.
 
 Its state is three fields, each with one meaning: ``following`` (the next
-batch, formed when the last one ran), ``running`` (the call the lane
+batch, formed when the last one ran), ``running`` (the call the backend thread
 started on it) and ``unsure`` (a pull failed: its batch may be in processing
 anyway). Each turn is two steps: ``_next_batch`` (the one following, or
 the one in hand, or a pull; with none, the credit kept offered) and
-``_run`` (the batch run, then the next one taken, by the lane as the call
+``_run`` (the batch run, then the next one taken, by the backend thread as the call
 returned or here, with the answer published in the same step or after).
 """
 
@@ -19,8 +19,8 @@ from infergate.base.loops import Backoff, Step, retry_until_done
 from infergate.base.queue.forming import TakeResult, log_drops, new_batch_id
 from infergate.base.queue.worker import WorkerQueue
 from infergate.gpu.answers import Answer, Finished
+from infergate.gpu.backend_thread import BackendThread, Running, Stepped
 from infergate.gpu.gate import GatedBackend
-from infergate.gpu.lane import Lane, Running, Stepped
 from infergate.gpu.runner import ANSWERED_WITH_TAKE_MAX, BatchRunner, ExitHung
 from infergate.gpu.upstream import UpstreamWatch
 
@@ -46,7 +46,7 @@ class BatchLoop:
         self.runner = runner
         self.watch = watch  # (the backend's server, for a remote backend)
         self.gated = gated  # (the backend is shared with other shards' loops: gate.py)
-        self.lane: Lane = runner.lane
+        self.thread: BackendThread = runner.thread
         self.queue: WorkerQueue = runner.queue
         self.worker_id = runner.worker_id
         self.pull_timeout_s = pull_timeout_s
@@ -81,11 +81,11 @@ class BatchLoop:
                 backoff.reset()
                 await self._run(*batch, stop)
         finally:
-            self.lane.stop_taking()  # nothing takes a batch this loop will not run
+            self.thread.stop_taking()  # nothing takes a batch this loop will not run
             await self.answer_settled()
 
     async def _next_batch(self, stop: asyncio.Event) -> tuple[bytes, Running | None] | None:
-        """The batch to run next, with the call the lane started on it if it
+        """The batch to run next, with the call the backend thread started on it if it
         did; None when there is none now (the credit is then kept offered)."""
         data, self.following = self.following, None
         lane_call, self.running = self.running, None
@@ -112,7 +112,7 @@ class BatchLoop:
         return data, None
 
     async def _run(self, data: bytes, lane_call: Running | None, stop: asyncio.Event) -> None:
-        """Run the batch, then take the next one: the lane took it as the
+        """Run the batch, then take the next one: the backend thread took it as the
         call returned, or it is taken here, with this batch's answer in the
         same step when that answer is small."""
         self.busy = True
@@ -122,7 +122,7 @@ class BatchLoop:
         # while this batch ran (as a rule, long before it returned).
         await self.answer_settled()
         if stepped is not None and stepped.taken is not None:
-            # The lane took the next batch as the call returned (and
+            # The backend thread took the next batch as the call returned (and
             # started it, unless it needs this loop).
             self.following, self.running = self._took(stepped.taken), stepped.running
             self._answer_later(finished, stop, data)
@@ -135,7 +135,7 @@ class BatchLoop:
             self.following = None
         else:
             answer = finished.answer() if finished.size <= ANSWERED_WITH_TAKE_MAX else None
-            step = stepped.step if stepped else None  # the lane's, which failed
+            step = stepped.step if stepped else None  # the backend thread's, which failed
             answered, self.following = await self.take_next(data, stop, answer, step)
             if not answered:
                 # Not answered (stopping, Redis away past the grace): this
@@ -147,9 +147,9 @@ class BatchLoop:
             self.gated.pass_turn()  # (nothing taken: the next call is not waited for)
 
     async def _lane_step(self) -> Stepped | None:
-        """What the lane's take after this batch's call did, if it ran one.
+        """What the backend thread's take after this batch's call did, if it ran one.
         (The replies are built after it: built meanwhile, they hold the GIL
-        the lane needs to start the next call.)"""
+        the backend thread needs to start the next call.)"""
         stepping, self.runner.stepping = self.runner.stepping, None
         if stepping is None:
             return None
@@ -160,9 +160,9 @@ class BatchLoop:
         try:
             stepped = await asyncio.wait_for(asyncio.wrap_future(stepping), bound_s)
         except TimeoutError:
-            await self._exit_hung("lane.take_hung", bound_s=bound_s)
+            await self._exit_hung("backend_thread.take_hung", bound_s=bound_s)
         if stepped.taken is None:
-            log.warning("lane.take_failed", error=stepped.error, step=stepped.step)
+            log.warning("backend_thread.take_failed", error=stepped.error, step=stepped.step)
         return stepped
 
     async def _restore_credit(self, stop: asyncio.Event) -> None:
@@ -172,8 +172,8 @@ class BatchLoop:
 
     def _answer_later(self, finished: Finished, stop: asyncio.Event, data: bytes) -> None:
         """Answer ``data`` in the background (while the next batch runs);
-        the lane takes again once that answer is out."""
-        self.lane.answered.clear()
+        the backend thread takes again once that answer is out."""
+        self.thread.answered.clear()
         self.answering = asyncio.create_task(self.answer(finished, stop, data))
 
     async def answer_settled(self) -> None:
@@ -201,7 +201,7 @@ class BatchLoop:
         and a step under way when stop comes is retried for the publish
         grace (a lost reply's batch is learned, and run). Returns whether
         ``ran`` was answered, and the next batch. ``step``: the token of a
-        step the lane tried and could not finish (it may have run: it is
+        step the backend thread tried and could not finish (it may have run: it is
         repeated, once stopping too, as a step under way)."""
         if stop.is_set() and step is None:
             return False, None
@@ -235,12 +235,12 @@ class BatchLoop:
                 answer.report()
             raise
         if done and answer is not None:
-            self.lane.answered.set()
+            self.thread.answered.set()
             answer.report()
         return done and answer is not None, following
 
     def _took(self, taken: TakeResult) -> bytes | None:
-        """Count what a take did (here or in the lane); returns the next
+        """Count what a take did (here or in the backend thread); returns the next
         batch. (A take that reports the credit lost found the batch gone:
         the reaper took it, or Redis lost it; no credit went out in it, and
         the caller makes sure one is out.)"""
@@ -276,7 +276,7 @@ class BatchLoop:
                 stop,
                 grace_after_stop_s=self._grace_left,
             ):
-                self.lane.answered.set()
+                self.thread.answered.set()
             else:
                 log.error("batch.left_for_the_reaper", worker_id=self.worker_id)
         finally:

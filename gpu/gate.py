@@ -396,7 +396,7 @@ class Gate:
 
 
 class GatedBackend:
-    """One shard's face of a backend shared through a gate."""
+    """A backend shared through a gate, as one shard's loop calls it."""
 
     def __init__(self, gate: Gate, shard: int) -> None:
         self.backend = gate.backend

@@ -1,6 +1,6 @@
 """Running one batch on the backend: its live requests' inputs (long ones
 fetched from beside the queue), one call per distinct input in the backend's
-thread (``lane.py``), bounded by the hang timeout, and a call that fails
+thread (``backend_thread.py``), bounded by the hang timeout, and a call that fails
 split in halves and retried down to the single inputs that fail, so one
 poisoned input fails only its own request. Whatever happens, the batch
 comes back as a ``Finished`` that answers every request in it."""
@@ -28,8 +28,16 @@ from infergate.gpu.backend import (
     UpstreamError,
     slot_keys,
 )
+from infergate.gpu.backend_thread import (
+    BackendThread,
+    Ran,
+    Running,
+    Stepped,
+    Then,
+    distinct_inputs,
+    live_envelopes,
+)
 from infergate.gpu.batch_time import BatchTimes
-from infergate.gpu.lane import Lane, Ran, Running, Stepped, Then, distinct_inputs, live_envelopes
 
 log = logs.get(__name__)
 _tracer = tracing.tracer(__name__)
@@ -46,12 +54,12 @@ ExitHung = Callable[..., Awaitable[NoReturn]]
 
 
 class BatchRunner:
-    """Runs a worker's batches on its backend, through its lane."""
+    """Runs a worker's batches on its backend, through its backend thread."""
 
     def __init__(
         self,
         backend: Backend,
-        lane: Lane,
+        thread: BackendThread,
         queue: WorkerQueue,
         recovery: RecoveryQueue,
         answers: Answers,
@@ -61,7 +69,7 @@ class BatchRunner:
         grace_left: Callable[[], float],
     ) -> None:
         self.backend = backend
-        self.lane = lane
+        self.thread = thread
         self.queue = queue
         self.recovery = recovery
         self.answers = answers
@@ -72,14 +80,14 @@ class BatchRunner:
         self._exit_hung = exit_hung
         self._stopping = stopping
         self._grace_left = grace_left
-        # The take the lane runs after the last batch's call, if it runs one.
+        # The take the backend thread runs after the last batch's call, if it runs one.
         self.stepping: concurrent.futures.Future[Stepped] | None = None
         self._backend_free_since: float | None = None  # monotonic s
         self._returned_at = 0.0  # monotonic s: when the last call returned
 
     @property
     def hang_timeout_ms(self) -> int:
-        """The longest a full batch of long inputs may take (the lane's take's bound)."""
+        """The longest a full batch of long inputs may take (the backend thread's take's bound)."""
         return self.times.hang_timeout_ms(MAX_BATCH, MAX_BATCH * 4_096)
 
     def _timeout_ms(self, inputs: list[str]) -> int:
@@ -92,7 +100,7 @@ class BatchRunner:
         fails outside the backend (or whose answer cannot be built) answers
         every request INFERENCE_FAILED."""
         try:
-            # (one the lane started, it read already)
+            # (one the backend thread started, it read already)
             batch, unreadable = (running.batch, 0) if running else wire.decode_batch(data)
         except msgspec.DecodeError:
             log.error("batch.unreadable", size=len(data))
@@ -109,7 +117,7 @@ class BatchRunner:
         except Exception:
             self._log_failed(batch)
             if running is not None:
-                # Its call ran (or runs) anyway: what the lane did after it is
+                # Its call ran (or runs) anyway: what the backend thread did after it is
                 # learned, as the loop learns it after any call.
                 ran = await self._adopt(running, self._timeout_ms(running.inputs))
                 self.stepping = ran.stepping
@@ -119,8 +127,8 @@ class BatchRunner:
     async def run_batch(
         self, batch: wire.Batch, data: bytes | None = None, running: Running | None = None
     ) -> Finished:
-        """Run the batch (``data``: as it sits in processing, for the lane to
-        take the next one after it; ``running``: the call the lane started on
+        """Run the batch (``data``: as it sits in processing, for the backend thread to
+        take the next one after it; ``running``: the call the backend thread started on
         it)."""
         if not tracing.enabled:
             return await self._run_batch(batch, data, running)
@@ -141,9 +149,9 @@ class BatchRunner:
         running: Running | None = None,
         record: Literal["took", "anchor", ""] = "took",
     ) -> list[str]:
-        """One backend call in the lane, bounded by the hang timeout: a new
-        one, or the ``running`` one the lane started itself. Given ``then``,
-        the lane may take the next batch as the call returns (``stepping``).
+        """One backend call in the backend thread, bounded by the hang timeout: a new
+        one, or the ``running`` one the backend thread started itself. Given ``then``,
+        the backend thread may take the next batch as the call returns (``stepping``).
         ``record``: what its time is to the batch-time model: a call of real
         work ("took"), the warm-up's ("anchor"), or nothing (the load)."""
         timeout_ms = timeout_ms or self._timeout_ms(inputs)
@@ -153,7 +161,7 @@ class BatchRunner:
         else:
             started = clock.monotonic_s()
             try:
-                ran = await asyncio.wait_for(self.lane.call(inputs, then), timeout_ms / 1000.0)
+                ran = await asyncio.wait_for(self.thread.call(inputs, then), timeout_ms / 1000.0)
             except TimeoutError:
                 await self._exit_hung("worker.hung", hang_timeout_ms=timeout_ms, size=len(inputs))
         self._returned_at = ran.returned
@@ -174,7 +182,7 @@ class BatchRunner:
         return outputs
 
     async def _adopt(self, running: Running, timeout_ms: int) -> Ran:
-        """The outcome of the call the lane started, within what is left of
+        """The outcome of the call the backend thread started, within what is left of
         its hang timeout (one already returned is taken as it is)."""
         if running.call.done():
             return running.call.result()
@@ -212,7 +220,7 @@ class BatchRunner:
     async def _run_batch(
         self, batch: wire.Batch, data: bytes | None, running: Running | None
     ) -> Finished:
-        """Run the batch on the backend (or adopt the call the lane started
+        """Run the batch on the backend (or adopt the call the backend thread started
         on it); returns how to build its answer."""
         if running is not None:  # (formed from ``data``, so it is this batch's)
             started_ms, live = running.started_ms, running.live
@@ -234,7 +242,7 @@ class BatchRunner:
         # Identical inputs in one batch take one slot of the backend's call:
         # each distinct input once, its outcome to every request that sent it.
         distinct = running.inputs if running else distinct_inputs(live)
-        # (the lane decided for a running call itself)
+        # (the backend thread decided for a running call itself)
         big = len(live) > ANSWERED_WITH_TAKE_MAX
         then = Then(data) if data is not None and big and running is None else None
         outputs = await self._infer_isolating(distinct, then, running)

@@ -9,8 +9,8 @@ batch acked) while the next one runs. Under load the backend starts again
 one round trip after it returned, with no dispatcher, credit, pull or
 reply-building between the two calls: after a batch of more than
 ``ANSWERED_WITH_TAKE_MAX`` requests, the backend's own thread runs that step
-and starts the next call itself (``lane.py``), without waiting on the
-event loop in between; otherwise (and whenever the lane cannot) the event loop
+and starts the next call itself (``backend_thread.py``), without waiting on the
+event loop in between; otherwise (and whenever the backend thread cannot) the event loop
 runs it. With nothing queued, the same step offers the worker's credit, and
 a dispatcher forms its next batch when work arrives (``pull_batch``).
 
@@ -49,9 +49,9 @@ from infergate.base.queue.worker import WorkerQueue
 from infergate.base.settings import ProcessSettings
 from infergate.gpu.answers import Answers, Finished, Tally
 from infergate.gpu.backend import MAX_BATCH, Backend, BackendError, Unusable, unanswered
+from infergate.gpu.backend_thread import BackendThread, Running
 from infergate.gpu.batch_loop import BatchLoop
 from infergate.gpu.gate import GatedBackend
-from infergate.gpu.lane import Lane, Running
 from infergate.gpu.runner import ANSWERED_WITH_TAKE_MAX, BatchRunner
 from infergate.gpu.upstream import UpstreamWatch
 from prometheus_client import CollectorRegistry
@@ -110,7 +110,7 @@ class Worker:
             model=settings.model,
         )
         self.queue = WorkerQueue(self.store, self.id, settings.usage_retention_s)
-        # Short timeouts: a take the lane cannot finish is repeated by the loop.
+        # Short timeouts: a take the backend thread cannot finish is repeated by the loop.
         self._blocking_take = self.queue.blocking_take(settings.redis_url, timeout_s=1.0)
         # Set at SIGTERM: the heartbeat says draining at once, so admission
         # stops counting this worker while it finishes its batch.
@@ -118,7 +118,7 @@ class Worker:
         # The backend's thread; under load it takes and starts the next batch itself.
         # Shared with other shards' loops (gate.py).
         self.gated = backend if isinstance(backend, GatedBackend) else None
-        self.lane = Lane(
+        self.thread = BackendThread(
             backend,
             self._blocking_take,
             lambda: not self.stopping.is_set(),
@@ -132,7 +132,7 @@ class Worker:
         answers = Answers(self.id, self.store.keys, backend, self.metrics, self.tally)
         self.runner = BatchRunner(
             backend,
-            self.lane,
+            self.thread,
             self.queue,
             self.recovery,
             answers,
@@ -319,7 +319,7 @@ class Worker:
         return 0
 
     async def _close(self) -> None:
-        await asyncio.to_thread(self.lane.close, 5.0)
+        await asyncio.to_thread(self.thread.close, 5.0)
         if self.backend.upstream is not None:  # (shared by a process's slots: closed once)
             await asyncio.to_thread(self.backend.upstream.close)
         self._blocking_take.close()

@@ -4,7 +4,6 @@ real Redis, driven over HTTP."""
 import asyncio
 import json
 import signal
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -375,19 +374,20 @@ def test_up_stops_every_child_on_sigint(tmp_path: Path) -> None:
 def test_up_fails_clearly_when_a_part_cannot_start(
     tmp_path: Path, module_redis: RedisServer
 ) -> None:
-    blocker = socket.socket()
-    blocker.bind(("127.0.0.1", 0))
-    blocker.listen()
-    port = blocker.getsockname()[1]
+    """A worker whose code does not import: up stops, and says which part
+    and why (a busy port or a bad spec is said before anything starts:
+    tests/test_up.py)."""
     proc = Proc(
-        ["up", "--port", str(port), "--workers", "1", "--namespace", "fails"],
+        ["up", "--port", str(free_port()), "--workers", "1", "--namespace", "fails",
+         "--backend", "python:nomodule:batchstring"],
         {"REDIS_URL": module_redis.url},
         tmp_path / "up.log",
-    )
+    )  # fmt: skip
     try:
         code = proc.wait(60)
         assert code != 0
-        assert "gateway-1 failed to start" in proc.output()
+        output = proc.output()
+        assert "worker-1 failed to start (exit code 2)" in output
+        assert "cannot import nomodule: ModuleNotFoundError" in output
     finally:
         proc.stop()
-        blocker.close()

@@ -53,7 +53,11 @@ def test_keys_of_a_model_are_its_own_and_the_deployments_are_shared() -> None:
     [
         ({"m": {"tiers": ["gold"]}}, {}, "unknown tier 'gold'"),
         ({"m": {"keys": ["nobody"]}}, {}, "no key has the id 'nobody'"),
-        ({"m": {"backend": "onnx"}}, {}, "must be one of simulated, transformers"),
+        (
+            {"m": {"backend": "onnx"}},
+            {},
+            "'onnx' is not a backend; write simulated, transformers, python:pkg.module:attr",
+        ),
         ({"m": {"backend": "transformers"}}, {}, "needs the model's folder"),
         ({"a b": {}}, {}, "must be 1-64 letters"),
         ({f"m{i}": {} for i in range(65)}, {}, "at most 64 models"),
@@ -242,7 +246,7 @@ def test_up_models_gives_every_process_its_own_metrics_port() -> None:
 
 def test_no_input_can_name_a_sampled_requests_slot() -> None:
     from infergate.base import wire
-    from infergate.gpu.lane import distinct_inputs
+    from infergate.gpu.backend_thread import distinct_inputs
 
     def env(request_id: str, text: str, temperature: float = 0.0) -> wire.Envelope:
         return wire.Envelope(request_id, "g", "paid", "k", text, 0, 1, temperature=temperature)

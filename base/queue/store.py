@@ -112,7 +112,7 @@ class Store:
 
     def of_model(self, model: str) -> "Store":
         """The same client, scripts and pipeline, under another model's keys
-        (a gateway's face for each model it serves). Only the first store
+        (a gateway's store for each model it serves). Only the first store
         closes the client."""
         return (
             self if model == self.keys.model else Store(self.redis, self.keys.of_model(model), self)

@@ -1,7 +1,7 @@
 """What every remote backend shares: HTTP calls from the backend's thread,
 tried again within the batch's deadline, and the server's health.
 
-A backend call runs in the worker's lane (a thread); its HTTP requests run
+A backend call runs in the worker's backend thread (a thread); its HTTP requests run
 on an event loop of the backend's own (``LoopThread``), so one call may
 send many requests at once (an engine answering each prompt apart) and the
 worker's own loop never waits on a server. A server that cannot be reached,
@@ -86,7 +86,7 @@ class Remote:
     def call(self, inputs: list[str], attempt: Callable[[float], Awaitable[T]]) -> T:
         """``attempt(timeout_s)`` on the backend's loop, tried again as the
         module says, within the batch's deadline and ``timeout_ms``
-        (blocking: the lane's thread)."""
+        (blocking: the backend thread's thread)."""
         return self.io.run(self.attempts(inputs, attempt))
 
     async def attempts(self, inputs: list[str], attempt: Callable[[float], Awaitable[T]]) -> T:

@@ -1,4 +1,4 @@
-"""The backend's thread (``gpu/lane.py``): as a big batch's call returns, it
+"""The backend's thread (``gpu/thread.py``): as a big batch's call returns, it
 takes the next batch itself, from real Redis, and starts the backend on it;
 it leaves the take to the event loop whenever that is the safe thing."""
 
@@ -16,8 +16,8 @@ from infergate.base.queue.inputs import BESIDE_MIN_CHARS
 from infergate.base.queue.store import Store
 from infergate.base.queue.worker import WorkerQueue
 from infergate.gpu.backend import BackendError
+from infergate.gpu.backend_thread import BackendThread, Ran, Then
 from infergate.gpu.backends.simulated import SimulatedBackend
-from infergate.gpu.lane import Lane, Ran, Then
 from infergate.gpu.worker import Worker, WorkerSettings
 
 from tests.helpers import paid_envelope, queued
@@ -62,32 +62,32 @@ async def store(redis_url: str) -> AsyncIterator[Store]:
     await store.close()
 
 
-async def _run_first(store: Store, lane: Lane, backend: Gated, queued: int) -> Ran:
+async def _run_first(store: Store, thread: BackendThread, backend: Gated, queued: int) -> Ran:
     """Call the backend for batch A; while it runs, ``queued`` requests arrive."""
-    call = lane.call(["a"], Then(b"batch A"))
+    call = thread.call(["a"], Then(b"batch A"))
     for i in range(queued):
         await GatewayQueue(store, "gw").enqueue("paid", paid_envelope(i))
     backend.release.set()
     return await asyncio.wait_for(call, 10)
 
 
-def _lane(store: Store, redis_url: str, backend: Gated, may_take: bool = True) -> Lane:
+def _thread(store: Store, redis_url: str, backend: Gated, may_take: bool = True) -> BackendThread:
     take = WorkerQueue(store, "w1").blocking_take(redis_url, timeout_s=2.0)
-    return Lane(backend, take, lambda: may_take, chain_min=0, with_inputs=take.with_inputs)
+    return BackendThread(backend, take, lambda: may_take, chain_min=0, with_inputs=take.with_inputs)
 
 
-def _close(lane: Lane) -> None:
-    lane.close(5)
-    lane._take.close()  # type: ignore[attr-defined]
+def _close(thread: BackendThread) -> None:
+    thread.close(5)
+    thread._take.close()  # type: ignore[attr-defined]
 
 
 async def test_the_lane_takes_the_next_batch_and_starts_it_as_the_call_returns(
     store: Store, redis_url: str
 ) -> None:
     backend = Gated()
-    lane = _lane(store, redis_url, backend)
+    thread = _thread(store, redis_url, backend)
     try:
-        ran = await _run_first(store, lane, backend, queued=3)
+        ran = await _run_first(store, thread, backend, queued=3)
         assert ran.outputs == ["A"]
         assert ran.stepping is not None
         stepped = await asyncio.wrap_future(ran.stepping)
@@ -106,11 +106,11 @@ async def test_the_lane_takes_the_next_batch_and_starts_it_as_the_call_returns(
         following = await asyncio.wait_for(asyncio.wrap_future(running.call), 10)
         assert following.outputs == ["IN0", "IN1", "IN2"]
         assert backend.calls == [["a"], ["in0", "in1", "in2"]]
-        # Batch A's answer is not out yet: the lane took nothing more.
+        # Batch A's answer is not out yet: the backend thread took nothing more.
         assert following.stepping is None
-        assert not lane.answered.is_set()
+        assert not thread.answered.is_set()
     finally:
-        _close(lane)
+        _close(thread)
 
 
 async def test_the_lane_fetches_long_inputs_before_it_starts_their_batch(
@@ -131,9 +131,9 @@ async def test_the_lane_fetches_long_inputs_before_it_starts_their_batch(
             fetched.append(take.with_inputs(envs))
             return fetched[-1]
 
-        lane = Lane(backend, take, lambda: True, chain_min=0, with_inputs=with_inputs)
+        thread = BackendThread(backend, take, lambda: True, chain_min=0, with_inputs=with_inputs)
         try:
-            call = lane.call(["a"], Then(b"batch A"))
+            call = thread.call(["a"], Then(b"batch A"))
             for i, text in enumerate(texts):
                 now = clock.now_ms()
                 env = wire.Envelope(f"r{i}", "gw", "paid", "k", text, now, now + 30_000)
@@ -157,7 +157,7 @@ async def test_the_lane_fetches_long_inputs_before_it_starts_their_batch(
                 following = await asyncio.wait_for(asyncio.wrap_future(stepped.running.call), 10)
                 assert following.outputs == [t.upper() for t in texts]
         finally:
-            _close(lane)
+            _close(thread)
         await store.redis.delete(store.keys.processing("w1"))
         await store.redis.lpush(store.keys.processing("w1"), b"batch A")
         await store.redis.delete(store.keys.last_step("w1"))
@@ -170,13 +170,13 @@ async def test_the_lane_leaves_the_take_to_the_event_loop_when_it_must(
     failed call: nothing is taken, and the queue is as it was."""
     for case in ("answer not out", "stopping", "failed call"):
         backend = Gated(fail=case == "failed call")
-        lane = _lane(store, redis_url, backend, may_take=case != "stopping")
+        thread = _thread(store, redis_url, backend, may_take=case != "stopping")
         if case == "answer not out":
-            lane.answered.clear()
+            thread.answered.clear()
         try:
-            ran = await _run_first(store, lane, backend, queued=1)
+            ran = await _run_first(store, thread, backend, queued=1)
         finally:
-            _close(lane)
+            _close(thread)
         assert ran.stepping is None, case
         assert isinstance(ran.error, BackendError) == (case == "failed call")
         assert await store.redis.lrange(store.keys.processing("w1"), 0, -1) == [b"batch A"]
@@ -187,14 +187,14 @@ async def test_the_lane_leaves_the_take_to_the_event_loop_when_it_must(
 
 
 async def test_a_take_that_fails_leaves_its_step_to_the_event_loop(store: Store) -> None:
-    """Redis unreachable from the lane: the call's outcome still comes back,
+    """Redis unreachable from the backend thread: the call's outcome still comes back,
     with the step's token for the event loop to repeat, and nothing started."""
     backend = Gated()
-    lane = _lane(store, "redis://127.0.0.1:1/0", backend)  # nothing listens there
+    thread = _thread(store, "redis://127.0.0.1:1/0", backend)  # nothing listens there
     try:
-        ran = await _run_first(store, lane, backend, queued=1)
+        ran = await _run_first(store, thread, backend, queued=1)
     finally:
-        _close(lane)
+        _close(thread)
     assert ran.outputs == ["A"]
     assert ran.stepping is not None
     stepped = await asyncio.wrap_future(ran.stepping)
@@ -202,15 +202,15 @@ async def test_a_take_that_fails_leaves_its_step_to_the_event_loop(store: Store)
     assert stepped.running is None
     assert stepped.step
     assert stepped.error == "ConnectionError"
-    assert lane.answered.is_set()
+    assert thread.answered.is_set()
     assert backend.calls == [["a"]]
 
 
 async def test_a_take_whose_reply_is_lost_is_repeated_by_the_event_loop_with_its_token(
     store: Store, redis_url: str
 ) -> None:
-    """The lane's take ran but its reply never came: the event loop repeats
-    the step with the lane's token and gets the batch that step formed; no
+    """The backend thread's take ran but its reply never came: the event loop repeats
+    the step with the backend thread's token and gets the batch that step formed; no
     second batch is formed and no credit goes out."""
     backend = Gated()
     worker_queue = WorkerQueue(store, "w1")
@@ -220,7 +220,7 @@ async def test_a_take_whose_reply_is_lost_is_repeated_by_the_event_loop_with_its
         blocking(ran, step, now_ms)
         raise ConnectionError("the reply was lost")
 
-    lane = Lane(
+    thread = BackendThread(
         backend,
         take_then_lose_the_reply,
         lambda: True,
@@ -228,11 +228,11 @@ async def test_a_take_whose_reply_is_lost_is_repeated_by_the_event_loop_with_its
         with_inputs=blocking.with_inputs,
     )
     try:
-        ran = await _run_first(store, lane, backend, queued=3)
+        ran = await _run_first(store, thread, backend, queued=3)
         assert ran.stepping is not None
         stepped = await asyncio.wrap_future(ran.stepping)
     finally:
-        lane.close(5)
+        thread.close(5)
         blocking.close()
     assert stepped.taken is None
     assert stepped.running is None
@@ -259,9 +259,11 @@ async def test_a_slow_take_does_not_hold_back_the_calls_outcome(
         assert take_may_finish.wait(10)
         return blocking(ran, step, now_ms)
 
-    lane = Lane(backend, slow_take, lambda: True, chain_min=0, with_inputs=blocking.with_inputs)
+    thread = BackendThread(
+        backend, slow_take, lambda: True, chain_min=0, with_inputs=blocking.with_inputs
+    )
     try:
-        ran = await _run_first(store, lane, backend, queued=1)
+        ran = await _run_first(store, thread, backend, queued=1)
         assert ran.stepping is not None
         assert not ran.stepping.done()
         take_may_finish.set()
@@ -270,7 +272,7 @@ async def test_a_slow_take_does_not_hold_back_the_calls_outcome(
         assert stepped.taken.size == 1
     finally:
         take_may_finish.set()
-        lane.close(5)
+        thread.close(5)
         blocking.close()
 
 
@@ -333,15 +335,15 @@ async def test_a_worker_under_load_runs_batch_after_batch_from_its_lane(redis_ur
     and starts the next batches from its backend's thread, and answers
     every request once."""
     backend = Counting(latency_ms=150)
-    worker = Worker(WorkerSettings("w-lane", redis_url), backend)
+    worker = Worker(WorkerSettings("w-thread", redis_url), backend)
     answered = await _serve_60_requests(worker, backend)
     assert set(answered.values()) == {1}
-    assert worker.lane.steps >= 2  # batches two and three came from the lane
+    assert worker.thread.steps >= 2  # batches two and three came from the backend thread
 
 
 async def test_the_lane_waits_for_the_last_answer_before_it_takes(redis_url: str) -> None:
     """Replies that take longer to go out than a batch takes to run: the
-    lane never takes beside an unanswered batch (the event loop takes once
+    thread never takes beside an unanswered batch (the event loop takes once
     the answer is out), so nothing runs twice and processing holds two
     batches at most."""
     backend = Counting(latency_ms=100)

@@ -5,7 +5,7 @@ A call made through ``asyncio.to_thread`` crosses threads twice between
 two batches: its result wakes the event loop, which takes the next batch
 and wakes a thread again to run it. On a busy host each wake-up is a
 scheduling delay (one worker at 900 req/s on this project's 2-core test
-machine: about 1.7 ms of every cycle, beside the take itself). So the lane
+machine: about 1.7 ms of every cycle, beside the take itself). So the backend thread
 runs a big batch's call with what it needs to take the next one (``Then``):
 when the call returns, its outcome goes to the event loop at once (so the
 hang timeout counts the call alone), and the same thread runs the worker's take
@@ -15,7 +15,7 @@ take did (``Ran.stepping``), publishes the last batch's replies while the
 next batch runs, and adopts the running call (``Running``) as it comes to
 that batch.
 
-The lane takes only when it is safe to, and otherwise leaves the take to
+The backend thread takes only when it is safe to, and otherwise leaves the take to
 the event loop exactly as without it: not for a small batch (answered in
 the take's own step there), not once the worker is stopping, not while the
 last batch's answer is not out yet (``answered``: at most two batches in
@@ -100,14 +100,14 @@ def distinct_inputs(live: list[wire.Envelope]) -> Prompts:
 
 @dataclass(frozen=True)
 class Then:
-    """What a call's batch needs for the lane to take the next one."""
+    """What a call's batch needs for the backend thread to take the next one."""
 
     ran: bytes  # the batch, as it sits in processing
 
 
 @dataclass(frozen=True)
 class Running:
-    """A batch the lane took and started: the event loop adopts its call."""
+    """A batch the backend thread took and started: the event loop adopts its call."""
 
     data: bytes
     batch: wire.Batch
@@ -120,7 +120,7 @@ class Running:
 
 @dataclass(frozen=True)
 class Stepped:
-    """The take the lane ran as a call returned: its result (None if it
+    """The take the backend thread ran as a call returned: its result (None if it
     failed: the event loop repeats ``step``), and the batch it started."""
 
     step: str
@@ -132,7 +132,7 @@ class Stepped:
 @dataclass(frozen=True)
 class Ran:
     """A call's outcome: outputs or the backend's error, when it returned
-    (monotonic s), and, if the lane takes after it, what that take does."""
+    (monotonic s), and, if the backend thread takes after it, what that take does."""
 
     outputs: list[str] | None
     error: BaseException | None
@@ -148,7 +148,7 @@ class _Job:
     context: contextvars.Context
 
 
-class Lane:
+class BackendThread:
     def __init__(
         self,
         backend: Backend,
@@ -160,7 +160,7 @@ class Lane:
         ],
     ) -> None:
         """``take(ran, step, now_ms)`` runs the worker's take, blocking;
-        ``may_take()`` says whether the lane may take now (not stopping);
+        ``may_take()`` says whether the backend thread may take now (not stopping);
         a batch of more than ``chain_min`` live requests is taken after;
         ``with_inputs(envelopes)`` fetches their long inputs, blocking
         (``inputs.filled``: those with them, those whose input is gone)."""
@@ -170,19 +170,19 @@ class Lane:
         self._may_take = may_take
         self._chain_min = chain_min
         # Set while nothing of this worker's waits to be answered: cleared by
-        # the lane when it takes (the batch just run is answered next) and by
+        # the backend thread when it takes (the batch just run is answered next) and by
         # the event loop when it starts an answer; set by the event loop once
         # an answer is out (its transaction, or a take's that answers).
         self.answered = threading.Event()
         self.answered.set()
-        self._taking = True  # until the event loop stops running what the lane takes
+        self._taking = True  # until the event loop stops running what the backend thread takes
         self._started = False
-        self.steps = 0  # batches the lane took and started itself
+        self.steps = 0  # batches the backend thread took and started itself
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._serve, name="backend-lane", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name="backend-thread", daemon=True)
 
     def call(self, inputs: list[str], then: Then | None = None) -> "asyncio.Future[Ran]":
-        """Run ``inputs`` once the lane is free (in the caller's context, as
+        """Run ``inputs`` once the backend thread is free (in the caller's context, as
         ``asyncio.to_thread`` would); the future gets the outcome."""
         if not self._started:
             self._started = True
@@ -192,7 +192,7 @@ class Lane:
         return asyncio.wrap_future(call)
 
     def stop_taking(self) -> None:
-        """From now on the lane takes nothing: nobody would run it."""
+        """From now on the backend thread takes nothing: nobody would run it."""
         self._taking = False
 
     def close(self, timeout_s: float) -> None:
@@ -210,7 +210,7 @@ class Lane:
                 job = self._run(job)
 
     def _run(self, job: _Job) -> _Job | None:
-        """Run one call; returns the next one if the lane took and started it."""
+        """Run one call; returns the next one if the backend thread took and started it."""
         try:
             outputs, error = job.context.run(run, self.backend, job.inputs), None
         except BaseException as exc:  # the event loop's to raise, as to_thread would

@@ -1,0 +1,66 @@
+"""Charging a request to its key's quotas, and queueing it in the same
+step (``Quota.charge``), with what a client gets when a limit or its key's
+share of its tier says no: 429 with the x-ratelimit-* headers, or 503."""
+
+from infergate.base.errors import STORE_ERRORS
+from infergate.base.queue.inputs import Beside
+from infergate.gateway.errors import ApiError
+from infergate.gateway.models import ModelLane
+from infergate.gateway.service import Gateway
+from infergate.policies import KeyEntry, Tier
+
+
+async def charge_quota(
+    gw: Gateway,
+    lane: ModelLane,
+    key: KeyEntry,
+    tier: Tier,
+    input_chars: int,
+    queue_on: str | None = None,
+    envelope: bytes = b"",
+    beside: Beside | None = None,
+    allowance: float = 0.0,
+) -> dict[str, str]:
+    """Charge the key's limits (and queue ``envelope`` on ``queue_on``, with
+    its long input ``beside`` it, in the same step, if the key holds less
+    than its share of the tier's ``allowance``); returns the x-ratelimit-*
+    headers, or raises 429 (a limit) or 503 (the key's share)."""
+    try:
+        quota = await lane.quota.charge(
+            key,
+            tier,
+            input_chars,
+            queue_on,
+            envelope,
+            beside,
+            allowance,
+            gw.shares.recent_weight(key.tier, model=lane.label) if allowance else 0.0,
+        )
+    except STORE_ERRORS as exc:
+        error = gw.store_failed(exc, lane.shard)
+        reason = "redis_full" if lane.store.full else "redis"
+        gw.count_refused(key, reason, lane, for_capacity=False)
+        raise error from exc
+    headers = quota.headers()
+    if quota.over_share:
+        # (not demand the fleet should grow for: one key over its share)
+        gw.count_refused(key, "key_share", lane, for_capacity=False)
+        raise over_share(key, lane)
+    if not quota.allowed:
+        gw.count_refused(key, "quota", lane, for_capacity=False)
+        raise ApiError(
+            "RATE_LIMITED",
+            f"rate limit {quota.refused_by} exceeded for this key",
+            quota.retry_after_ms,
+            headers,
+        )
+    return headers
+
+
+def over_share(key: KeyEntry, lane: ModelLane) -> ApiError:
+    return ApiError(
+        "SERVICE_OVERLOADED",
+        f"this key already has its share of the {key.tier} tier waiting: "
+        "retry when some of its requests are answered",
+        round(lane.fleet.batch_ms() or 100.0),
+    )

@@ -1,0 +1,73 @@
+"""A parked request's wait: its reply, or 504 at its deadline, or its
+client leaving (the request is withdrawn: take drops it), or its queue lost
+with a Redis that restarted empty (503, to be retried): one timer, and the
+edge's disconnect callback, no task per request."""
+
+import asyncio
+
+from infergate.base import logs, wire
+from infergate.base.errors import STORE_ERRORS
+from infergate.base.queue.gateway import GatewayQueue
+from infergate.gateway.calls import OnDisconnect
+from infergate.gateway.errors import RETRY_REDIS_MS, ApiError
+from infergate.gateway.replies import QueueLost
+
+log = logs.get(__name__)
+
+
+class ClientGone(Exception):
+    """The client closed its connection while its request waited."""
+
+
+def _fail(future: "asyncio.Future[wire.Result]", error: type[Exception]) -> None:
+    if not future.done():
+        future.set_exception(error())
+
+
+async def wait_for_reply(
+    queue: GatewayQueue,
+    future: asyncio.Future[wire.Result],
+    envelope: wire.Envelope,
+    remaining_s: float,
+    on_disconnect: OnDisconnect | None,
+) -> wire.Result:
+    """The request's reply, or 504 at its deadline, or a cancel if the
+    client leaves: one timer, and the edge's disconnect callback."""
+    timer = asyncio.get_running_loop().call_later(
+        max(0.0, remaining_s), _fail, future, TimeoutError
+    )
+    if on_disconnect is not None:
+        on_disconnect(lambda: _fail(future, ClientGone))
+    try:
+        return await future
+    except TimeoutError:
+        timeout_ms = envelope.deadline_ms - envelope.enqueued_ms
+        raise ApiError("TIMEOUT", f"no result within the {timeout_ms} ms deadline") from None
+    except ClientGone:
+        await cancel(queue, envelope)
+        raise ApiError("CLIENT_CLOSED", "the client disconnected") from None
+    except QueueLost:
+        raise ApiError(
+            "SERVICE_OVERLOADED",
+            "the queue store restarted without its contents while the request waited; retry",
+            RETRY_REDIS_MS,
+        ) from None
+    except asyncio.CancelledError:  # (another prompt of its call failed)
+        await cancel(queue, envelope)
+        raise
+    finally:
+        timer.cancel()
+        if on_disconnect is not None:
+            on_disconnect(None)
+
+
+async def cancel(queue: GatewayQueue, envelope: wire.Envelope) -> None:
+    """The client left: mark the request so ``take`` drops it (and its
+    long input) before a worker sees it. One already in a batch runs;
+    its input goes with the answer."""
+    request_id = envelope.id
+    try:
+        await queue.cancel(request_id, envelope.deadline_ms)
+        log.info("request.cancelled", request_id=request_id)
+    except STORE_ERRORS as exc:
+        logs.limited(log, "request.cancel_failed", level="warning", error=type(exc).__name__)
