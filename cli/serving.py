@@ -45,7 +45,11 @@ def warming_said(redis_url: str, namespace: str, process_id: str) -> Iterator[No
     the worker says it is warming up (``Keys.warming``, on the first shard),
     every two seconds, for five; the warm-up itself says so next."""
     done = threading.Event()
-    client = redis.Redis.from_url(redis_url.split()[0], socket_timeout=1.0)
+    try:
+        client = redis.Redis.from_url(redis_url.split()[0], socket_timeout=1.0)
+    except ValueError:  # (a Sentinel URL: the warm-up itself says so, once connected)
+        yield
+        return
     key = Keys(namespace).warming
 
     def say() -> None:

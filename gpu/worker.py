@@ -249,22 +249,24 @@ class Worker:
             if shared.anchors is not None:
                 self.runner.times.adopt(shared.anchors)
                 return
-            saying = asyncio.create_task(self._say_warming())
+            warm = asyncio.Event()
+            saying = asyncio.create_task(self._say_warming(warm))
             try:
                 await self.warm_up()
             finally:
-                saying.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await saying
-                with contextlib.suppress(*STORE_ERRORS):
-                    await self.queue.warming(None)
+                # (set, not cancelled: redis-py may turn a cancel into an error it raises)
+                warm.set()
+                await saying
             shared.anchors = self.runner.times.anchors
 
-    async def _say_warming(self) -> None:
-        while True:
+    async def _say_warming(self, warm: asyncio.Event) -> None:
+        while not warm.is_set():
             with contextlib.suppress(*STORE_ERRORS):
                 await self.queue.warming(clock.now_ms() + WARMING_SAID_MS)
-            await asyncio.sleep(WARMING_SAID_MS / 2500)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(warm.wait(), WARMING_SAID_MS / 2500)
+        with contextlib.suppress(*STORE_ERRORS):
+            await self.queue.warming(None)
 
     async def _warm_up_when_up(self, stop: asyncio.Event) -> int:
         """The warm-up, once a remote backend's server answers: 0 when done,

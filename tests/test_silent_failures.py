@@ -151,6 +151,8 @@ class _Buggy:
     """A backend with a bug: it raises something that is not a BackendError."""
 
     name = "buggy"
+    lacks: frozenset[str] = frozenset()
+    upstream = None
 
     def infer(self, inputs: list[str]) -> list[str]:
         raise KeyError("a bug, not a model failure")
