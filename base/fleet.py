@@ -65,6 +65,7 @@ class FleetView:
         # Derived once per snapshot (a few times a second), read per request.
         self._serving: list[wire.Heartbeat] = []
         self._batch_ms = 0.0
+        self._one_ms = 0.0
         self._capacity: dict[int, float] = {}
         self._models: dict[str, str] = {}  # each worker's fingerprint
         self._lacks: frozenset[str] = frozenset()
@@ -98,6 +99,12 @@ class FleetView:
         self._models = {} if snapshot is None else {w.id: w.model for w in snapshot.workers}
         times = [w.batch_ms for w in self._serving if w.batch_ms > 0]
         self._batch_ms = sum(times) / len(times) if times else 0.0
+        ones = [
+            w.one_ms if 0 < w.one_ms < w.batch_ms else w.batch_ms
+            for w in self._serving
+            if w.batch_ms > 0
+        ]
+        self._one_ms = sum(ones) / len(ones) if ones else 0.0
         self._capacity = {}
 
     def fingerprint(self) -> str | None:
@@ -133,6 +140,15 @@ class FleetView:
     def batch_ms(self) -> float:
         """Mean measured batch time of the serving workers (0 if unknown)."""
         return self._batch_ms
+
+    def batch_of_ms(self, size: int, max_batch_size: int) -> float:
+        """The expected time of a batch of ``size`` inputs: between a batch
+        of one's and a full batch's, by size (the workers' fits are linear
+        in the inputs)."""
+        full, one = self._batch_ms, self._one_ms
+        if size >= max_batch_size or max_batch_size <= 1 or one >= full:
+            return full
+        return one + (full - one) * (max(size, 1) - 1) / (max_batch_size - 1)
 
     def arrival_rps(self, tier: str) -> float:
         """Requests of ``tier`` admitted per second, fleet-wide, of late."""

@@ -159,6 +159,9 @@ class Heartbeat(msgspec.Struct, frozen=True, omit_defaults=True):
     # (its capacity follows from the live policy's batch size: see fleet.py).
     delivered_rps: float = 0.0
     batch_ms: float = 0.0
+    # ...and a batch of one input's time (0: not said, as by a worker of an
+    # earlier version: a full batch's then stands for every batch).
+    one_ms: float = 0.0
     draining: bool = False
     # A worker's backend fingerprint (what decides its outputs): the cache's key.
     model: str = ""

@@ -7,8 +7,10 @@ A tier's requests are served at the rate the tiers above leave,
 ``C - (their arrival rate)`` (the gateways' heartbeats carry what each
 admitted per tier), after the work already queued above them; or, whatever
 is above, at the rate of the batch slots the tier reserves. So the requests
-of a tier that can wait and still be answered within its budget (less one
-batch time, its own batch's) is its *allowance*:
+of a tier that can wait and still be answered within its budget (less its
+own batch's time: a full batch's on a GPU, where a batch takes the same
+whatever its size; by its size where a batch's time grows with it, a model
+on a CPU or an engine that serves each input apart) is its *allowance*:
 
     max(budget * (C - arrivals above) - queued above,  budget * C * slots / batch)
 
@@ -115,15 +117,23 @@ class Admission:
         reserved = capacity * policy.reserved_slots(tier) / policy.document.batching.max_batch_size
         return capacity - above, reserved
 
-    def _budget_s(self, policy: Policy, tier: str) -> float:
+    def _own_batch_ms(self, policy: Policy, queued: int) -> float:
+        """The time of the batch a request joins behind ``queued`` others: a
+        full batch's on a GPU; on a CPU, or an engine that serves each input
+        apart, a short queue's batch is far quicker than a full one's."""
+        max_batch = policy.document.batching.max_batch_size
+        return self.fleet.batch_of_ms(min(max_batch, queued + 1), max_batch)
+
+    def _budget_s(self, policy: Policy, tier: str, queued: int = 0) -> float:
         """The tier's budget for waiting: its latency budget less its own batch's time."""
-        return (policy.tiers[tier].latency_budget_ms - self.fleet.batch_ms()) / 1000.0
+        own_ms = self._own_batch_ms(policy, queued)
+        return (policy.tiers[tier].latency_budget_ms - own_ms) / 1000.0
 
     def allowance(self, policy: Policy, tier: str) -> float:
         """How many of ``tier``'s requests can wait now and be answered within its budget."""
         left, reserved = self._rates(policy, tier)
         above, own = self._queued(tier)
-        budget_s = self._budget_s(policy, tier)
+        budget_s = self._budget_s(policy, tier, above + own)
         by_priority = budget_s * left - above if left > 0 else 0.0
         # (with nothing queued at or above it, one goes at once, whatever
         # the budget: a budget under one batch time never closes a tier)
@@ -142,7 +152,7 @@ class Admission:
             waits.append((own + 1) / reserved)
         if not waits:
             return float("inf")
-        return min(waits) * 1000.0 + self.fleet.batch_ms()
+        return min(waits) * 1000.0 + self._own_batch_ms(policy, above + own)
 
     def admitted(self, tier: str) -> None:
         """Count a request let in since the last view: at the decision, before

@@ -63,10 +63,18 @@ class BatchTimes:
     def full_batch_ms(self, max_batch: int) -> float:
         """A full batch of inputs as long as the recent ones (the anchors'
         before any real call)."""
+        return self.predict_ms(max_batch, max_batch * self._chars_per_input())
+
+    def one_input_ms(self) -> float:
+        """A batch of one input as long as the recent ones: on a GPU about a
+        full batch's time, on a CPU or an engine that serves each input
+        apart, far less (admission counts a request's own batch by its size)."""
+        return self.predict_ms(1, self._chars_per_input())
+
+    def _chars_per_input(self) -> float:
         calls = self._recent or self._anchors
         inputs = sum(n for n, _, _ in calls)
-        per_input = sum(ch for _, ch, _ in calls) / inputs if inputs else DEFAULT_CHARS
-        return self.predict_ms(max_batch, max_batch * per_input)
+        return sum(ch for _, ch, _ in calls) / inputs if inputs else DEFAULT_CHARS
 
     def hang_timeout_ms(self, inputs: int, chars: int) -> int:
         """How long this call may run: HANG_MULTIPLE times the longer of what

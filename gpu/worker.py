@@ -200,6 +200,7 @@ class Worker:
             requests_done=tally.requests_done,
             delivered_rps=round(tally.delivered_rps(), 1),
             batch_ms=round(self.runner.times.full_batch_ms(self.settings.max_batch), 2),
+            one_ms=round(self.runner.times.one_input_ms(), 2),
             draining=self.stopping.is_set(),
             model=self.backend.fingerprint,
             lacks=sorted(self.backend.lacks),
