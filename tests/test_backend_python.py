@@ -20,7 +20,7 @@ from infergate.gpu.backends.python_code import PythonBackend
 from infergate.policies.backends import MAX_TOKENS, SAMPLING
 from infergate.redis_server import RedisServer, free_port
 
-from tests.helpers import Cluster, as_yaml, http, policy, wait_for
+from tests.helpers import SECRETS, Cluster, as_yaml, http, policy, wait_for
 from tests.upstreams import answers
 
 USER_CODE = Path(__file__).parent / "user_backends"
@@ -259,3 +259,46 @@ def test_the_readmes_bring_your_model_runs_as_written(tmp_path: Path) -> None:
     finally:
         stack.send_signal(signal.SIGINT)
         assert stack.wait(40) == 0
+
+
+def test_the_teams_code_that_never_returns_is_the_hang_timeouts(tmp_path: Path) -> None:
+    """A call that never returns ends its worker (exit 3) past the hang
+    timeout; the batch is run again elsewhere, then dead-lettered (500),
+    and the other requests are served; a job runs on the team's code."""
+    server = RedisServer().start()
+    try:
+        doc = policy(workers={"hang_timeout_ms": 1000, "max_attempts": 2})
+        with Cluster(
+            tmp_path,
+            server.url,
+            as_yaml(doc),
+            workers=3,
+            env={"PYTHONPATH": str(USER_CODE)},
+            worker_args=["--backend", "python:mymodel:batchstring"],
+        ) as c:
+            status, _, body = c.infer("paid", "stuck __hang__")
+            assert (status, body["error"]["code"]) == (500, "INFERENCE_FAILED"), body
+            wait_for(lambda: sum(not w.alive() for w in c.workers) == 2, 30, "two workers to exit")
+            assert {w.proc.returncode for w in c.workers if not w.alive()} == {3}
+            c.killed = [w for w in c.workers if not w.alive()]
+            status, _, body = c.infer("paid", "served after the hang")
+            assert (status, body["output"]) == (200, "fn:served after the hang")
+            status, _, job = http(
+                "POST",
+                c.urls[0] + "/v1/jobs",
+                {"input": "a job"},
+                {"Authorization": f"Bearer {SECRETS['paid']}"},
+            )
+            assert status == 202, job
+            status, _, done = http(
+                "GET",
+                f"{c.urls[0]}/v1/jobs/{job['job_id']}?wait_s=20",
+                headers={"Authorization": f"Bearer {SECRETS['paid']}"},
+            )
+            assert (status, done["status"], done["result"]["output"]) == (
+                200,
+                "succeeded",
+                "fn:a job",
+            )
+    finally:
+        server.close()

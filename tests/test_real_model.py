@@ -4,6 +4,7 @@ real-model-check``). Skips unless that package is installed."""
 
 import importlib.util
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -56,7 +57,7 @@ def test_the_readmes_recipe_serves_smollm2_through_up(tmp_path: Path) -> None:
     up = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: _ready(url), 600, "the stack to be ready", interval_s=0.5)
+        wait_for(lambda: _ready(url, up), 600, "the stack to be ready", interval_s=0.5)
         key = json.loads(keys.read_text())["paid"]
 
         def ask(i: int) -> tuple[int, object]:
@@ -106,9 +107,13 @@ def test_the_readmes_recipe_serves_smollm2_through_up(tmp_path: Path) -> None:
     assert not [line for line in logged.splitlines() if "%|" in line or "it/s]" in line]
 
 
-def _ready(url: str) -> bool:
+def _ready(url: str, up: "subprocess.Popen[bytes]") -> bool:
+    """Whether the stack answers ready; fails at once if ``up`` exited
+    (it waited 600 s for a stack that had given up)."""
     from tests.helpers import http
 
+    if up.poll() is not None:
+        raise AssertionError(f"infergate up exited ({up.returncode}) before it was ready")
     try:
         return http("GET", url + "/readyz", timeout=2)[0] == 200
     except OSError:
