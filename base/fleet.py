@@ -66,6 +66,8 @@ class FleetView:
         self._serving: list[wire.Heartbeat] = []
         self._batch_ms = 0.0
         self._one_ms = 0.0
+        # The slowest worker's batch time in the last view that had one.
+        self.slowest_batch_ms = 0.0
         self._capacity: dict[int, float] = {}
         self._models: dict[str, str] = {}  # each worker's fingerprint
         self._lacks: frozenset[str] = frozenset()
@@ -99,6 +101,8 @@ class FleetView:
         self._models = {} if snapshot is None else {w.id: w.model for w in snapshot.workers}
         times = [w.batch_ms for w in self._serving if w.batch_ms > 0]
         self._batch_ms = sum(times) / len(times) if times else 0.0
+        if times:  # (kept through an outage, when no view can be read)
+            self.slowest_batch_ms = max(times)
         ones = [
             w.one_ms if 0 < w.one_ms < w.batch_ms else w.batch_ms
             for w in self._serving

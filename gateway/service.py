@@ -134,8 +134,9 @@ class Gateway:
 
     def _running_batch_s(self) -> float:
         """How long a batch running now may take to answer: twice the
-        slowest model's batch time, and a second at least."""
-        slowest_ms = max((lane.fleet.batch_ms() for lane in self.lanes), default=0.0)
+        slowest worker's batch time as last seen (Redis was just away: the
+        view now is empty), and a second at least."""
+        slowest_ms = max((lane.fleet.slowest_batch_ms for lane in self.lanes), default=0.0)
         return max(1.0, 2 * slowest_ms / 1000.0)
 
     def workers_alive(self, shard: int = 0) -> int:
