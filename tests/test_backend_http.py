@@ -55,6 +55,11 @@ def _calls(server: Server) -> dict:
         return json.loads(resp.read())
 
 
+def _said_down(c: Cluster) -> int:
+    """How many times the workers logged their server gone."""
+    return sum(w.output().count("upstream.down") for w in c.workers)
+
+
 def _all(c: Cluster, texts: list[str], **extra: object) -> list[tuple[int, dict]]:
     with concurrent.futures.ThreadPoolExecutor(len(texts)) as pool:
         return list(pool.map(lambda t: c.infer("paid", t, **extra)[::2], texts))
@@ -125,11 +130,15 @@ def test_a_server_killed_mid_batch_and_back_loses_nothing(cluster: Cluster, serv
     with its own output."""
     texts = [f"through the crash {i} __slow__" for i in range(5)]
     answers: list = []
+    inputs_before = _calls(server)["inputs"]
+    said_down = _said_down(cluster)
     runner = threading.Thread(target=lambda: answers.extend(_all(cluster, texts)))
     runner.start()
-    time.sleep(0.5)  # (the batch is in the server's hands, for 1.5 s)
+    # The whole batch in the server's hands (it takes 1.5 s), then killed.
+    wait_for(lambda: _calls(server)["inputs"] >= inputs_before + 5, 10, "the batch to arrive")
     server.kill()
-    time.sleep(0.5)
+    # A worker has found it gone (its call tried again meanwhile): back.
+    wait_for(lambda: _said_down(cluster) > said_down, 10, "a worker to see the server gone")
     server.start()
     runner.join(30)
     assert [status for status, _ in answers] == [200] * 5, answers
@@ -174,9 +183,8 @@ def test_a_worker_starts_before_its_server_and_waits_for_it(
     late = batch_server(tmp_path)
     worker = cluster.add_worker(args=["--backend", f"http:{late.url}/infer"])
     try:
-        time.sleep(2)
+        wait_for(lambda: "worker.upstream_waiting" in worker.output(), 30, "the worker to wait")
         assert worker.alive()
-        assert "worker.upstream_waiting" in worker.output()
         late.start()
         wait_for(lambda: cluster.status()["workers_alive"] == 3, 30, "the late worker to join")
         assert not any(w["upstream_down"] for w in cluster.status()["workers"])
