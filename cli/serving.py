@@ -11,9 +11,8 @@ import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-import redis
 import yaml
-from infergate.base.keys import Keys
+from infergate.base.queue.warming import WarmingWord
 from infergate.policies.backends import BackendSpec, check_options, parse_spec
 from infergate.policies.schema import Model
 
@@ -42,21 +41,14 @@ def serve_model(args: argparse.Namespace, live: "LivePolicy", role: str) -> Mode
 @contextlib.contextmanager
 def warming_said(redis_url: str, namespace: str, process_id: str) -> Iterator[None]:
     """While the block runs (the backend is made: a model's weights load),
-    the worker says it is warming up (``Keys.warming``, on the first shard),
-    every two seconds, for five; the warm-up itself says so next."""
+    the worker says it is warming up (on the first shard), every two
+    seconds, for five; the warm-up itself says so next."""
+    word = WarmingWord(redis_url.split()[0], namespace)
     done = threading.Event()
-    try:
-        client = redis.Redis.from_url(redis_url.split()[0], socket_timeout=1.0)
-    except ValueError:  # (a Sentinel URL: the warm-up itself says so, once connected)
-        yield
-        return
-    key = Keys(namespace).warming
 
     def say() -> None:
         while not done.is_set():
-            with contextlib.suppress(redis.RedisError):
-                seconds, micros = client.time()
-                client.zadd(key, {process_id: seconds * 1000 + micros // 1000 + 5_000})
+            word.say(process_id, 5_000)
             done.wait(2.0)
 
     thread = threading.Thread(target=say, name="warming", daemon=True)
@@ -66,7 +58,7 @@ def warming_said(redis_url: str, namespace: str, process_id: str) -> Iterator[No
     finally:
         done.set()
         thread.join(2.0)
-        client.close()
+        word.close()
 
 
 def backend_options(text: str | None) -> dict[str, Any]:

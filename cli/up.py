@@ -23,11 +23,10 @@ import urllib.request
 from pathlib import Path
 from types import FrameType
 
-import redis
 from infergate.base import logs
-from infergate.base.keys import Keys
 from infergate.base.queue import redis_url, shards
 from infergate.base.queue.scale_signal import SignalReader
+from infergate.base.queue.warming import WarmingWord
 from infergate.children import Child, Stack
 from infergate.policies import PolicyError, load_policy
 from infergate.policies.backends import check_options, parse_spec
@@ -209,7 +208,7 @@ def _gpus(flag: str | None) -> list[str]:
 
 
 def _wait_ready(
-    stack: Stack, url: str, stop_requested: list[int], timeout_s: float, warming: "Warming"
+    stack: Stack, url: str, stop_requested: list[int], timeout_s: float, warming: WarmingWord
 ) -> int | None:
     """None once the gateway answers ready; else the exit code to stop with.
     The wait lasts ``timeout_s``, and as long after it as a worker says it
@@ -235,28 +234,6 @@ def _wait_ready(
             return 1
         time.sleep(0.1)
     return None
-
-
-class Warming:
-    """Whether a worker says it is warming up (``Keys.warming``), on the
-    first shard's Redis, on Redis's clock."""
-
-    def __init__(self, url: str, namespace: str) -> None:
-        self.client = redis.Redis.from_url(url, socket_timeout=1.0)
-        self.key = Keys(namespace).warming
-
-    def any(self) -> bool:
-        try:
-            seconds, micros = self.client.time()
-            return bool(self.client.zcount(self.key, seconds * 1000 + micros // 1000, "+inf"))
-        except redis.RedisError:
-            return False
-
-    def __enter__(self) -> "Warming":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.client.close()
 
 
 def _preflight(args: argparse.Namespace) -> str | None:
@@ -380,10 +357,13 @@ def _run(args: argparse.Namespace, policy_path: str, url: str, stop: list[int]) 
         # Without workers of its own the stack is up once its gateway answers
         # (ready once a worker elsewhere joins).
         probe = "/readyz" if args.workers[1] else "/healthz"
-        with Warming(url.split()[0], args.namespace) as warming:
+        warming = WarmingWord(url.split()[0], args.namespace)
+        try:
             code = _wait_ready(
                 stack, f"http://{host}:{args.port}{probe}", stop, args.ready_timeout_s, warming
             )
+        finally:
+            warming.close()
         if code is not None:
             return code
         _say_ready(args, url)
