@@ -76,6 +76,20 @@ def backend_options(text: str | None) -> dict[str, Any]:
     return value
 
 
+def checked_spec(text: str, options: dict[str, Any]) -> BackendSpec:
+    """The backend ``--backend`` names, once it and ``--backend-options``
+    are checked; else ValueError, every problem on one line."""
+    try:
+        spec = parse_spec(text)
+    except ValueError as exc:
+        raise ValueError(f"--backend: {exc}") from None
+    problems = check_options(spec, options)
+    if problems:
+        said = "; ".join(f"{name or 'options'}: {why}" for name, why in problems)
+        raise ValueError(f"--backend-options: {said}")
+    return spec
+
+
 def backend_for(args: argparse.Namespace, model: Model) -> "Backend | None":
     """The backend the flags and the model's entry ask for, or None (and a
     message) if they cannot. The policy's options go with the policy's
@@ -83,14 +97,11 @@ def backend_for(args: argparse.Namespace, model: Model) -> "Backend | None":
     from infergate.gpu.backend import Unusable
 
     text = args.backend or model.backend
-    try:
-        spec = parse_spec(text)
-    except ValueError as exc:
-        return _refused(f"--backend: {exc}")
     options = {**(model.options if text == model.backend else {}), **(args.backend_options or {})}
-    problems = check_options(spec, options)
-    if problems:
-        return _refused("; ".join(f"{name or 'options'}: {why}" for name, why in problems))
+    try:
+        spec = checked_spec(text, options)
+    except ValueError as exc:
+        return _refused(str(exc))
     try:
         return _build(args, model, spec, options)
     except (Unusable, ValueError) as exc:

@@ -29,13 +29,13 @@ from infergate.base.queue.scale_signal import SignalReader
 from infergate.base.queue.warming import WarmingWord
 from infergate.children import Child, Stack
 from infergate.policies import PolicyError, load_policy
-from infergate.policies.backends import check_options, parse_spec
 from infergate.policies.demo import ADMIN_TIER, demo_policy
 from infergate.policies.loader import public_error
 from infergate.policies.models import ONE_CALL_AT_A_TIME
 from infergate.private_file import write_private
 from infergate.redis_server import RedisServer
 from infergate.scaling import WorkerScaler
+from infergate.serving import checked_spec
 
 log = logs.get(__name__)
 
@@ -240,12 +240,9 @@ def _preflight(args: argparse.Namespace) -> str | None:
     """What cannot work, found before anything starts (Redis, the demo
     keys): the backend's spec and options, the gateway's port."""
     try:
-        spec = parse_spec(args.backend)
+        spec = checked_spec(args.backend, args.backend_options or {})
     except ValueError as exc:
-        return f"--backend: {exc}"
-    problems = check_options(spec, args.backend_options or {})
-    if problems:
-        return "--backend-options: " + "; ".join(f"{n or 'options'}: {why}" for n, why in problems)
+        return str(exc)
     if args.concurrency and args.concurrency > 1 and spec.kind in ONE_CALL_AT_A_TIME:
         return f"--concurrency: the {spec.kind} backend runs one batch at a time"
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
