@@ -47,14 +47,29 @@ async def charge_quota(
         gw.count_refused(key, "key_share", lane, for_capacity=False)
         raise over_share(key, lane)
     if not quota.allowed:
-        gw.count_refused(key, "quota", lane, for_capacity=False)
-        raise ApiError(
-            "RATE_LIMITED",
+        raise quota_refused(
+            gw,
+            key,
+            lane,
             f"rate limit {quota.refused_by} exceeded for this key",
             quota.retry_after_ms,
             headers,
         )
     return headers
+
+
+def quota_refused(
+    gw: Gateway,
+    key: KeyEntry,
+    lane: ModelLane,
+    message: str,
+    retry_after_ms: int | None = None,
+    headers: dict[str, str] | None = None,
+    retryable: bool | None = None,
+) -> ApiError:
+    """A key's limits say no: counted, and the 429 its client gets."""
+    gw.count_refused(key, "quota", lane, for_capacity=False)
+    return ApiError("RATE_LIMITED", message, retry_after_ms, headers, retryable=retryable)
 
 
 def over_share(key: KeyEntry, lane: ModelLane) -> ApiError:

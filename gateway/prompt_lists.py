@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from infergate.base import logs
 from infergate.base.errors import STORE_ERRORS
-from infergate.gateway.errors import ApiError
+from infergate.gateway.charging import quota_refused
 from infergate.gateway.models import ModelLane
 from infergate.gateway.service import Gateway
 from infergate.policies import KeyEntry, Tier
@@ -42,9 +42,10 @@ async def charge(
     chars = [len(text) for text in inputs.values()]
     over = lane.quota.over_as_a_whole(key, tier, chars)
     if over is not None:
-        gw.count_refused(key, "quota", lane, for_capacity=False)
-        raise ApiError(
-            "RATE_LIMITED",
+        raise quota_refused(
+            gw,
+            key,
+            lane,
             f"this list of {len(chars)} prompts is over the key's limit of {over} as a whole: "
             "it can never be admitted at once; send fewer prompts a call",
             retryable=False,
@@ -56,9 +57,10 @@ async def charge(
         raise gw.store_failed(exc, lane.shard) from exc
     headers = result.headers()
     if not result.allowed:
-        gw.count_refused(key, "quota", lane, for_capacity=False)
-        raise ApiError(
-            "RATE_LIMITED",
+        raise quota_refused(
+            gw,
+            key,
+            lane,
             f"rate limit {result.refused_by} has no room for these {len(chars)} prompts",
             result.retry_after_ms,
             headers,
