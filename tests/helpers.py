@@ -3,6 +3,7 @@
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -448,6 +449,12 @@ class Cluster:
         proc.proc.kill()
         proc.proc.wait(5)
         self.killed = [*self.killed, proc]
+
+    def assert_workers_whole(self) -> None:
+        """Every worker not killed on purpose is alive, and none printed a traceback."""
+        for worker in self.workers:
+            assert worker.alive() or worker in self.killed, worker.output()[-2000:]
+            assert not re.search(r"^Traceback", worker.output(), re.M)
 
     def status(self, i: int = 0) -> Any:
         return http("GET", self.urls[i] + "/v1/status", headers=auth("admin"))[2]

@@ -8,7 +8,6 @@ workers come back by themselves with it."""
 
 import concurrent.futures
 import json
-import re
 import threading
 import time
 import urllib.request
@@ -45,9 +44,7 @@ def cluster(
         tmp_path_factory.mktemp("http-backend"), module_redis.url, as_yaml(doc), workers=2
     ) as c:
         yield c
-        for worker in c.workers:
-            assert worker.alive() or worker in c.killed, worker.output()[-2000:]
-            assert not re.search(r"^Traceback", worker.output(), re.M)
+        c.assert_workers_whole()
 
 
 def _calls(server: Server) -> dict:

@@ -6,7 +6,6 @@ The code is ``tests/user_backends/mymodel.py``, imported as a user's."""
 
 import concurrent.futures
 import json
-import re
 import signal
 import subprocess
 import sys
@@ -119,9 +118,7 @@ def cluster(
         env={"PYTHONPATH": str(USER_CODE)},
     ) as c:
         yield c
-        for worker in c.workers:
-            assert worker.alive(), worker.output()[-2000:]
-            assert not re.search(r"^Traceback", worker.output(), re.M)
+        c.assert_workers_whole()
 
 
 def _infer(c: Cluster, text: str, model: str, **extra: object) -> tuple[int, dict]:

@@ -9,7 +9,6 @@ them)."""
 
 import concurrent.futures
 import json
-import re
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -66,9 +65,7 @@ def triton_stack(
         models={"echo": 2, "raw": 1},
     ) as c:
         yield c
-        for worker in c.workers:
-            assert worker.alive(), worker.output()[-2000:]
-            assert not re.search(r"^Traceback", worker.output(), re.M)
+        c.assert_workers_whole()
 
 
 @needs_triton
@@ -178,9 +175,7 @@ def engine_stack(
         worker_args=["--concurrency", "4"],
     ) as c:
         yield c
-        for worker in c.workers:
-            assert worker.alive(), worker.output()[-2000:]
-            assert not re.search(r"^Traceback", worker.output(), re.M)
+        c.assert_workers_whole()
 
 
 def _engine_completion(engine: Server, prompt: str, max_tokens: int) -> dict:
