@@ -51,13 +51,8 @@ def check_parameters(params: Parameters | None, lane: ModelLane, model: Model) -
         )
 
 
-def check_capacity(gw: Gateway, lane: ModelLane, policy: Policy, key: KeyEntry) -> float:
-    """Redis and a worker are there, and the tier has room within its
-    budget: how many of its requests may wait (its allowance; a key's
-    share of it is checked with the charge, ``admit.lua``). A local
-    estimate with no Redis round trip, made before the quota is charged,
-    so under overload a refusal costs next to nothing."""
-    tier_name = key.tier
+def check_serving(gw: Gateway, lane: ModelLane, key: KeyEntry) -> None:
+    """Redis has room and answers, and a worker of the model is there."""
     if lane.store.full:
         gw.count_refused(key, "redis_full", lane, for_capacity=False)
         raise redis_full()
@@ -71,6 +66,16 @@ def check_capacity(gw: Gateway, lane: ModelLane, policy: Policy, key: KeyEntry) 
             f"no healthy worker of the model {lane.name!r} is available",
             RETRY_NO_WORKER_MS,
         )
+
+
+def check_capacity(gw: Gateway, lane: ModelLane, policy: Policy, key: KeyEntry) -> float:
+    """Redis and a worker are there, and the tier has room within its
+    budget: how many of its requests may wait (its allowance; a key's
+    share of it is checked with the charge, ``admit.lua``). A local
+    estimate with no Redis round trip, made before the quota is charged,
+    so under overload a refusal costs next to nothing."""
+    check_serving(gw, lane, key)
+    tier_name = key.tier
     decision = lane.admission.decide(policy, tier_name)
     if not decision.admitted:
         gw.count_refused(key, "capacity", lane)

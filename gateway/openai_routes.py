@@ -24,6 +24,7 @@ from infergate.gateway.api import (
     request_body,
 )
 from infergate.gateway.calls import Call, Fanout, OnDisconnect, call_from
+from infergate.gateway.checks import check_serving
 from infergate.gateway.errors import ApiError, Headers
 from infergate.gateway.inference import Inference
 from infergate.gateway.middleware import ON_DISCONNECT, REQUEST_ID
@@ -119,15 +120,24 @@ async def _infer_all(
         response, headers = await inference.infer(one)
         return [response], headers
     ids = [f"{call.request_id}-{i}" for i in range(len(requests))]
+    holds = inference.gw.holds
     try:
         # One unit (prompt_lists.py): every prompt checked, then all charged at once.
         checked = [inference.read_body(r, policy, key) for r in requests]
         _, tier, lane = checked[0]
-        charged = await prompt_lists.charge(
-            inference.gw, lane, key, tier, {i: r.input for i, r in zip(ids, requests, strict=True)}
-        )
-        holds = inference.gw.holds
+        check_serving(inference.gw, lane, key)  # (before the charge: a refusal costs nothing)
         holds.acquire(key.id, policy.document.limits.key_connection_share)
+        try:
+            charged = await prompt_lists.charge(
+                inference.gw,
+                lane,
+                key,
+                tier,
+                {i: r.input for i, r in zip(ids, requests, strict=True)},
+            )
+        except BaseException:
+            holds.release(key.id)
+            raise
     except ApiError as exc:
         exc.tier = key.tier
         inference.count_refused(exc)

@@ -259,6 +259,30 @@ def test_a_list_that_fits_is_charged_whole(slow: Cluster) -> None:
     assert _remaining(slow, secret) == 9
 
 
+def test_a_list_refused_its_key_s_connections_is_charged_nothing(
+    tmp_path: Path, own_redis: RedisServer
+) -> None:
+    """A key whose one connection's share (0.01 of 100) is held by a request
+    still running: a list is 429 before its quota is charged."""
+    secret = "test-held-secret"
+    held = key_entry("held", "paid", secret, rate_limits=["20/minute"])
+    doc = policy(limits={"key_connection_share": 0.01}, extra_keys=(held,))
+    env = {"INFERGATE_MAX_CONNECTIONS": "100"}
+    with Cluster(tmp_path, own_redis.url, as_yaml(doc), latency_ms=1500, env=env) as c:
+        first = threading.Thread(target=c.infer, args=(secret, "holds the connection"))
+        first.start()
+        client = redis.Redis.from_url(c.redis_url)
+        try:
+            wait_for(lambda: busy_worker(client) is not None, 10, "the first request's batch")
+        finally:
+            client.close()
+        status, _, body = _completions(c, secret, ["a", "b", "c"])
+        first.join(10)
+        assert (status, body["error"]["code"]) == (429, "rate_limited"), body
+        assert "open at this gateway" in body["error"]["message"]
+        assert _remaining(c, secret) == 18  # (the first request and this one)
+
+
 def test_a_client_that_leaves_mid_list_has_every_prompt_withdrawn(slow: Cluster) -> None:
     """60 prompts at 25 a second: the client leaves once the first batch is
     formed, and the prompts not yet in a batch never run (before: about
