@@ -243,7 +243,11 @@ class Inference:
         lane = request.lane
         if request.quota_headers is not None:
             if envelope is not None:
-                await self._enqueue(lane, envelope, request)
+                try:
+                    await self._enqueue(lane, envelope, request)
+                except ApiError:
+                    lane.admission.released(request.key.tier)  # counted when it was let in
+                    raise
             if request.charged is not None:  # (its share of its list's charge is spent)
                 request.charged.use(request.id)
                 request.charged = None
