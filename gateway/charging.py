@@ -37,10 +37,7 @@ async def charge_quota(
             gw.shares.recent_weight(key.tier, model=lane.label) if allowance else 0.0,
         )
     except STORE_ERRORS as exc:
-        error = gw.store_failed(exc, lane.shard)
-        reason = "redis_full" if lane.store.full else "redis"
-        gw.count_refused(key, reason, lane, for_capacity=False)
-        raise error from exc
+        raise store_refused(gw, key, lane, exc) from exc
     headers = quota.headers()
     if quota.over_share:
         # (not demand the fleet should grow for: one key over its share)
@@ -56,6 +53,14 @@ async def charge_quota(
             headers,
         )
     return headers
+
+
+def store_refused(gw: Gateway, key: KeyEntry, lane: ModelLane, exc: BaseException) -> ApiError:
+    """Redis failed (or is full) while charging: counted, and the 503."""
+    error = gw.store_failed(exc, lane.shard)
+    reason = "redis_full" if lane.store.full else "redis"
+    gw.count_refused(key, reason, lane, for_capacity=False)
+    return error
 
 
 def quota_refused(

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from infergate.base import logs
 from infergate.base.errors import STORE_ERRORS
-from infergate.gateway.charging import quota_refused
+from infergate.gateway.charging import quota_refused, store_refused
 from infergate.gateway.models import ModelLane
 from infergate.gateway.service import Gateway
 from infergate.policies import KeyEntry, Tier
@@ -53,8 +53,7 @@ async def charge(
     try:
         result = await lane.quota.charge_list(key, tier, chars)
     except STORE_ERRORS as exc:
-        gw.count_refused(key, "redis", lane, for_capacity=False)
-        raise gw.store_failed(exc, lane.shard) from exc
+        raise store_refused(gw, key, lane, exc) from exc
     headers = result.headers()
     if not result.allowed:
         raise quota_refused(
