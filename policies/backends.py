@@ -8,6 +8,7 @@ engine that batches by itself: vLLM, SGLang, TGI, llama.cpp). Parsed here
 once, for the policy check, the worker's flags and ``backend check`` alike.
 """
 
+import json
 import os
 import re
 import urllib.parse
@@ -60,10 +61,6 @@ class BackendSpec:
 
     kind: str
     target: str = ""
-
-    @property
-    def remote(self) -> bool:
-        return self.kind in REMOTE
 
     def __str__(self) -> str:
         return f"{self.kind}:{self.target}" if self.target else self.kind
@@ -162,8 +159,6 @@ def upstream_headers(options: dict[str, Any]) -> dict[str, str]:
     """The headers a remote backend sends: its credentials, read from the
     environment variables its options name (never from the policy itself).
     ValueError if a named variable is unset or not what it should hold."""
-    import json
-
     headers: dict[str, str] = {}
     if name := options.get("headers_env"):
         text = os.environ.get(name)
@@ -191,10 +186,7 @@ def generates_up_to(model: "Model") -> int | None:
     ``max_new_tokens``, where infergate tells the model how many to make
     (transformers, openai, and http where it honours max_tokens); None
     where the backend decides (a request's max_tokens then cuts its output)."""
-    try:
-        kind = parse_spec(model.backend).kind
-    except ValueError:
-        return None
+    kind = model.backend.strip().partition(":")[0]  # (checked when the policy loaded)
     if kind in ("transformers", "openai") or (kind == "http" and model.options.get("max_tokens")):
         return model.max_new_tokens
     return None
