@@ -8,6 +8,10 @@ import redis
 from infergate.base.keys import Keys
 from infergate.base.queue import redis_url
 
+# The set goes this long after the last word said (no worker is left to
+# take back a dead one's: scores are not compared across clocks to prune).
+WORD_KEPT_MS = 60_000
+
 
 class WarmingWord:
     """The word, said and read with a blocking client (the CLI runs no event
@@ -20,7 +24,10 @@ class WarmingWord:
     def say(self, worker_id: str, for_ms: int) -> None:
         """``worker_id`` is warming up for ``for_ms`` from now."""
         with contextlib.suppress(redis.exceptions.RedisError, OSError):  # (said again soon)
-            self._client.zadd(self._key, {worker_id: self._now_ms() + for_ms})
+            pipe = self._client.pipeline(transaction=False)
+            pipe.zadd(self._key, {worker_id: self._now_ms() + for_ms})
+            pipe.pexpire(self._key, WORD_KEPT_MS)
+            pipe.execute()
 
     def any(self) -> bool:
         try:

@@ -6,13 +6,14 @@ results and its answers for the cache and ack it, in one transaction."""
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
-from infergate.base import clock, wire
+from infergate.base import wire
 from infergate.base.queue import inputs, redis_url
 from infergate.base.queue.forming import TakeResult, new_batch_id, take_args, take_keys, take_result
 from infergate.base.queue.replies import reply_commands
 from infergate.base.queue.scripts import evalsha, execute, queue_on, source
 from infergate.base.queue.store import Store, process_ids
 from infergate.base.queue.usage import Charge, charge_commands
+from infergate.base.queue.warming import WORD_KEPT_MS
 from redis.asyncio.client import Pipeline
 from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
@@ -81,7 +82,7 @@ class WorkerQueue:
             pipe.zrem(self.keys.warming, self.worker_id)
         else:
             pipe.zadd(self.keys.warming, {self.worker_id: until_ms})
-        pipe.zremrangebyscore(self.keys.warming, 0, clock.now_ms())  # (those that ended)
+        pipe.pexpire(self.keys.warming, WORD_KEPT_MS)  # (the words of workers that died)
         await pipe.execute()
 
     async def forget_last_step(self) -> None:
