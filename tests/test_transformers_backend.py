@@ -218,3 +218,21 @@ def test_a_chat_goes_through_the_tokenizers_own_template(tiny_model: Path) -> No
     backend.tokenizer.chat_template = backend.chat_template = template
     assert backend._prompts(inputs) == ["<system>be brief<user>hi<assistant>", "plain"]
     assert len(backend.infer(inputs)) == 2
+
+
+def test_a_chat_the_template_refuses_is_that_input_s_failure(tiny_model: Path) -> None:
+    """A template that refuses a conversation (roles that do not alternate)
+    fails the call as a BackendError: the worker's split answers the rest."""
+    from infergate.gpu.backend import BackendError, Prompts
+
+    backend = TransformersBackend(str(tiny_model), max_new_tokens=2, device="cpu")
+    template = (
+        "{% for m in messages %}{% if loop.index0 % 2 == 0 and m.role != 'user' %}"
+        "{{ raise_exception('roles must alternate') }}{% endif %}{{ m.content }}{% endfor %}"
+    )
+    backend.tokenizer.chat_template = backend.chat_template = template
+    refused = '[{"role":"assistant","content":"first"}]'
+    inputs = Prompts(["first", "plain"], ["a", "b"], conversations=[refused, None])
+    with pytest.raises(BackendError, match="chat template refuses this conversation"):
+        backend.infer(inputs)
+    assert len(backend.infer(Prompts(["plain"], ["b"], conversations=[None]))) == 1

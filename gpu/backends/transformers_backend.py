@@ -98,15 +98,23 @@ class TransformersBackend:
         if self.chat_template is None or all(c is None for c in conversations):
             return list(inputs)
         return [
-            text
-            if conversation is None
-            else str(
+            text if conversation is None else self._rendered(conversation)
+            for text, conversation in zip(inputs, conversations, strict=True)
+        ]
+
+    def _rendered(self, conversation: str) -> str:
+        """A chat through the template, which may refuse it (roles that do
+        not alternate): that conversation's failure, found by the split."""
+        try:
+            return str(
                 self.tokenizer.apply_chat_template(
                     json.loads(conversation), tokenize=False, add_generation_prompt=True
                 )
             )
-            for text, conversation in zip(inputs, conversations, strict=True)
-        ]
+        except Exception as exc:  # (jinja2's TemplateError, a template's own raise)
+            raise BackendError(
+                f"the model's chat template refuses this conversation: {str(exc)[:200]}"
+            ) from exc
 
     def _generate(self, inputs: list[str], temperatures: list[float]) -> list[str]:
         enc = self.tokenizer(
