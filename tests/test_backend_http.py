@@ -108,6 +108,16 @@ def test_a_slow_server_is_not_a_hung_one(cluster: Cluster) -> None:
     assert body["latency_ms"] > 1_400
 
 
+def test_a_call_cut_short_by_its_deadline_leaves_the_server_up(cluster: Cluster) -> None:
+    """A 1.5 s call for a request of 0.8 s times out on the request's
+    deadline, not the server's bound: the server is not said to be down."""
+    said_down = _said_down(cluster)
+    status, _, body = cluster.infer("paid", "in a hurry __slow__", timeout_ms=800)
+    assert status in (503, 504), body
+    assert _said_down(cluster) == said_down
+    assert cluster.infer("paid", "after the hurry")[0] == 200
+
+
 def test_a_hanging_call_is_bounded_and_answered_503(cluster: Cluster) -> None:
     """Past the call's bound (its timeout_ms, within the deadline) the
     request is answered 503, to be retried; the worker lives on."""

@@ -91,6 +91,8 @@ class Remote:
 
     async def attempts(self, inputs: list[str], attempt: Callable[[float], Awaitable[T]]) -> T:
         bound_s = self._bound_s(inputs)
+        # A try cut short by the batch's deadline says nothing of the server.
+        by_deadline = bound_s < self.timeout_ms / 1000.0
         started = asyncio.get_running_loop().time()
         backoff_s = BACKOFF_FIRST_S
         failed_500 = False
@@ -108,7 +110,8 @@ class Remote:
                     raise BackendError(f"the server refused the batch: {exc}") from None
                 error: Exception = exc
             except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-                self._down(exc)
+                if not (by_deadline and isinstance(exc, TimeoutError)):
+                    self._down(exc)
                 error = exc
             else:
                 self.healthy = True
