@@ -49,6 +49,7 @@ from infergate.gpu.backend import (
     BackendError,
     Partial,
     Prompts,
+    UpstreamError,
     conversations_of,
     deadline_of,
     max_tokens_of,
@@ -339,10 +340,15 @@ class Gate:
 
     def _run(self, parts: list[_Part]) -> None:
         """One backend call for every part, and part by part if that fails
-        (so a part's error is its own call's)."""
+        (so a part's error is its own call's), unless its server did not
+        answer: waiting on it again for each part would only take longer."""
         if len({id(part.call) for part in parts}) > 1:
             try:
                 outputs = self._backend_call(parts)
+            except UpstreamError as exc:  # (no input at fault: each part's call, alike)
+                for part in parts:
+                    self._answer(part, None, exc)
+                return
             except BaseException:
                 pass  # (run again part by part, below)
             else:

@@ -298,3 +298,35 @@ def test_no_join_piles_up_behind_one_that_waits_on_a_slow_shard() -> None:
     release.set()
     wait_for(lambda: gate._last_step is not None and gate._last_step.done(), 5, "the step")
     assert asked == [9]  # (the later calls started without asking again)
+
+
+def test_a_joined_call_its_server_did_not_answer_is_not_run_again_part_by_part() -> None:
+    """No input is at fault when the server does not answer: every part
+    gets that error from the one call, not a wait on the server each."""
+    from infergate.gpu.backend import UpstreamError
+
+    class Down(_Backend):
+        def infer(self, inputs: list[str]) -> list[str]:
+            self.calls.append(list(inputs))
+            raise UpstreamError("the model's server did not answer")
+
+    backend = Down()
+    gate = Gate(backend, max_inputs=10, hold_s=2.0)  # type: ignore[arg-type]
+    errors: dict[str, BaseException] = {}
+
+    def call(name: str, shard: int, text: str) -> None:
+        try:
+            gate.call(shard, shard, [text], None)
+        except UpstreamError as exc:
+            errors[name] = exc
+
+    def join_with_a_batch(room: int) -> tuple[int, bool]:
+        threading.Thread(target=call, args=("b", 1, "b")).start()
+        return 1, False
+
+    gate.attach(0, lambda room: (0, False), lambda: False)
+    gate.attach(1, join_with_a_batch, lambda: False)
+    call("a", 0, "a")
+    wait_for(lambda: "b" in errors, 5, "the joined call's error")
+    assert backend.calls == [["a", "b"]]
+    assert sorted(errors) == ["a", "b"]
