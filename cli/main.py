@@ -260,12 +260,18 @@ def _worker(args: argparse.Namespace) -> int:
         else:
             members.append(Worker(named, backend, warm))
     worker = one_or_group(members)
-    with _side_port(args, worker.registry, worker.probes()):
-        # (its batch's hang timeout, as measured then, and 10 s to answer it)
-        return runtime.run(
-            worker.serve,
-            shutdown_grace_s=lambda: max(w.runner.hang_timeout_ms for w in members) / 1000.0 + 10.0,
-        )
+    try:
+        with _side_port(args, worker.registry, worker.probes()):
+            # (its batch's hang timeout, as measured then, and 10 s to answer it)
+            return runtime.run(
+                worker.serve,
+                shutdown_grace_s=lambda: (
+                    max(w.runner.hang_timeout_ms for w in members) / 1000.0 + 10.0
+                ),
+            )
+    finally:
+        if backend.upstream is not None:  # (once every slot is done with it)
+            backend.upstream.close()
 
 
 def _policy_check(path: str) -> int:

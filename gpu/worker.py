@@ -92,6 +92,7 @@ class SharedWarmUp:
     def __init__(self) -> None:
         self.lock = asyncio.Lock()
         self.anchors: list[tuple[int, int, float]] | None = None
+        self.failed: str | None = None  # (why it failed: the others do not run it again)
 
 
 class Worker:
@@ -247,6 +248,8 @@ class Worker:
         waits for a stack whose workers do)."""
         shared = self.shared_warm_up
         async with shared.lock:
+            if shared.failed is not None:
+                raise Unusable(shared.failed)
             if shared.anchors is not None:
                 self.runner.times.adopt(shared.anchors)
                 return
@@ -272,19 +275,22 @@ class Worker:
     async def _warm_up_when_up(self, stop: asyncio.Event) -> int:
         """The warm-up, once a remote backend's server answers: 0 when done,
         -1 if ``stop`` came first, ``EXIT_UNUSABLE`` if the backend failed
-        it (a breach of the contract, or a server that serves something
-        else: the log line says what)."""
+        it (a breach of the contract, or a server whose model is not what
+        the backend needs: the log line says what). A server that answers
+        404 is waited on as one that is down (its model may be loading)."""
         while await self.watch.wait_until_up(stop, "warm-up"):
             try:
                 await self._warm_up_once()
                 return 0
-            except BackendError as exc:
-                if unanswered(exc):
+            except (BackendError, Unusable) as exc:
+                if isinstance(exc, BackendError) and unanswered(exc):
                     continue  # (it went away again: wait for it)
-                log.error("worker.warm_up_failed", backend=self.backend.name, error=str(exc)[:500])
-                return EXIT_UNUSABLE
-            except Unusable as exc:
-                log.error("worker.warm_up_failed", backend=self.backend.name, error=str(exc)[:500])
+                shared = self.shared_warm_up
+                if shared.failed is None:  # (said once for the process)
+                    shared.failed = str(exc)[:500]
+                    log.error(
+                        "worker.warm_up_failed", backend=self.backend.name, error=shared.failed
+                    )
                 return EXIT_UNUSABLE
         return -1
 
@@ -322,9 +328,7 @@ class Worker:
         return 0
 
     async def _close(self) -> None:
-        await asyncio.to_thread(self.thread.close, 5.0)
-        if self.backend.upstream is not None:  # (shared by a process's slots: closed once)
-            await asyncio.to_thread(self.backend.upstream.close)
+        await asyncio.to_thread(self.thread.close, 5.0)  # (its upstream: the process's to close)
         self._blocking_take.close()
         await self.store.close()
 
