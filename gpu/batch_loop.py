@@ -28,7 +28,7 @@ log = logs.get(__name__)
 
 # A take in the backend's thread that has not answered by the hang timeout
 # plus this long is stuck (its client times out after 1 s a try).
-LANE_TAKE_BOUND_S = 5.0
+THREAD_TAKE_BOUND_S = 5.0
 
 
 class BatchLoop:
@@ -88,10 +88,10 @@ class BatchLoop:
         """The batch to run next, with the call the backend thread started on it if it
         did; None when there is none now (the credit is then kept offered)."""
         data, self.following = self.following, None
-        lane_call, self.running = self.running, None
+        thread_call, self.running = self.running, None
         if data is not None:
             self.unsure = False
-            return data, lane_call
+            return data, thread_call
         # Idle: the last answer is out (its batch off processing) before
         # anything else is read from there.
         await self.answer_settled()
@@ -111,13 +111,13 @@ class BatchLoop:
             return None
         return data, None
 
-    async def _run(self, data: bytes, lane_call: Running | None, stop: asyncio.Event) -> None:
+    async def _run(self, data: bytes, thread_call: Running | None, stop: asyncio.Event) -> None:
         """Run the batch, then take the next one: the backend thread took it as the
         call returned, or it is taken here, with this batch's answer in the
         same step when that answer is small."""
         self.busy = True
-        finished = await self.runner.handle(data, lane_call)
-        stepped = await self._lane_step()
+        finished = await self.runner.handle(data, thread_call)
+        stepped = await self._thread_step()
         # At most two batches in processing: the last answer went out
         # while this batch ran (as a rule, long before it returned).
         await self.answer_settled()
@@ -128,9 +128,10 @@ class BatchLoop:
             self._answer_later(finished, stop, data)
             if stepped.taken.credit_lost:
                 await self._restore_credit(stop)
-        elif self.watch.down:
+        elif self.watch.down and stepped is None:
             # Its server went down during the call: this batch is answered,
             # nothing more is taken (the next turn waits for the server).
+            # (A take the backend thread could not finish is repeated below.)
             self._answer_later(finished, stop, data)
             self.following = None
         else:
@@ -146,7 +147,7 @@ class BatchLoop:
         if self.gated is not None and self.following is None:
             self.gated.pass_turn()  # (nothing taken: the next call is not waited for)
 
-    async def _lane_step(self) -> Stepped | None:
+    async def _thread_step(self) -> Stepped | None:
         """What the backend thread's take after this batch's call did, if it ran one.
         (The replies are built after it: built meanwhile, they hold the GIL
         the backend thread needs to start the next call.)"""
@@ -156,7 +157,7 @@ class BatchLoop:
         # Its client's timeouts bound it; past this bound (a resolver or a
         # Sentinel that hangs) it could still start a batch: the worker
         # leaves, as for a hung call.
-        bound_s = self.runner.hang_timeout_ms / 1000.0 + LANE_TAKE_BOUND_S
+        bound_s = self.runner.hang_timeout_ms / 1000.0 + THREAD_TAKE_BOUND_S
         try:
             stepped = await asyncio.wait_for(asyncio.wrap_future(stepping), bound_s)
         except TimeoutError:
