@@ -6,6 +6,9 @@
     infergate worker        one GPU worker process
     infergate policy check  validate a policy file
     infergate keys new      make an API key and its policy entry
+    infergate usage         what each key used
+    infergate plan          size a deployment for a target load
+    infergate backend check a backend against the batch contract
 
 Its flags are ``flags.py``; this module runs what they ask for.
 """

@@ -1,4 +1,4 @@
-"""The backend's thread (``gpu/thread.py``): as a big batch's call returns, it
+"""The backend's thread (``gpu/backend_thread.py``): as a big batch's call returns, it
 takes the next batch itself, from real Redis, and starts the backend on it;
 it leaves the take to the event loop whenever that is the safe thing."""
 
@@ -81,7 +81,7 @@ def _close(thread: BackendThread) -> None:
     thread._take.close()  # type: ignore[attr-defined]
 
 
-async def test_the_lane_takes_the_next_batch_and_starts_it_as_the_call_returns(
+async def test_the_backend_thread_takes_the_next_batch_and_starts_it_as_the_call_returns(
     store: Store, redis_url: str
 ) -> None:
     backend = Gated()
@@ -113,7 +113,7 @@ async def test_the_lane_takes_the_next_batch_and_starts_it_as_the_call_returns(
         _close(thread)
 
 
-async def test_the_lane_fetches_long_inputs_before_it_starts_their_batch(
+async def test_the_backend_thread_fetches_long_inputs_before_it_starts_their_batch(
     store: Store, redis_url: str
 ) -> None:
     """Kept beside the queue (``inputs.py``), they are fetched on the take's
@@ -163,7 +163,7 @@ async def test_the_lane_fetches_long_inputs_before_it_starts_their_batch(
         await store.redis.delete(store.keys.last_step("w1"))
 
 
-async def test_the_lane_leaves_the_take_to_the_event_loop_when_it_must(
+async def test_the_backend_thread_leaves_the_take_to_the_event_loop_when_it_must(
     store: Store, redis_url: str
 ) -> None:
     """Not while the last answer is not out yet, not once stopping, not after a
@@ -330,7 +330,9 @@ async def _serve_60_requests(worker: Worker, backend: "Counting") -> dict[str, i
     return answered
 
 
-async def test_a_worker_under_load_runs_batch_after_batch_from_its_lane(redis_url: str) -> None:
+async def test_a_worker_under_load_runs_batch_after_batch_from_its_backend_thread(
+    redis_url: str,
+) -> None:
     """A worker given a big batch, with more arriving while it runs, forms
     and starts the next batches from its backend's thread, and answers
     every request once."""
@@ -341,7 +343,7 @@ async def test_a_worker_under_load_runs_batch_after_batch_from_its_lane(redis_ur
     assert worker.thread.steps >= 2  # batches two and three came from the backend thread
 
 
-async def test_the_lane_waits_for_the_last_answer_before_it_takes(redis_url: str) -> None:
+async def test_the_backend_thread_waits_for_the_last_answer_before_it_takes(redis_url: str) -> None:
     """Replies that take longer to go out than a batch takes to run: the
     thread never takes beside an unanswered batch (the event loop takes once
     the answer is out), so nothing runs twice and processing holds two

@@ -228,7 +228,7 @@ class WorkerQueue:
 
     def blocking_take(self, url: str, timeout_s: float) -> "BlockingTake":
         """The same step (without an answer), on a blocking client of its own
-        (named ``worker:{id}:lane`` in CLIENT LIST): for the backend's
+        (named ``worker:{id}:thread`` in CLIENT LIST): for the backend's
         thread, which takes the next batch itself."""
         return BlockingTake(self, url, timeout_s)
 
@@ -310,7 +310,7 @@ class BlockingTake:
             url,
             timeout_s,
             retry=Retry(NoBackoff(), 0),
-            client_name=f"worker:{queue.worker_id}:lane",
+            client_name=f"worker:{queue.worker_id}:thread",
         )
         # NOSCRIPT (a restarted Redis) loads it and runs it again: it never ran.
         self._script = self._client.register_script(source("take"))

@@ -7,9 +7,10 @@ front of any model in an hour (docs/backends.md):
     200       {"outputs": ["...", ...],                  one string per input, in order
                "tokens": [...], "input_tokens": [...]}   (optional: its own counts)
 
-A 4xx refuses the batch (the worker splits it to find the input at fault);
-503 (or no answer) says the server is unavailable (tried again within the
-batch's deadline). The options say what it honours (``sampling``,
+A 400 (or another 4xx, or a 500 twice) refuses the batch: the worker
+splits it to find the input at fault. 429, 502-504, 401/403/404/408 (or no
+answer) say the server is unavailable: tried again within the batch's
+deadline (``remote.py``). The options say what it honours (``sampling``,
 ``max_tokens``: refused at the gateway otherwise) and where its health is
 (``health_path``; otherwise any answer from its address will do).
 """

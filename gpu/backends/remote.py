@@ -1,12 +1,13 @@
 """What every remote backend shares: HTTP calls from the backend's thread,
 tried again within the batch's deadline, and the server's health.
 
-A backend call runs in the worker's backend thread (a thread); its HTTP requests run
+A backend call runs in the worker's backend thread; its HTTP requests run
 on an event loop of the backend's own (``LoopThread``), so one call may
 send many requests at once (an engine answering each prompt apart) and the
 worker's own loop never waits on a server. A server that cannot be reached,
-times out, or says it is unavailable (429, 502-504, and 401/403/404: its
-credentials or model name are wrong) makes ``healthy`` false at once, which
+times out at its own bound (not a batch's deadline), or says it is
+unavailable (408, 429, 502-504, and 401/403/404: its credentials or model
+name are wrong, or its model still loads) makes ``healthy`` false at once, which
 the worker's heartbeat reports (admission counts it out); the request is
 tried again with backoff until it is answered, its batch's deadline, or the
 call's ``timeout_ms``, never past either. A 500 is tried once more, then
@@ -86,7 +87,7 @@ class Remote:
     def call(self, inputs: list[str], attempt: Callable[[float], Awaitable[T]]) -> T:
         """``attempt(timeout_s)`` on the backend's loop, tried again as the
         module says, within the batch's deadline and ``timeout_ms``
-        (blocking: the backend thread's thread)."""
+        (blocking: called from the worker's backend thread)."""
         return self.io.run(self.attempts(inputs, attempt))
 
     async def attempts(self, inputs: list[str], attempt: Callable[[float], Awaitable[T]]) -> T:
