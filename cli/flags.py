@@ -91,16 +91,22 @@ def _up_parser(sub: Any) -> None:
     _add(up, "--dispatchers", 1, "dispatcher processes", int)
     _add(up, "--shards", 1, "Redis servers to start, one shard each (not with REDIS_URL)", int)
     _add(up, "--gateways", 1, "gateway processes (sharing the port)", int)
-    _add(up, "--sim-latency-ms", 100, "simulated batch time", float)
+    _add(
+        up,
+        "--sim-latency-ms",
+        None,
+        "simulated batch time (default: each model's in the policy, 100)",
+        float,
+    )
     _add(up, "--policy", None, "policy file (default: the built-in demo policy with fresh keys)")
     _add(up, "--keys-out", None, "write the demo keys as JSON to this file")
     _add(up, "--namespace", "infergate", "key namespace of this deployment")
     _add(
         up,
         "--backend",
-        "simulated",
+        None,
         "the workers' backend: simulated, transformers, python:pkg.module:attr, http:URL, "
-        "kserve-v2:URL or openai:URL",
+        "kserve-v2:URL or openai:URL (default: each model's in the policy, else simulated)",
     )
     _add(
         up,

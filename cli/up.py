@@ -9,6 +9,7 @@ and its own Redis.
 """
 
 import argparse
+import functools
 import json
 import os
 import shlex
@@ -32,6 +33,7 @@ from infergate.policies import PolicyError, load_policy
 from infergate.policies.demo import ADMIN_TIER, demo_policy
 from infergate.policies.loader import public_error
 from infergate.policies.models import ONE_CALL_AT_A_TIME
+from infergate.policies.schema import Model
 from infergate.private_file import write_private
 from infergate.redis_server import RedisServer
 from infergate.scaling import WorkerScaler
@@ -160,7 +162,9 @@ def worker_child(
 ) -> Child:
     """The worker in ``slot``: its name, its GPU and its metrics port follow
     from the slot; ``model``: the policy's model it serves (``--models``)."""
-    argv = ["--backend", args.backend, "--sim-latency-ms", str(args.sim_latency_ms)]
+    argv = ["--backend", args.backend] if args.backend else []  # (else its model's)
+    if args.sim_latency_ms is not None:
+        argv += ["--sim-latency-ms", str(args.sim_latency_ms)]
     argv += ["--policy", policy_path]
     argv += _worker_flags(args)
     if model:
@@ -169,7 +173,7 @@ def worker_child(
         argv += ["--metrics-port", str(args.metrics_port + slot)]
     name = f"worker-{model}-{slot + 1}" if model else f"worker-{slot + 1}"
     child = Child(name, "worker", argv, slot=slot)
-    if _kind(args.backend) in ON_THE_GPU:
+    if _backend_kind(args, policy_path, model) in ON_THE_GPU:
         # One GPU per worker (each sees it as cuda:0); CPU when there are none.
         child.env["CUDA_VISIBLE_DEVICES"] = gpus[slot % len(gpus)] if gpus else ""
     return child
@@ -186,8 +190,18 @@ def _worker_flags(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def _kind(backend: str) -> str:
-    return backend.partition(":")[0]
+def _backend_kind(args: argparse.Namespace, policy_path: str, model: str = "") -> str:
+    """The kind of backend a worker runs: ``--backend``'s, else its model's
+    in the policy (checked before any worker starts)."""
+    if args.backend:
+        return str(args.backend).strip().partition(":")[0]
+    entry = _models_of(policy_path).get(model or "default")
+    return "simulated" if entry is None else entry.backend.strip().partition(":")[0]
+
+
+@functools.cache
+def _models_of(policy_path: str) -> dict[str, Model]:
+    return load_policy(policy_path).models
 
 
 def _gpus(flag: str | None) -> list[str]:
@@ -212,8 +226,9 @@ def _wait_ready(
 ) -> int | None:
     """None once the gateway answers ready; else the exit code to stop with.
     The wait lasts ``timeout_s``, and as long after it as a worker says it
-    is warming up (a real model on a CPU takes a minute)."""
-    deadline = time.monotonic() + timeout_s
+    is warming up (a real model on a CPU takes a minute), and ``timeout_s``
+    after the last word of it (a warm worker still has to join)."""
+    started = last_word = time.monotonic()
     while not _ready(url):
         failed = stack.failed_child()
         if failed is not None:
@@ -225,7 +240,10 @@ def _wait_ready(
             return 1
         if stop_requested:
             return 0
-        if time.monotonic() > deadline and not warming.any():
+        now = time.monotonic()
+        if now - started > timeout_s and warming.any():
+            last_word = now
+        if now - last_word > timeout_s:
             print(
                 f"infergate up: not ready within {timeout_s:.0f}s ({url}), and no worker is "
                 "warming up; stopping (--ready-timeout-s waits longer)",
@@ -239,12 +257,13 @@ def _wait_ready(
 def _preflight(args: argparse.Namespace) -> str | None:
     """What cannot work, found before anything starts (Redis, the demo
     keys): the backend's spec and options, the gateway's port."""
-    try:
-        spec = checked_spec(args.backend, args.backend_options or {})
-    except ValueError as exc:
-        return str(exc)
-    if args.concurrency and args.concurrency > 1 and spec.kind in ONE_CALL_AT_A_TIME:
-        return f"--concurrency: the {spec.kind} backend runs one batch at a time"
+    if args.backend:  # (a policy's own backends are checked with the policy)
+        try:
+            spec = checked_spec(args.backend, args.backend_options or {})
+        except ValueError as exc:
+            return str(exc)
+        if args.concurrency and args.concurrency > 1 and spec.kind in ONE_CALL_AT_A_TIME:
+            return f"--concurrency: the {spec.kind} backend runs one batch at a time"
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -345,7 +364,9 @@ def _run(args: argparse.Namespace, policy_path: str, url: str, stop: list[int]) 
     """Start the children, wait until ready, supervise (and scale) until a
     signal, stop them."""
     env = {**os.environ, "REDIS_URL": url, "INFERGATE_NAMESPACE": args.namespace}
-    gpus = _gpus(args.gpus) if _kind(args.backend) in ON_THE_GPU else []
+    served = [name for name, _ in args.models] if args.models else [""]
+    on_the_gpu = any(_backend_kind(args, policy_path, m) in ON_THE_GPU for m in served)
+    gpus = _gpus(args.gpus) if on_the_gpu else []
     stack = Stack(_children(args, policy_path, gpus), env)
     scaler = _scaler(args, policy_path, gpus, stack, url)
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
@@ -438,7 +459,8 @@ def _say_ready(args: argparse.Namespace, url: str) -> None:
 def _say_how_to_join(args: argparse.Namespace, policy_path: str, url: str) -> None:
     """``--workers 0``: the command a worker on a GPU host runs to join."""
     policy = f" --policy {shlex.quote(args.policy)}" if args.policy else ""
-    flags = " ".join(shlex.quote(a) for a in ["--backend", args.backend, *_worker_flags(args)])
+    backend = ["--backend", args.backend] if args.backend else []
+    flags = " ".join(shlex.quote(a) for a in [*backend, *_worker_flags(args)])
     print(
         "infergate up: no workers here; on each GPU host, one worker per GPU:\n"
         f"  REDIS_URL={shlex.quote(url)} INFERGATE_NAMESPACE={shlex.quote(args.namespace)} "

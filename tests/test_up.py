@@ -18,6 +18,8 @@ from infergate.redis_server import RedisServer, free_port
 from tests.helpers import http, wait_for
 from tests.upstreams import USER_CODE, answers
 
+EXAMPLE = Path(__file__).parent.parent / "policies" / "example.yaml"
+
 
 class Up:
     """``infergate up`` in ``tmp_path``, its stderr (and its children's) in a file."""
@@ -122,6 +124,33 @@ def test_the_wait_outlasts_a_worker_that_warms_up_slowly(tmp_path: Path) -> None
     assert "infergate up: ready at" in err, err[-2000:]
 
 
+def test_the_workers_run_the_policy_s_backend_without_a_flag(tmp_path: Path) -> None:
+    """A policy whose model names the team's code: up's workers run it
+    (before, up's default --backend simulated overrode it)."""
+    example = EXAMPLE.read_text("utf-8")  # less its keys: up adds demo ones
+    unkeyed = example[: example.index("\nkeys:\n")] + example[example.index("\nbatching:") :]
+    (tmp_path / "policy.yaml").write_text(
+        unkeyed + "\nmodels:\n  default: {backend: 'python:mymodel:batchstring'}\n", "utf-8"
+    )
+    port = free_port()
+    up = Up(
+        tmp_path, "--port", str(port), "--workers", "1", "--policy", "policy.yaml",
+        "--keys-out", "keys.json", env={"PYTHONPATH": str(USER_CODE)},
+    )  # fmt: skip
+    try:
+        wait_for(lambda: up.ready(f"http://127.0.0.1:{port}/readyz"), 60, "up")
+        key = json.loads((tmp_path / "keys.json").read_text())["paid"]
+        status, _, body = http(
+            "POST",
+            f"http://127.0.0.1:{port}/v1/inference",
+            {"input": "mine"},
+            {"Authorization": f"Bearer {key}"},
+        )
+        assert (status, body.get("output")) == (200, "fn:mine"), body
+    finally:
+        up.stop()
+
+
 def test_workers_elsewhere_join_with_the_printed_command(tmp_path: Path) -> None:
     """``up --workers 0`` runs all but the workers and prints the command a
     GPU host runs; run as printed, a worker joins and serves."""
@@ -140,7 +169,9 @@ def test_workers_elsewhere_join_with_the_printed_command(tmp_path: Path) -> None
             return lines[0].strip() if lines else None
 
         command = wait_for(printed, 60, "the command to join")
-        assert re.search(r"infergate worker --backend simulated", command), command
+        # (no --backend: the worker runs its model's, as the policy says)
+        assert re.search(r"infergate worker( |$)", command), command
+        assert "--backend" not in command, command
         local = command.replace("infergate worker", f"{sys.executable} -m infergate worker", 1)
         worker = subprocess.Popen(
             ["bash", "-c", local],
