@@ -84,7 +84,11 @@ def run(args: argparse.Namespace) -> int:
             upstream.close()
     print(_render(args.spec, backend.lacks, report))
     if args.times_out and report.batch_ms:
-        _write_times(Path(args.times_out), args.spec, report)
+        try:
+            _write_times(Path(args.times_out), args.spec, report)
+        except OSError as exc:
+            print(f"infergate backend check: --times-out: {exc}", file=sys.stderr)
+            return 2
     return 1 if report.breaches else 0
 
 

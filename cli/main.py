@@ -224,7 +224,7 @@ def _worker(args: argparse.Namespace) -> int:
         return 2
     document = live.current.document
     workers = document.workers
-    slots = args.concurrency or workers.concurrency
+    slots = workers.concurrency if args.concurrency is None else args.concurrency
     if not 1 <= slots <= MAX_CONCURRENCY:
         print(f"infergate worker: --concurrency must be 1-{MAX_CONCURRENCY}", file=sys.stderr)
         return 2

@@ -32,7 +32,7 @@ from infergate.children import Child, Stack
 from infergate.policies import PolicyError, load_policy
 from infergate.policies.demo import ADMIN_TIER, demo_policy
 from infergate.policies.loader import public_error
-from infergate.policies.models import ONE_CALL_AT_A_TIME
+from infergate.policies.models import MAX_CONCURRENCY, ONE_CALL_AT_A_TIME
 from infergate.policies.schema import Model
 from infergate.private_file import write_private
 from infergate.redis_server import RedisServer
@@ -257,6 +257,8 @@ def _wait_ready(
 def _preflight(args: argparse.Namespace) -> str | None:
     """What cannot work, found before anything starts (Redis, the demo
     keys): the backend's spec and options, the gateway's port."""
+    if args.concurrency is not None and not 1 <= args.concurrency <= MAX_CONCURRENCY:
+        return f"--concurrency must be 1-{MAX_CONCURRENCY}"
     if args.backend:  # (a policy's own backends are checked with the policy)
         try:
             spec = checked_spec(args.backend, args.backend_options or {})

@@ -194,6 +194,13 @@ def test_backend_check_passes_a_function_that_keeps_the_contract(tmp_path: Path)
     assert "batches of up to 100 taking" in planned.stdout
 
 
+def test_backend_check_says_a_times_file_it_cannot_write_in_one_line(tmp_path: Path) -> None:
+    out = _check(tmp_path, "python:mymodel:batchstring", "--times-out", "no/such/dir/t.json")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr.startswith("infergate backend check: --times-out: "), out.stderr
+    assert out.stderr.count("\n") == 1, out.stderr  # (one line, no traceback)
+
+
 def test_backend_check_catches_a_function_that_drops_an_output(tmp_path: Path) -> None:
     out = _check(tmp_path, "python:mymodel:drops_one_of_many")
     assert out.returncode == 1, out.stdout + out.stderr

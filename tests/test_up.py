@@ -72,6 +72,7 @@ class Up:
             ["--backend", "simulated", "--concurrency", "2"],
             "the simulated backend runs one batch at a time",
         ),
+        (["--concurrency", "0"], "--concurrency must be 1-"),
     ],
 )
 def test_what_cannot_work_is_said_before_anything_starts(
