@@ -171,7 +171,7 @@ def test_a_server_down_takes_its_workers_out_and_they_come_back(
     status, headers, body = cluster.infer("paid", "refused at once")
     assert (status, body["error"]["code"]) == (503, "SERVICE_OVERLOADED"), body
     assert "retry-after" in headers
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 3.0  # (not its 10 s deadline)
     server.start()
     wait_for(
         lambda: not any(w["upstream_down"] for w in cluster.status()["workers"]),

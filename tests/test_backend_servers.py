@@ -123,7 +123,7 @@ def test_triton_killed_and_back_its_workers_leave_and_return(
     status, headers, body = triton_stack.infer("paid", "while it is down", model="echo")
     assert (status, body["error"]["code"]) == (503, "SERVICE_OVERLOADED"), body
     assert "retry-after" in headers
-    assert time.monotonic() - started < 2.0
+    assert time.monotonic() - started < 3.0  # (not its 10 s deadline)
     triton.start()
     wait_for(
         lambda: triton_stack.infer("paid", "back", model="echo")[0] == 200,
@@ -218,6 +218,7 @@ def test_an_engine_behind_the_openai_client(engine_stack: Cluster) -> None:
     assert completion.usage is not None
     assert completion.usage.completion_tokens == 4
     sampled = client.completions.create(model="tiny", prompt="hello", max_tokens=4, temperature=1.0)
-    assert sampled.choices[0].text is not None
+    assert sampled.usage is not None
+    assert 0 < sampled.usage.completion_tokens <= 4, sampled  # (sampled, within max_tokens)
     too_many = engine_stack.infer("paid", "hi", model="tiny", parameters={"max_tokens": 9})
     assert too_many[0] == 400  # (over the model's max_new_tokens, 8)

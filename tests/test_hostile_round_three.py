@@ -132,8 +132,9 @@ def test_one_connection_pipelining_without_end_holds_bounded_memory(
     stop.set()
     for t in [*flooders, watcher]:
         t.join(15)
-    # Seen before the bound: hundreds of MiB within seconds, and /healthz
-    # taking up to 1.7 s for everyone else.
+    # Seen before the bound: hundreds of MiB within seconds (what this test
+    # fails on), and /healthz taking up to 1.7 s for everyone else (the 2 s
+    # below is only that others are served, with a busy machine's margin).
     assert peak - before < 40, f"the gateway grew from {before:.0f} to {peak:.0f} MiB"
     assert others
     assert max(others) < 2.0, f"other clients' /healthz took up to {max(others):.2f} s"
@@ -188,7 +189,7 @@ def slow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """One worker of 200 ms batches of 5: a list of prompts takes seconds
     (on a Redis of its own: the module's other stack would serve it)."""
     limited = tuple(
-        key_entry(key_id, "paid", secret, rate_limits=["20/second"])
+        key_entry(key_id, "paid", secret, rate_limits=["20/minute"])  # (no window ends mid-test)
         for key_id, secret in LIMITED.items()
     )
     server = RedisServer().start()
@@ -235,13 +236,13 @@ def test_a_list_with_one_prompt_too_long_runs_none_and_charges_nothing(slow: Clu
 
 
 def test_a_list_over_a_limit_as_a_whole_is_refused_at_once_uncharged(slow: Cluster) -> None:
-    """25 prompts on a key limited to 20/second can never be admitted: 429,
+    """25 prompts on a key limited to 20/minute can never be admitted: 429,
     not worth a retry (the openai client sends it once), nothing run."""
     secret = LIMITED["twenty-1"]
     before = _batched(slow)
     status, headers, body = _completions(slow, secret, [f"p {i}" for i in range(25)])
     assert (status, body["error"]["code"]) == (429, "rate_limited"), body
-    assert "over the key's limit of 20 per 1 second" in body["error"]["message"]
+    assert "over the key's limit of 20 per 1 minute" in body["error"]["message"]
     assert headers["x-should-retry"] == "false"
     assert _remaining(slow, secret) == 19
     assert _batched(slow) == before + 1
