@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    backend = backend_for(_namespace(args), Model(backend=args.spec))
+    backend = backend_for(_namespace(args), Model(backend=args.spec), "infergate backend check")
     if backend is None:
         return 2
     upstream = backend.upstream

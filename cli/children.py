@@ -29,7 +29,6 @@ class Child:
     restarts: int = 0
     next_start: float = 0.0
     started_at: float = 0.0
-    ids: list[str] = field(default_factory=list)
     slot: int = 0  # a worker's place: its GPU and metrics port follow from it
     retiring: bool = False  # stopped on purpose (scaled down): not restarted
     # Extra environment for this child alone (a worker's CUDA_VISIBLE_DEVICES).
@@ -38,7 +37,6 @@ class Child:
 
     def start(self, env: dict[str, str]) -> None:
         process_id = f"{self.name}-{os.urandom(3).hex()}"
-        self.ids.append(process_id)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "infergate", self.role, "--id", process_id, *self.argv],
             env={**env, **self.env},

@@ -90,10 +90,13 @@ def checked_spec(text: str, options: dict[str, Any]) -> BackendSpec:
     return spec
 
 
-def backend_for(args: argparse.Namespace, model: Model) -> "Backend | None":
+def backend_for(
+    args: argparse.Namespace, model: Model, command: str = "infergate worker"
+) -> "Backend | None":
     """The backend the flags and the model's entry ask for, or None (and a
-    message) if they cannot. The policy's options go with the policy's
-    backend; ``--backend-options`` add to them (or are all, for another)."""
+    line on stderr from ``command``) if they cannot. The policy's options go
+    with the policy's backend; ``--backend-options`` add to them (or are all,
+    for another)."""
     from infergate.gpu.backend import Unusable
 
     text = args.backend or model.backend
@@ -101,16 +104,18 @@ def backend_for(args: argparse.Namespace, model: Model) -> "Backend | None":
     try:
         spec = checked_spec(text, options)
     except ValueError as exc:
-        return _refused(str(exc))
+        print(f"{command}: {exc}", file=sys.stderr)
+        return None
     try:
         return _build(args, model, spec, options)
     except (Unusable, ValueError) as exc:
-        return _refused(f"{spec.kind} backend: {exc}")
+        print(f"{command}: {spec.kind} backend: {exc}", file=sys.stderr)
+        return None
 
 
 def _build(
     args: argparse.Namespace, model: Model, spec: BackendSpec, options: dict[str, Any]
-) -> "Backend | None":
+) -> "Backend":
     if spec.kind == "simulated":
         from infergate.gpu.backends.simulated import SimulatedBackend
 
@@ -121,9 +126,7 @@ def _build(
     if spec.kind == "transformers":
         path = args.model or model.path
         if not path:
-            return _refused(
-                "--model (or the policy model's path) is required with --backend transformers"
-            )
+            raise ValueError("--model (or the policy model's path) is required")
         from infergate.gpu.backends.transformers_backend import TransformersBackend
 
         return TransformersBackend(
@@ -147,8 +150,3 @@ def _build(
     from infergate.gpu.backends.openai_engine import OpenAIEngineBackend
 
     return OpenAIEngineBackend(spec.target, options, max_new_tokens)
-
-
-def _refused(message: str) -> "Backend | None":
-    print(f"infergate worker: {message}", file=sys.stderr)
-    return None

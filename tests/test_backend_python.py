@@ -201,6 +201,14 @@ def test_backend_check_says_a_times_file_it_cannot_write_in_one_line(tmp_path: P
     assert out.stderr.count("\n") == 1, out.stderr  # (one line, no traceback)
 
 
+def test_backend_check_says_a_backend_it_cannot_make_as_itself(tmp_path: Path) -> None:
+    out = _check(tmp_path, "python:nomodule:fn")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr.startswith("infergate backend check: python backend: cannot import"), (
+        out.stderr
+    )
+
+
 def test_backend_check_catches_a_function_that_drops_an_output(tmp_path: Path) -> None:
     out = _check(tmp_path, "python:mymodel:drops_one_of_many")
     assert out.returncode == 1, out.stdout + out.stderr
