@@ -4,6 +4,7 @@ routing by ``model``, who may use which model, each model's own key space
 parameters do. Real processes and a real Redis."""
 
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -229,14 +230,18 @@ def test_redis_out_of_memory_is_one_state_for_every_models_store() -> None:
     assert root.of_model("default") is root
 
 
-def test_up_models_gives_every_process_its_own_metrics_port() -> None:
+def test_up_models_gives_every_process_its_own_metrics_port(tmp_path: Path) -> None:
     from infergate.main import build_parser
+    from infergate.policies.demo import demo_policy
     from infergate.up import _children
 
     args = build_parser().parse_args(
         ["up", "--models", "small=2,large=1", "--metrics-port", "9100", "--gateways", "2"]
     )
-    children = _children(args, "/p.yaml", [])
+    text, _ = demo_policy()
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(text + "\nmodels:\n  small: {}\n  large: {}\n", "utf-8")
+    children = _children(args, str(policy), [])
     ports = [c.argv[c.argv.index("--metrics-port") + 1] for c in children]
     assert len(ports) == len(set(ports)) == 3 + 2 + 2
     named = {c.name: c.argv for c in children}
