@@ -73,7 +73,7 @@ class Keys:
         # Fair queuing inside a tier: its requests wait in one sorted set,
         # scored by each one's start tag (its key's virtual time), beside a
         # hash of the tier's virtual time and each waiting key's state
-        # (``admit.lua``, ``take.lua``). ``queue:{tier}`` (a list) is taken
+        # (``admit.lua``, ``take_*.lua``). ``queue:{tier}`` (a list) is taken
         # first: a requeue's front, and what a gateway of an earlier version queued.
         self.fair_queues = tuple(self.fair_queue(t) for t in TIERS)
         self.fair_states = tuple(self.fair_state(t) for t in TIERS)
@@ -128,14 +128,14 @@ class Keys:
 
     def withdrawn(self, worker_id: str) -> str:
         """Marks a worker's credit taken off ``ready`` while its backend runs
-        another shard's batch (``take.lua`` 'join')."""
+        another shard's batch (``take_join.lua``)."""
         return self.prefix + "withdrawn:" + worker_id
 
     def processing(self, worker_id: str) -> str:
         return self.prefix + "processing:" + worker_id
 
     def last_step(self, worker_id: str) -> str:
-        """The token of a worker's last take (``take.lua``): a repeat is known."""
+        """The token of a worker's last take (``take_*.lua``): a repeat is known."""
         return self.prefix + "step:" + worker_id
 
     def heartbeat(self, role: str, process_id: str) -> str:

@@ -80,7 +80,7 @@ class _RawBatch(msgspec.Struct, frozen=True):
     attempt: int = 0
 
 
-# A batch as it sits in Redis (version 2, written by take.lua and
+# A batch as it sits in Redis (version 2, written by take_*.lua and
 # ``encode_batch``): this line, the head as JSON on a line of its own (with
 # each envelope's length), then the envelopes' bytes as they came off their
 # queues, one after the other:
@@ -212,7 +212,7 @@ _NO_INPUT = b',"input":null'
 
 def encode_queued(envelope: Envelope) -> bytes:
     """An envelope as it is queued: the same JSON object, its input last, so
-    that ``take.lua`` reads what it checks (every field before the input)
+    that ``take_*.lua`` reads what it checks (every field before the input)
     without reading the input. (The first ``,"input":`` is the field's: a
     JSON string holds no bare quote.)"""
     head = _json_encoder.encode(msgspec.structs.replace(envelope, input=None))
@@ -232,7 +232,7 @@ def encode_batch(
     batch_id: str, dispatcher: str, formed_ms: int, envelopes: list[bytes], attempt: int = 0
 ) -> bytes:
     """Frame a batch from envelopes as they came out of Redis, without
-    re-encoding them: the bytes ``take.lua`` writes when it forms a batch
+    re-encoding them: the bytes ``take_*.lua`` writes when it forms a batch
     (tests/test_queue.py holds the two to the same bytes)."""
     head = _BatchHead(batch_id, dispatcher, formed_ms, attempt, [len(e) for e in envelopes])
     return b"".join([BATCH_FRAME, _json_encoder.encode(head), b"\n", *envelopes])

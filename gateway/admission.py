@@ -21,7 +21,7 @@ fleet within a fleet view, before a lower tier has queued more than its
 budget can serve at its reserved rate.
 
 A tier whose allowance is under one request is refused here, with no Redis
-round trip. Inside a tier, requests are served in fair order (``take.lua``),
+round trip. Inside a tier, requests are served in fair order (``take_*.lua``),
 so a key waits behind its own queue over its weight's share of the tier,
 not behind the whole tier: ``admit.lua`` admits a key's request while the key
 holds less than that share of the allowance (and at least one), exactly and

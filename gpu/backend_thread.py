@@ -9,7 +9,7 @@ machine: about 1.7 ms of every cycle, beside the take itself). So the backend th
 runs a big batch's call with what it needs to take the next one (``Then``):
 when the call returns, its outcome goes to the event loop at once (so the
 hang timeout counts the call alone), and the same thread runs the worker's take
-(``take.lua`` 'worker', on a blocking client of its own), reads the batch
+(``take_worker.lua``, on a blocking client of its own), reads the batch
 it formed and starts the backend on it. The event loop learns what the
 take did (``Ran.stepping``), publishes the last batch's replies while the
 next batch runs, and adopts the running call (``Running``) as it comes to

@@ -95,7 +95,7 @@ class BatchRunner:
 
     async def handle(self, data: bytes, running: Running | None = None) -> Finished:
         """Run one pulled batch; returns how to build its answer, whatever
-        happens to it: an unreadable envelope is dropped (take.lua already
+        happens to it: an unreadable envelope is dropped (take_*.lua already
         drops most), an unreadable batch is dead-lettered, and a batch that
         fails outside the backend (or whose answer cannot be built) answers
         every request INFERENCE_FAILED."""

@@ -3,7 +3,7 @@ publish the replies while that one runs.
 
 The moment the backend returns, one short step forms the worker's next
 batch straight into its processing list, from what is queued at that
-moment, in priority order (``take.lua``, 'worker'), and the backend starts
+moment, in priority order (``take_worker.lua``), and the backend starts
 on it; the replies of the batch just run are built and published (and the
 batch acked) while the next one runs. Under load the backend starts again
 one round trip after it returned, with no dispatcher, credit, pull or

@@ -1,4 +1,4 @@
-"""Fair queuing inside a tier (``admit.lua`` queues, ``take.lua`` takes), on a
+"""Fair queuing inside a tier (``admit.lua`` queues, ``take_*.lua`` takes), on a
 real Redis: the order batches are formed in is checked against a reference
 model of start-time fair queuing, written here in a few lines of Python, for
 sequences of admissions and takes that hypothesis makes up; and the key's
@@ -34,7 +34,7 @@ def envelope(n: int, key: str, tier: str = "paid") -> bytes:
 
 @dataclass
 class Reference:
-    """Start-time fair queuing as take.lua and admit.lua keep it: a request's
+    """Start-time fair queuing as take_*.lua and admit.lua keep it: a request's
     start tag is the later of the tier's virtual time and its key's last
     finish tag; requests leave in (tag, bytes) order; the virtual time is the
     tag of the last one taken; a key with nothing waiting is forgotten, and so

@@ -1,6 +1,6 @@
 """An idle loop's credit while the backend it shares with other shards
 runs their batches (``gpu/gate.py``): it joins the call about to start
-(``take.lua`` 'join': a batch of what waits on its shard, whoever held the
+(``take_join.lua``: a batch of what waits on its shard, whoever held the
 credit, whatever the pacing), or is withdrawn until the call ends and then
 given back ('withdrawn'), on real Redis; and the gate's side of it."""
 

@@ -236,7 +236,7 @@ def test_the_wheel_installs_one_top_level_name(tmp_path: Path) -> None:
     assert top == {"infergate"}
     # Everything a process needs at run time is in it: the Lua scripts, the
     # example policy, the typing marker.
-    assert "infergate/base/queue/lua/take.lua" in names
+    assert "infergate/base/queue/lua/take_pop.lua" in names
     assert "infergate/policies/example.yaml" in names
     assert "infergate/py.typed" in names
     # ...and nothing of the tests.

@@ -242,7 +242,7 @@ async def test_code_from_before_drops_an_envelope_whose_input_waits_beside(
     redis_url: str,
 ) -> None:
     """A gateway rolled out before the workers: its long input's envelope is
-    unreadable to their decoder and to their take.lua's check (a string
+    unreadable to their decoder and to their take_*.lua's check (a string
     input), so it is dropped (504 at its deadline), never run as an empty
     input (a wrong 200, and a wrong answer kept in the cache). A short
     input's envelope is the same bytes as before."""

@@ -111,7 +111,7 @@ async def take(
 
 
 async def test_a_batch_of_long_inputs_is_the_same_bytes_as_its_python_twin(q: Faces) -> None:
-    """Past 64 KB a batch is joined in groups of 16 (``take.lua``
+    """Past 64 KB a batch is joined in groups of 16 (``take_*.lua``
     ``joined``): any count, the same bytes as ``wire.encode_batch``."""
     now = clock.now_ms()
     for count in (1, 15, 16, 17, 33, 100):
@@ -261,7 +261,7 @@ def test_envelope_wire_format_round_trips() -> None:
 
 
 def test_a_queued_envelope_holds_its_input_last() -> None:
-    """What take.lua reads of a queued envelope is everything before its
+    """What take_*.lua reads of a queued envelope is everything before its
     input: the same object, in another order (a key id holding the field's
     own name, quoted, changes nothing)."""
     for text in ('ünï "quoted" ,"input":', None):
@@ -277,7 +277,7 @@ def test_a_queued_envelope_holds_its_input_last() -> None:
 async def test_take_reads_an_envelope_before_its_input_and_an_earlier_one_whole(
     q: Faces,
 ) -> None:
-    """take.lua checks a queued envelope by what comes before its input; an
+    """take_*.lua checks a queued envelope by what comes before its input; an
     envelope of an earlier version (its input in the middle) is decoded
     whole and taken too. An input that is no string is dropped as
     malformed; one whose escapes are broken goes unread to the worker,
@@ -554,7 +554,9 @@ async def test_a_lone_request_is_handed_straight_to_an_idle_worker(q: Faces) -> 
     assert await admit(1)
     assert await q.redis.llen(q.keys.ready) == 0  # the credit paid for it
     # (to w1's own hand-off list: the worker whose credit paid runs it)
-    batch, unreadable = wire.decode_batch(await q.redis.rpop(q.keys.handoff("w1")))
+    handed = await q.redis.rpop(q.keys.handoff("w1"))
+    assert handed.startswith(wire.BATCH_FRAME)  # (framed as a take frames one)
+    batch, unreadable = wire.decode_batch(handed)
     assert ([e.id for e in batch.envelopes], batch.dispatcher, unreadable) == (["r1"], "gw", 0)
     after = await q.stats()
     assert after["batches_formed"] == before.get("batches_formed", 0) + 1

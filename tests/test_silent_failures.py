@@ -179,7 +179,7 @@ async def test_a_batch_that_fails_outside_the_backend_is_answered(
     assert "KeyError: 'a bug, not a model failure'" in capsys.readouterr().out
 
 
-# Envelopes that Redis's cjson reads (so take.lua batches them) but JSON
+# Envelopes that Redis's cjson reads (so take_*.lua batches them) but JSON
 # does not: each would have made its whole batch unreadable to the worker
 # (or, the last, raised UnicodeDecodeError out of it, ending its loop).
 _CJSON_ONLY = [
@@ -196,7 +196,7 @@ _CJSON_ONLY = [
 
 async def test_an_envelope_only_cjson_reads_fails_alone_not_its_batch(redis_url: str) -> None:
     """Planted in a queue between real requests, each such envelope passes
-    take.lua's check and lands in their batch: the worker runs the real ones
+    take_*.lua's check and lands in their batch: the worker runs the real ones
     and drops it (it cannot be answered: it is not an envelope)."""
     worker = Worker(WorkerSettings("w-1", redis_url), SimulatedBackend(latency_ms=0))
     store = worker.store
@@ -254,7 +254,7 @@ def test_a_batch_with_such_an_envelope_is_retried_whole() -> None:
 async def test_an_envelope_with_a_nul_byte_never_reaches_a_batch(redis_url: str) -> None:
     """cjson stops reading at a NUL byte: what follows one (here, a forged
     envelope, and a bracket that would end the batch's list) is dropped
-    with it by take.lua, and counted."""
+    with it by take_*.lua, and counted."""
     store = Store.connect(redis_url, "t", block_s=1, name="test")
     now = clock.now_ms()
     planted = b'{"id":"evil","gateway":"gw","input":"x","deadline_ms":9e15}\x00'

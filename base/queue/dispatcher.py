@@ -8,9 +8,8 @@ from infergate.base.queue.forming import (
     RULE_TTL_MS,
     Rule,
     TakeResult,
+    dispatch_take,
     encode_rule,
-    take_args,
-    take_keys,
     take_result,
 )
 from infergate.base.queue.store import Store, process_ids
@@ -71,26 +70,18 @@ class DispatcherQueue:
         with_envelopes: bool = False,
     ) -> TakeResult:
         """Form a batch of up to ``rule.n`` envelopes for the worker of
-        ``credit`` and hand it off with the credit, in one step (``take.lua``):
+        ``credit`` and hand it off with the credit, in one step (``take_*.lua``):
         synchronous requests first; jobs after them, and alone only with
         ``rule.headroom`` other workers idle (-1: no jobs). Nothing if that
         worker has gone or the credit is no longer held here."""
-        keys = self.keys
-        own = keys.credits(self.dispatcher_id)
-        args = take_args(
-            keys,
-            "dispatch+envelopes" if with_envelopes else "dispatch",
-            now_ms,
-            credit,
-            batch_id,
-            self.dispatcher_id,
-            rule=rule,
+        call = dispatch_take(
+            self.keys, self.dispatcher_id, credit, batch_id, now_ms, rule, with_envelopes
         )
         # Straight on the held connection (``pipelined.py``): at low load this
         # call is on the way of every request that finds no idle worker's
         # credit on ready (one that does goes straight: admit.lua).
-        take = take_keys(keys, own, keys.heartbeat("worker", credit), batches=keys.handoff(credit))
-        return take_result(await self.store.pipelined.call(self.store.scripts.take, take, args))
+        script = self.store.scripts.take_dispatch
+        return take_result(await self.store.pipelined.call(script, call.keys, call.args))
 
     async def publish_rule(self, rule: Rule) -> None:
         """The batching rule, for workers that form their next batch themselves."""

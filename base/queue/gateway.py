@@ -4,7 +4,7 @@ one step), cancel one, keep and find jobs, and listen for its own replies."""
 import contextlib
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from infergate.base import clock, wire
 from infergate.base.errors import STORE_ERRORS
@@ -56,6 +56,27 @@ class Admitted(NamedTuple):
     handed: bool = False  # handed straight to an idle worker, not queued
     over_share: bool = False  # refused: its key already holds its share of the tier
     refused_by: int = -1  # the first counter without room (its index), if any
+
+
+# admit_request.lua's verdicts: the first field of its reply.
+REFUSED, ADMITTED, OVER_SHARE, HELD_BACK = 0, 1, 2, 3
+
+
+def admitted_from(reply: list[Any]) -> tuple[int, Admitted]:
+    """``admit_request.lua``'s reply, read by name in this one place: its
+    verdict, whether it was queued or handed straight, each limit's count
+    and ms, and the first limit without room (1-based; 0: none)."""
+    verdict, queued, handed, *limits, refused_by = reply
+    admitted = Admitted(
+        admitted=verdict == ADMITTED,
+        queued=bool(queued),
+        counts=limits[0::2],
+        ttls_ms=limits[1::2],
+        handed=bool(handed),
+        over_share=verdict == OVER_SHARE,
+        refused_by=int(refused_by) - 1,
+    )
+    return int(verdict), admitted
 
 
 class ReplySubscription:
@@ -155,21 +176,12 @@ class GatewayQueue:
                     keys.prefix,
                     self._tier_names,
                 )
-        reply = await self.store.admits.admit(names, args, stored_first)
-        if reply[0] == 3:  # (room after all, for an input held back)
+        verdict, admitted = admitted_from(await self.store.admits.admit(names, args, stored_first))
+        if verdict == HELD_BACK:  # (room after all, for an input held back)
             return await self.admit(counters, tier, envelope, straight, beside, place)
-        if reply[2]:
+        if admitted.handed:
             self._on_handed()
-        n = len(counters)
-        return Admitted(
-            reply[0] == 1,
-            bool(reply[1]),
-            reply[3 : 3 + 2 * n : 2],
-            reply[4 : 4 + 2 * n : 2],
-            bool(reply[2]),
-            reply[0] == 2,
-            int(reply[3 + 2 * n]) - 1,
-        )
+        return admitted
 
     def stored(self, envelope: wire.Envelope) -> tuple[bytes, Beside | None]:
         """The envelope as it is queued, and its input if it is kept beside it."""

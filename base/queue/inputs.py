@@ -1,7 +1,7 @@
 """Long inputs, kept beside the queue.
 
 A string a Redis script reads costs Redis about a nanosecond a byte each time,
-and a queued envelope is read by ``take.lua``: decoded, joined into its batch,
+and a queued envelope is read by ``take_*.lua``: decoded, joined into its batch,
 pushed and returned. A take of 91 envelopes with inputs of 16,000 characters
 cost Redis 13 ms, and every gateway's admit waited behind it. So an input of
 at least ``BESIDE_MIN_CHARS`` characters is stored under a key of its own
@@ -18,7 +18,7 @@ The worker fetches the inputs of a batch before running it: one MGET, in which
 Redis copies no byte into a script. It deletes them in the transaction that
 publishes the batch's answer.
 
-``take.lua`` deletes the input of a request it drops (cancelled, expired).
+``take_*.lua`` deletes the input of a request it drops (cancelled, expired).
 Otherwise an input lives until its request's deadline plus ``GRACE_MS``.
 Past the deadline nobody runs it: the gateway has answered 504. So a request
 dropped elsewhere (its batch dead-lettered, its envelope unreadable) leaves

@@ -11,15 +11,31 @@ from redis.asyncio.client import Pipeline
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
-# Lua put before a script's own (Redis scripts cannot call one another):
-# the scripts that read the published batching rule read it one way, and
-# those that hand a batch to an idle worker choose it one way.
-_LIBRARIES = {"take": ("rule",), "admit": ("rule", "idle_worker"), "retry": ("idle_worker",)}
+# Lua put before a script's own (Redis scripts cannot call one another),
+# each file one concern: the scripts that read the published batching rule
+# read it one way, those that hand a batch to an idle worker choose it one
+# way, and every take forms a batch one way.
+_TAKE = ("numbers", "rule", "frame", "take_envelope", "take_pop", "take_form")
+_ADMIT = ("numbers", "rule", "idle_worker", "frame", "window", "fair_tag", "hand_straight")
+LIBRARIES = {
+    "take_dispatch": _TAKE,
+    "take_worker": _TAKE,
+    "take_join": _TAKE,
+    "take_withdrawn": _TAKE,
+    "admit": (*_ADMIT, "admit_request"),
+    "retry": ("idle_worker",),
+}
 
 
 @cache
 def source(name: str) -> str:
-    return "\n".join(_file(n) for n in (*_LIBRARIES.get(name, ()), name))
+    """A script's text: its libraries, then its own."""
+    return libraries(name) + "\n" + _file(name)
+
+
+def libraries(name: str) -> str:
+    """The Lua put before script ``name`` (a test entry over them too)."""
+    return "\n".join(_file(n) for n in LIBRARIES.get(name, ()))
 
 
 def _file(name: str) -> str:
@@ -35,7 +51,10 @@ class Scripts:
 
         self.admit = load("admit")
         self.fleet = load("fleet")
-        self.take = load("take")
+        self.take_dispatch = load("take_dispatch")
+        self.take_worker = load("take_worker")
+        self.take_join = load("take_join")
+        self.take_withdrawn = load("take_withdrawn")
         self.offer_credit = load("offer_credit")
         self.ack_batch = load("ack_batch")
         self.ensure_credit = load("ensure_credit")

@@ -191,7 +191,7 @@ class Store:
             if isinstance(result, ResponseError):
                 if i not in depths:
                     raise result
-                results[i] = 0  # (a queue of another type, planted: take.lua drops it)
+                results[i] = 0  # (a queue of another type, planted: take_*.lua drops it)
         member_sets, extras = results[: len(roles)], results[len(roles) :]
         ids = {}
         for role, members in zip(roles, member_sets, strict=True):

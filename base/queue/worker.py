@@ -8,7 +8,13 @@ from typing import Any, Literal, NamedTuple
 
 from infergate.base import wire
 from infergate.base.queue import inputs, redis_url
-from infergate.base.queue.forming import TakeResult, new_batch_id, take_args, take_keys, take_result
+from infergate.base.queue.forming import (
+    TakeCall,
+    TakeResult,
+    credit_take,
+    take_result,
+    worker_take,
+)
 from infergate.base.queue.replies import reply_commands
 from infergate.base.queue.scripts import evalsha, execute, queue_on, source
 from infergate.base.queue.store import Store, process_ids
@@ -162,7 +168,7 @@ class WorkerQueue:
     ) -> TakeResult:
         """The backend has just run ``ran`` (still in processing): form this
         worker's next batch straight into its processing list, beside it
-        (``take.lua``, 'worker'), or offer its credit when there is nothing
+        (``take_worker.lua``), or offer its credit when there is nothing
         to take; the batch is in ``TakeResult.batch``. If the reply is lost
         and the step runs again with the same ``step`` token, the same next
         batch comes back, and no second batch or credit goes out. One round
@@ -173,58 +179,36 @@ class WorkerQueue:
         deleted: for a small batch, whose few replies add little to the step
         and so reach their clients one round trip sooner."""
         scripts = self.store.scripts
-        take, args = self.take_step(ran, step, now_ms, ack=replies is not None)
+        call = self.take_step(ran, step, now_ms, ack=replies is not None)
         # Straight on the held connection (``pipelined.py``): between two
         # backend calls (and at low load, on every request's way back),
         # redis-py's own way through costs more than the take.
         if replies is None:
-            return take_result(await self.store.pipelined.call(scripts.take, take, args))
+            raw = await self.store.pipelined.call(scripts.take_worker, call.keys, call.args)
+            return take_result(raw)
         commands = [
-            evalsha(scripts.take, take, args),
+            evalsha(scripts.take_worker, call.keys, call.args),
             *self._answer_commands(replies, now_ms, keep, inputs_done, usage),
         ]
         results = await self.store.pipelined.transaction(commands, self._scripts)
         return take_result(results[0])
 
-    def take_step(
-        self, ran: bytes, step: str, now_ms: int, ack: bool
-    ) -> tuple[list[str], list[Any]]:
-        """``take.lua``'s keys and arguments for this worker's step."""
-        keys = self.keys
-        processing = keys.processing(self.worker_id)
-        take = take_keys(keys, processing, keys.batch_rule, keys.last_step(self.worker_id))
-        args = take_args(
-            keys, "worker", now_ms, self.worker_id, new_batch_id(), self.worker_id, ran, step, ack
-        )
-        return take, args
+    def take_step(self, ran: bytes, step: str, now_ms: int, ack: bool) -> TakeCall:
+        """This worker's step (``take_worker.lua``)."""
+        return worker_take(self.keys, self.worker_id, now_ms, ran, step, ack)
 
     def credit_step(
-        self, mode: Literal["join", "withdrawn"], now_ms: int, mark_ms: int = 0, room: int = 0
-    ) -> tuple[list[str], list[Any]]:
-        """``take.lua``'s keys and arguments for this worker's idle credit
-        while the backend it shares with other shards runs their batches:
-        'join' as a call starts (a batch of at most ``room`` for it, or the
-        credit withdrawn, marked for ``mark_ms``), 'withdrawn' as it ends
-        (given back)."""
-        keys = self.keys
-        take = take_keys(
-            keys,
-            keys.processing(self.worker_id),
-            keys.batch_rule,
-            keys.withdrawn(self.worker_id),
-            keys.handoff(self.worker_id),
-        )
-        args = take_args(
-            keys,
-            mode,
-            now_ms,
-            self.worker_id,
-            new_batch_id(),
-            self.worker_id,
-            str(mark_ms).encode(),
-            str(room),
-        )
-        return take, args
+        self,
+        entry: Literal["take_join", "take_withdrawn"],
+        now_ms: int,
+        mark_ms: int = 0,
+        room: int = 0,
+    ) -> TakeCall:
+        """This worker's idle credit while the backend it shares with other
+        shards runs their batches: 'take_join' as a call starts (a batch of
+        at most ``room`` for it, or the credit withdrawn, marked for
+        ``mark_ms``), 'take_withdrawn' as it ends (given back)."""
+        return credit_take(self.keys, entry, self.worker_id, now_ms, mark_ms, room)
 
     def blocking_take(self, url: str, timeout_s: float) -> "BlockingTake":
         """The same step (without an answer), on a blocking client of its own
@@ -275,7 +259,7 @@ class WorkerQueue:
     def _scripts(self) -> tuple[AsyncScript, ...]:
         """The scripts a worker's transactions run."""
         scripts = self.store.scripts
-        return (scripts.take, scripts.finish_jobs, scripts.ack_batch, scripts.charge_usage)
+        return (scripts.take_worker, scripts.finish_jobs, scripts.ack_batch, scripts.charge_usage)
 
     def _answer_commands(
         self,
@@ -313,11 +297,16 @@ class BlockingTake:
             client_name=f"worker:{queue.worker_id}:thread",
         )
         # NOSCRIPT (a restarted Redis) loads it and runs it again: it never ran.
-        self._script = self._client.register_script(source("take"))
+        self._scripts = {
+            entry: self._client.register_script(source(entry))
+            for entry in ("take_worker", "take_join", "take_withdrawn")
+        }
+
+    def _run(self, call: TakeCall) -> TakeResult:
+        return take_result(self._scripts[call.entry](call.keys, call.args))
 
     def __call__(self, ran: bytes, step: str, now_ms: int) -> TakeResult:
-        keys, args = self._queue.take_step(ran, step, now_ms, ack=False)
-        return take_result(self._script(keys, args))
+        return self._run(self._queue.take_step(ran, step, now_ms, ack=False))
 
     def join_call(self, now_ms: int, mark_ms: int, room: int) -> TakeResult:
         """The backend starts a call of another shard's batch, with ``room``
@@ -325,15 +314,13 @@ class BlockingTake:
         for it onto the hand-off list (``TakeResult.size``), or is withdrawn
         until ``give_back_credit`` (``credit_lost``: it was not on ``ready``
         nor held by a dispatcher, and nothing was done)."""
-        keys, args = self._queue.credit_step("join", now_ms, mark_ms, room)
-        return take_result(self._script(keys, args))
+        return self._run(self._queue.credit_step("take_join", now_ms, mark_ms, room))
 
     def give_back_credit(self, now_ms: int) -> TakeResult:
         """The call has ended: the credit withdrawn comes back, a batch
         formed now onto the hand-off list (``TakeResult.size``), or the
         credit onto ``ready``."""
-        keys, args = self._queue.credit_step("withdrawn", now_ms)
-        return take_result(self._script(keys, args))
+        return self._run(self._queue.credit_step("take_withdrawn", now_ms))
 
     def with_inputs(
         self, envelopes: Sequence[wire.Envelope]

@@ -1,7 +1,7 @@
 -- ensure_credit: an idle worker makes sure its credit is on offer (a Redis
 -- that restarted lost it). Does nothing if the credit is on `ready`, held by
 -- a dispatcher, withdrawn while its backend runs another shard's batch
--- (take.lua 'join'), or already spent on a batch waiting for it in
+-- (take_join.lua), or already spent on a batch waiting for it in
 -- `batches:{worker}`; so a worker never has two credits out.
 -- KEYS[1] ready  KEYS[2] batches:{worker}  KEYS[3] withdrawn:{worker}
 -- KEYS[4..] credits:{dispatcher}, every dispatcher

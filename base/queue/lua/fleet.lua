@@ -25,7 +25,7 @@ local gateway_ids, gateway_beats = beats_of(KEYS[2], ARGV[2])
 local ntiers = (#KEYS - 2) / 2
 local function size(command, key)
   -- (a key of another type, planted, holds nothing of a tier's: 0, so one
-  -- key does not blind every gateway's view; take.lua and admit.lua drop it)
+  -- key does not blind every gateway's view; take_*.lua and admit.lua drop it)
   local n = redis.pcall(command, key)
   return type(n) == 'number' and n or 0
 end

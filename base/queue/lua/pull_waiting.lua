@@ -4,7 +4,7 @@
 -- still on `ready`, goes back in the same step (a dispatcher cannot take it
 -- in between and hand it a second batch); so does a credit withdrawn while
 -- its backend runs another shard's batch (its mark goes: the gate gives
--- nothing back for it, take.lua 'withdrawn').
+-- nothing back for it, take_withdrawn.lua).
 -- KEYS[1] batches  KEYS[2] processing:{worker}  KEYS[3] ready
 -- KEYS[4] withdrawn:{worker}
 -- ARGV[1] the worker id

@@ -1,0 +1,125 @@
+-- admit_request: one request of an admit call. It is charged to its key's
+-- limits (window.lua) and, if every one has room and its key's share of the
+-- tier has room (fair_tag.lua), handed straight to an idle worker
+-- (hand_straight.lua) or queued in fair order with the doorbell rung. A
+-- request refused by any check is charged to none, so a refusal has nothing
+-- to refund; a refund is a charge of minus the cost (always made). A long
+-- input is kept beside its envelope (queue/inputs.py): the gateway writes it
+-- just before the call, and the request deletes it if refused.
+-- Its keys and arguments (queue/gateway.py's AdmitRequest writes them):
+-- KEYS[1..n] the windows  KEYS[n+1] fq:{tier}  KEYS[n+2] doorbell
+--   KEYS[n+3] fair:{tier}  (without those three: charge only)
+--   KEYS[n+4] the input's key, when one is kept beside
+-- ARGV[1] n  ARGV[2] the envelope (when queued)
+-- ARGV[3i..3i+2] limit i's cost, amount and window (s)
+-- ARGV[3n+3] 0 input in the envelope, 1 kept beside, 2 kept beside but held
+--   back (the gateway expects a refusal: admitted, it is answered 3, nothing
+--   done, and the gateway sends it again with its input)
+-- ARGV[3n+4..3n+8] key id, cost, weight (thousandths), the tier's allowance
+--   (0: no share check), the weights the gateway admitted in the last second
+-- ARGV[3n+9..3n+13] (to hand it straight) batch id, former, now (epoch ms),
+--   the model's key prefix, its tiers (space-separated, highest first)
+-- Needs window.lua, fair_tag.lua, hand_straight.lua. Put before admit.lua.
+local function parsed(KEYS, ARGV)
+  local n = tonumber(ARGV[1])
+  local fa, sa = 3 * n + 4, 3 * n + 9
+  local r = {n = n, envelope = ARGV[2], limits = {}, queued = #KEYS > n,
+    fq = KEYS[n + 1], doorbell = KEYS[n + 2], state = KEYS[n + 3], input_key = KEYS[n + 4],
+    beside = ARGV[3 * n + 3] == '1', held_back = ARGV[3 * n + 3] == '2',
+    key_id = ARGV[fa], cost = tonumber(ARGV[fa + 1]) or 0,
+    weight = tonumber(ARGV[fa + 2]) or 1000, allowance = tonumber(ARGV[fa + 3]) or 0,
+    recent = tonumber(ARGV[fa + 4]) or 0}
+  for i = 1, n do
+    r.limits[i] = {key = KEYS[i], cost = tonumber(ARGV[3 * i]),
+      amount = tonumber(ARGV[3 * i + 1]), window_ms = tonumber(ARGV[3 * i + 2]) * 1000}
+  end
+  if ARGV[sa + 4] then
+    r.straight = {batch_id = ARGV[sa], former = ARGV[sa + 1], formed_ms = ARGV[sa + 2],
+      prefix = ARGV[sa + 3], tiers = ARGV[sa + 4], envelope = ARGV[2]}
+  end
+  return r
+end
+
+local function reset_ms(w, now)
+  -- until the window is as it was before any charge: the current bucket
+  -- leaves the last ten (the x-ratelimit-reset-requests header)
+  return math.ceil((w.current + 10) * w.window_ms / 10) - now
+end
+
+local function checked_limits(windows, limits, reply)
+  -- each limit's window (the call's copy, window.lua's windows_at) and
+  -- whether all have room; the reply's counts and ms as if refused, and the
+  -- first limit without room
+  local now, charged, room_all, refused_by = windows.now, {}, true, 0
+  for i, limit in ipairs(limits) do
+    local w = windows.get(limit.key, limit.window_ms)
+    charged[i] = w
+    reply[2 * i + 2] = w.eleven - w.oldest
+    reply[2 * i + 3] = w.eleven ~= 0 and reset_ms(w, now) or -2
+    if limit.cost > 0 then
+      local fits, wait = window_room(limit.key, w, limit.cost, limit.amount, now)
+      if not fits then
+        room_all = false
+        if refused_by == 0 then refused_by = i end
+        reply[2 * i + 3] = wait >= 0 and wait or limit.window_ms
+      end
+    end
+  end
+  return charged, room_all, refused_by
+end
+
+local function charge_limits(windows, limits, charged, reply)
+  -- every limit charged its cost, the reply's counts and ms after it
+  for i, limit in ipairs(limits) do
+    window_charge(charged[i], limit.cost)
+    reply[2 * i + 2] = reply[2 * i + 2] + limit.cost
+    if reply[2 * i + 3] < 0 then reply[2 * i + 3] = reset_ms(charged[i], windows.now) end
+  end
+end
+
+local function admit_request(call, KEYS, ARGV)
+  -- Returns {admitted (1; 0: over a limit; 2: over its key's share; 3: its
+  -- input held back, nothing done), queued, handed straight, count_1,
+  -- ms_1, ..., count_n, ms_n, the first limit without room (0: none)}: a
+  -- window's last ten buckets' sum after the charge (before it, if
+  -- refused), and the ms until it has room again (refused) or until its
+  -- oldest charge leaves it (-2: nothing charged).
+  local r = parsed(KEYS, ARGV)
+  if r.beside and redis.call('EXISTS', r.input_key) == 0 then
+    -- Its SET was refused (out of memory, or evicted since): this request
+    -- alone fails, charging nothing (base/errors.py reads these words).
+    error('ERR its input was not stored (its SET was refused, or it was evicted)', 0)
+  end
+  local reply = {0, 0, 0}
+  local charged, room_all, refused_by = checked_limits(call.windows, r.limits, reply)
+  local admitted = room_all and 1 or 0
+  local s
+  if r.queued and admitted == 1 then
+    s = fair_state(call.states, r.state, r.fq, r.key_id)
+    if over_share(r.allowance, r.recent, r.fq, s, r.key_id, r.weight) then admitted = 2 end
+  end
+  if r.held_back and admitted == 1 then admitted = 3 end
+  reply[1] = admitted
+  if admitted == 1 then
+    charge_limits(call.windows, r.limits, charged, reply)
+    local h = r.straight
+    -- (a key of another type on the way: queued, as without a worker idle)
+    local handable, handed = false, false
+    if r.queued and h and not call.no_hand[h.prefix] then
+      handable, handed = pcall(hand_straight, h)
+      if h.no_worker then call.no_hand[h.prefix] = true end
+    end
+    if handable and handed then
+      reply[3] = 1
+    elseif r.queued then
+      queue_fairly(r.fq, s, r.key_id, r.envelope, r.cost, r.weight)
+      call.ring(r.doorbell)
+      reply[2] = 1
+      -- (queued: nothing of its model goes straight in this call any more)
+      if h then call.no_hand[h.prefix] = true end
+    end
+  end
+  if r.beside and admitted ~= 1 then redis.call('DEL', r.input_key) end
+  reply[2 * r.n + 4] = refused_by
+  return reply
+end

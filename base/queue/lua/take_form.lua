@@ -1,0 +1,47 @@
+-- take_form: the batch a take forms, framed (frame.lua), its drops and its
+-- counts recorded, and the reply every take entry gives (queue/forming.py's
+-- TakeResult reads it by name). Nothing sits between the queues and the
+-- batch, so nothing is held by a process that dies. If work is left behind,
+-- the doorbell rings again so another dispatcher holding a credit wakes.
+-- Needs take_pop.lua, frame.lua, rule.lua. Put before the take entries.
+local function with_rule(t, rule_key)
+  -- the batching rule the dispatchers publish, onto the take; false if none
+  local n, interval, headroom, quiet_ms, min_slots = published_rule(rule_key, t.ntiers)
+  if n == nil then return false end
+  t.n, t.interval, t.headroom, t.quiet_ms, t.min_slots = n, interval, headroom, quiet_ms, min_slots
+  return true
+end
+
+local function formed(t)
+  -- up to t.n envelopes taken, in the order take_pop.lua says; the batch
+  -- (false if none), framed; the drops and the hand-off recorded
+  t.check_cancelled = redis.call('ZCARD', t.cancelled_set) > 0
+  for i = 1, t.ntiers do
+    if t.min_slots[i] > 0 then pop_tier(t, i, t.min_slots[i]) end
+  end
+  for i = 1, t.ntiers do pop_tier(t, i, t.n) end
+  if #t.taken < t.n and t.headroom >= 0 and (#t.taken > 0 or t.now - t.last >= t.quiet_ms
+      or redis.call('LLEN', t.ready) >= t.headroom) then
+    for i = 1, t.ntiers do pop_from(t, t.job_queues[i], t.n) end
+  end
+  for _, drop in ipairs({'expired', 'cancelled', 'malformed'}) do
+    if t[drop] > 0 then redis.call('HINCRBY', t.stats, drop .. '_dropped', t[drop]) end
+  end
+  if t.check_cancelled then redis.call('ZREMRANGEBYSCORE', t.cancelled_set, '-inf', t.now) end
+  if t.n > 0 and #t.taken >= t.n then ring_if_waiting(t, t.queues, t.fair_queues) end
+  if #t.taken == 0 then return false end
+  redis.call('HINCRBY', t.stats, 'batches_formed', 1)
+  redis.call('HINCRBY', t.stats, 'requests_batched', #t.taken)
+  -- (a batch of jobs only does not count for pacing)
+  if t.jobs < #t.taken then redis.call('SET', t.last_dispatch, t.now_text, 'PX', 60000) end
+  return framed(t.batch_id, t.former, t.now_text, t.taken)
+end
+
+local function take_reply(t, r)
+  -- {envelopes (if asked), expired, cancelled, malformed, wait_ms, jobs
+  -- taken, worker gone, batch size, credit lost, the batch or false};
+  -- `t` may be nil (nothing was taken), `r` holds what the entry says
+  t = t or {taken = {}, expired = 0, cancelled = 0, malformed = 0, jobs = 0}
+  return {r.envelopes and t.taken or {}, t.expired, t.cancelled, t.malformed, r.wait or 0,
+    t.jobs, r.gone and 1 or 0, #t.taken, r.lost and 1 or 0, r.batch or false}
+end

@@ -1,0 +1,145 @@
+-- take_pop: forming a batch out of the queues, as every take entry shares
+-- it. Each tier first gets its minimum share of the batch (if it has work),
+-- then the rest is filled in strict priority order; within a tier, a
+-- requeue's list (queue:{tier}, also an earlier version's) first, then the
+-- fair queue (fq:{tier}) in start-tag order, whose virtual time becomes the
+-- tag of the last one taken; a key's fair state goes once it has nothing
+-- waiting, and the tier's once nothing of it waits. Jobs come after every
+-- synchronous request, by tier: they fill what synchronous work leaves, and
+-- make a batch of their own only while `headroom` other workers are idle,
+-- or once no synchronous batch was handed off for quiet_ms. Pacing: while
+-- less than a full batch waits, batches leave no closer together than the
+-- rule's interval, fleet-wide, so workers start evenly staggered.
+-- Needs take_envelope.lua. Put before the take entries (scripts.py).
+local TAKE_KEYS = 6  -- KEYS[1..6], every take's: then the entry's own, then the tiers'
+
+local function new_take(KEYS, ARGV, own_keys)
+  -- The take of an entry with `own_keys` keys of its own after the six every
+  -- take has (stats, doorbell, cancelled, last-dispatch, ready,
+  -- jobs-queued); then 4T keys: queue:, jobs:, fq:, fair: of each tier,
+  -- highest first. ARGV[1..5]: now, the credit, the batch id, its former,
+  -- the model's key prefix. Past a deadline or not is judged on Redis's
+  -- clock when the script runs (a call that waited would start a job
+  -- enqueued after `now` past its deadline).
+  local time = redis.call('TIME')
+  local now = tonumber(ARGV[1])
+  local t = {stats = KEYS[1], doorbell = KEYS[2], cancelled_set = KEYS[3],
+    last_dispatch = KEYS[4], ready = KEYS[5], jobs_queued = KEYS[6],
+    now = now, now_text = ARGV[1], live_at = math.max(now, tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)),
+    credit = ARGV[2], batch_id = ARGV[3], former = ARGV[4], prefix = ARGV[5],
+    job_prefix = string.match(ARGV[5], '^{[^}]*}:') .. 'job:', input_prefix = ARGV[5] .. 'input:',
+    queues = {}, job_queues = {}, fair_queues = {}, fair_states = {},
+    taken = {}, expired = 0, cancelled = 0, malformed = 0, jobs = 0}
+  local first = TAKE_KEYS + own_keys + 1
+  t.ntiers = (#KEYS - first + 1) / 4
+  for i = 1, t.ntiers do
+    t.queues[i], t.job_queues[i] = KEYS[first + i - 1], KEYS[first + t.ntiers + i - 1]
+    t.fair_queues[i] = KEYS[first + 2 * t.ntiers + i - 1]
+    t.fair_states[i] = KEYS[first + 3 * t.ntiers + i - 1]
+  end
+  return t
+end
+
+local function ring_if_waiting(t, lists, also)
+  -- ring the doorbell (kept at one ring) if any of `lists` (or `also`) holds work
+  for i = 1, t.ntiers do
+    if redis.call('EXISTS', lists[i]) == 1 or (also and redis.call('EXISTS', also[i]) == 1) then
+      redis.call('LPUSH', t.doorbell, '1')
+      redis.call('LTRIM', t.doorbell, 0, 0)
+      return
+    end
+  end
+end
+
+local function offer_credit(t)
+  -- the worker's credit onto `ready`, once; with jobs waiting, ring the
+  -- doorbell (a dispatcher waiting for headroom to run them may have it now)
+  redis.call('LREM', t.ready, 0, t.credit)
+  redis.call('LPUSH', t.ready, t.credit)
+  ring_if_waiting(t, t.job_queues)
+end
+
+local function paced_ms(t)
+  -- > 0: less than a full batch waits and the last hand-off was less than
+  -- an interval ago; come back after that long. (The last hand-off, as the
+  -- clock of whoever made it said; one ahead of ours holds pacing back by
+  -- at most one interval, not by the skew.)
+  t.last = math.min(tonumber(redis.call('GET', t.last_dispatch)) or 0, t.now)
+  if t.interval <= 0 then return 0 end
+  local wait = t.last + t.interval - t.now
+  if wait <= 0 then return 0 end
+  local queued = 0
+  for i = 1, t.ntiers do
+    local fair = redis.pcall('ZCARD', t.fair_queues[i])
+    queued = queued + redis.call('LLEN', t.queues[i]) + (type(fair) == 'number' and fair or 0)
+  end
+  return (queued > 0 and queued < t.n) and wait or 0
+end
+
+local function pop_from(t, queue, limit)
+  -- the oldest envelopes, a chunk at a time (no more than could be taken,
+  -- so each one read leaves the queue), trimmed off together
+  local got = 0
+  while got < limit and #t.taken < t.n do
+    local chunk = redis.call('LRANGE', queue, -math.min(limit - got, t.n - #t.taken), -1)
+    if #chunk == 0 then break end
+    for j = #chunk, 1, -1 do got = got + consider(t, chunk[j]) end
+    redis.call('LTRIM', queue, 0, -(#chunk + 1))
+  end
+  return got
+end
+
+local function left_fair_queue(state, left)
+  -- the keys whose requests left a tier's fair queue: their waiting counts
+  -- down; a key with none left leaves the tier's active weight (a planted
+  -- value that is no finite number counts as none)
+  for key, gone in pairs(left) do
+    local name = 'n:' .. key
+    local waiting = (finite(redis.call('HGET', state, name)) or 0) - gone
+    if waiting > 0 then
+      redis.call('HSET', state, name, waiting)
+    else
+      local weight = finite(redis.call('HGET', state, 'w:' .. key)) or 0
+      local total = finite(redis.call('HGET', state, 'w')) or 0
+      redis.call('HDEL', state, name, 'w:' .. key, 'f:' .. key)
+      redis.call('HSET', state, 'w', math.max(total - weight, 0))
+    end
+  end
+end
+
+local function pop_fair(t, i, limit)
+  -- the lowest start tags of tier i's fair queue, as pop_from; then the
+  -- tier's virtual time and its keys' counts
+  local queue, state = t.fair_queues[i], t.fair_states[i]
+  local got, tag, left = 0, nil, {}
+  while got < limit and #t.taken < t.n do
+    local chunk = redis.pcall('ZRANGE', queue, 0, math.min(limit - got, t.n - #t.taken) - 1, 'WITHSCORES')
+    if chunk.err then
+      -- a key of another type (planted) is no tier's queue: it goes, counted
+      redis.call('DEL', queue)
+      t.malformed = t.malformed + 1
+      break
+    end
+    if #chunk == 0 then break end
+    for j = 1, #chunk, 2 do
+      local took, env = consider(t, chunk[j])
+      got, tag = got + took, chunk[j + 1]
+      local key = env and env.key_id
+      if type(key) == 'string' then left[key] = (left[key] or 0) + 1 end
+    end
+    redis.call('ZREMRANGEBYRANK', queue, 0, #chunk / 2 - 1)
+  end
+  if tag == nil then return end
+  local kind = redis.call('TYPE', state)['ok']  -- (another type than a hash: replaced)
+  if redis.call('EXISTS', queue) == 0 or (kind ~= 'hash' and kind ~= 'none') then
+    redis.call('DEL', state)  -- nothing waits: the tier's virtual time starts over
+  else
+    redis.call('HSET', state, 'v', tag)
+    left_fair_queue(state, left)
+  end
+end
+
+local function pop_tier(t, i, limit)
+  local got = pop_from(t, t.queues[i], limit)
+  if got < limit then pop_fair(t, i, limit - got) end
+end
