@@ -1,0 +1,122 @@
+"""A key's limits (window.lua, as admit_request.lua checks and charges them)
+against a reference model of the sliding window written here in Python:
+the same replies and the same buckets in Redis, over sequences of charges,
+refunds and steps of time that hypothesis makes up. Time is stepped by a
+test entry (tests/lua/charge_at.lua) over the production libraries: the
+admit itself reads Redis's clock, which a test cannot step."""
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from infergate.base.queue import scripts
+
+HARNESS = Path(__file__).parent / "lua" / "charge_at.lua"
+# Two limits of a key, as a tier's "10 per 10 s" and "24 per 25 s" would be
+# (a tenth over the limit counts from 10 up).
+LIMITS = ((10, 10.0), (24, 25.0))
+
+
+@dataclass
+class Window:
+    """The sliding window as window.lua documents it: ten buckets of a tenth
+    of the window each, plus the oldest one in full (eleven)."""
+
+    amount: int
+    window_ms: int
+    buckets: dict[int, int] = field(default_factory=dict)
+
+    def _sum(self, first: int, last: int) -> int:
+        return sum(self.buckets.get(i, 0) for i in range(first, last + 1))
+
+    def check(self, now: int, cost: int) -> tuple[bool, int, int]:
+        """Whether ``cost`` fits; the last ten buckets' sum; the ms of the
+        reply as if refused (until room, or until the window empties)."""
+        current = now * 10 // self.window_ms
+        eleven, ten = self._sum(current - 10, current), self._sum(current - 9, current)
+        reset = math.ceil((current + 10) * self.window_ms / 10) - now
+        if cost <= 0:
+            return True, ten, reset if eleven != 0 else -2
+        allowed = self.amount + self.amount // 10
+        if eleven + cost <= allowed and ten + cost <= self.amount:
+            return True, ten, reset if eleven != 0 else -2
+        for later in range(1, 12):
+            e = self._sum(current - 10 + later, current)
+            t = self._sum(current - 9 + later, current)
+            if e + cost <= allowed and t + cost <= self.amount:
+                return False, ten, math.ceil((current + later) * self.window_ms / 10) - now
+        return False, ten, self.window_ms
+
+    def charge(self, now: int, cost: int) -> None:
+        current = now * 10 // self.window_ms
+        self.buckets[current] = self.buckets.get(current, 0) + cost
+
+    def held(self, now: int) -> dict[int, int]:
+        """What Redis must hold: every bucket of the eleven charged in."""
+        current = now * 10 // self.window_ms
+        return {i: v for i, v in self.buckets.items() if current - 10 <= i <= current}
+
+
+def reference(windows: list[Window], now: int, costs: list[int]) -> list[int]:
+    checks = [w.check(now, c) for w, c in zip(windows, costs, strict=True)]
+    refused = [i for i, (fits, _, _) in enumerate(checks) if not fits]
+    reply = [0 if refused else 1, 0, 0]
+    for w, cost, (_, ten, ms) in zip(windows, costs, checks, strict=True):
+        if not refused:
+            w.charge(now, cost)
+            ten += cost
+            if ms < 0:
+                ms = math.ceil((now * 10 // w.window_ms + 10) * w.window_ms / 10) - now
+        reply += [ten, ms]
+    return [*reply, refused[0] + 1 if refused else 0]
+
+
+STEPS = st.lists(
+    st.tuples(
+        # ms since the last request: mostly within a bucket (1 s), at times past many
+        st.one_of(st.integers(0, 400), st.integers(0, 400), st.integers(0, 12_000)),
+        st.lists(st.integers(-2, 6), min_size=2, max_size=2),  # each limit's cost
+    ),
+    min_size=1,
+    max_size=60,
+)
+
+
+@pytest.fixture(scope="module")
+def client(module_redis) -> redis.Redis:
+    client = redis.Redis.from_url(module_redis.url)
+    yield client
+    client.close()
+
+
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(steps=STEPS, start=st.integers(0, 10**6))
+def test_the_windows_keep_the_reference_model(
+    client: redis.Redis, steps: list[tuple[int, list[int]]], start: int
+) -> None:
+    charge = client.register_script(scripts.libraries("admit") + "\n" + HARNESS.read_text("utf-8"))
+    keys = [f"window:{start}:{i}" for i in range(len(LIMITS))]
+    client.delete(*keys)
+    windows = [Window(amount, round(s * 1000)) for amount, s in LIMITS]
+    now = 1_700_000_000_000 + start
+    for step, (elapsed, costs) in enumerate(steps):
+        now += elapsed
+        args = [now]
+        for (amount, window_s), cost in zip(LIMITS, costs, strict=True):
+            args += [cost, amount, window_s]
+        got = [int(x) for x in charge(keys=keys, args=args)]
+        assert got == reference(windows, now, costs), (step, now, costs)
+        for key, w in zip(keys, windows, strict=True):
+            stored = {
+                int(k): int(v) for k, v in client.hgetall(key).items() if k not in (b"l", b"s")
+            }
+            assert {i: v for i, v in stored.items() if v} == {
+                i: v for i, v in w.held(now).items() if v
+            }, (step, key)
+    client.delete(*keys)
