@@ -4,17 +4,15 @@
 -- KEYS the windows  ARGV[1] now  ARGV[3i-1..3i+1] limit i's cost, amount and
 -- window (s). Returns admit_request.lua's reply, less what queueing adds.
 local windows = windows_at(tonumber(ARGV[1]))
-local limits = {}
-for i = 1, #KEYS do
-  limits[i] = {key = KEYS[i], cost = tonumber(ARGV[3 * i - 1]), amount = tonumber(ARGV[3 * i]),
-    window_ms = tonumber(ARGV[3 * i + 1]) * 1000}
-end
+-- (the request as admit_request.lua's parsed reads one: limit i's cost,
+-- amount and window at ARGV[3i..3i+2])
+local r = {n = #KEYS, keys = KEYS, args = {#KEYS, '', unpack(ARGV, 2)}}
 local reply = {0, 0, 0}
-local charged, room_all, refused_by = checked_limits(windows, limits, reply)
+local charged, room_all, refused_by = checked_limits(windows, r, reply)
 if room_all then
   reply[1] = 1
-  charge_limits(windows, limits, charged, reply)
+  charge_limits(windows, r, charged, reply)
 end
-reply[2 * #limits + 4] = refused_by
+reply[2 * r.n + 4] = refused_by
 windows.write_all()
 return reply

@@ -21,23 +21,29 @@
 --   the model's key prefix, its tiers (space-separated, highest first)
 -- Needs window.lua, fair_tag.lua, hand_straight.lua. Put before admit.lua.
 local function parsed(KEYS, ARGV)
+  -- the request's arguments by name (its limits: limit_of, read when used;
+  -- its hand-off: straight_of, only when tried)
   local n = tonumber(ARGV[1])
-  local fa, sa = 3 * n + 4, 3 * n + 9
-  local r = {n = n, envelope = ARGV[2], limits = {}, queued = #KEYS > n,
+  local fa = 3 * n + 4
+  return {n = n, keys = KEYS, args = ARGV, queued = #KEYS > n,
     fq = KEYS[n + 1], doorbell = KEYS[n + 2], state = KEYS[n + 3], input_key = KEYS[n + 4],
     beside = ARGV[3 * n + 3] == '1', held_back = ARGV[3 * n + 3] == '2',
     key_id = ARGV[fa], cost = tonumber(ARGV[fa + 1]) or 0,
     weight = tonumber(ARGV[fa + 2]) or 1000, allowance = tonumber(ARGV[fa + 3]) or 0,
-    recent = tonumber(ARGV[fa + 4]) or 0}
-  for i = 1, n do
-    r.limits[i] = {key = KEYS[i], cost = tonumber(ARGV[3 * i]),
-      amount = tonumber(ARGV[3 * i + 1]), window_ms = tonumber(ARGV[3 * i + 2]) * 1000}
-  end
-  if ARGV[sa + 4] then
-    r.straight = {batch_id = ARGV[sa], former = ARGV[sa + 1], formed_ms = ARGV[sa + 2],
-      prefix = ARGV[sa + 3], tiers = ARGV[sa + 4], envelope = ARGV[2]}
-  end
-  return r
+    recent = tonumber(ARGV[fa + 4]) or 0, prefix = ARGV[fa + 9] and ARGV[fa + 8]}
+end
+
+local function limit_of(r, i)
+  -- limit i's window key, cost, amount and window (ms)
+  local args = r.args
+  return r.keys[i], tonumber(args[3 * i]), tonumber(args[3 * i + 1]), tonumber(args[3 * i + 2]) * 1000
+end
+
+local function straight_of(r)
+  -- what hand_straight.lua reads: batch id, former, now, prefix, tiers
+  local sa, args = 3 * r.n + 9, r.args
+  return {batch_id = args[sa], former = args[sa + 1], formed_ms = args[sa + 2],
+    prefix = args[sa + 3], tiers = args[sa + 4], envelope = args[2]}
 end
 
 local function reset_ms(w, now)
@@ -46,33 +52,35 @@ local function reset_ms(w, now)
   return math.ceil((w.current + 10) * w.window_ms / 10) - now
 end
 
-local function checked_limits(windows, limits, reply)
+local function checked_limits(windows, r, reply)
   -- each limit's window (the call's copy, window.lua's windows_at) and
   -- whether all have room; the reply's counts and ms as if refused, and the
   -- first limit without room
   local now, charged, room_all, refused_by = windows.now, {}, true, 0
-  for i, limit in ipairs(limits) do
-    local w = windows.get(limit.key, limit.window_ms)
+  for i = 1, r.n do
+    local key, cost, amount, window_ms = limit_of(r, i)
+    local w = windows.get(key, window_ms)
     charged[i] = w
     reply[2 * i + 2] = w.eleven - w.oldest
     reply[2 * i + 3] = w.eleven ~= 0 and reset_ms(w, now) or -2
-    if limit.cost > 0 then
-      local fits, wait = window_room(limit.key, w, limit.cost, limit.amount, now)
+    if cost > 0 then
+      local fits, wait = window_room(key, w, cost, amount, now)
       if not fits then
         room_all = false
         if refused_by == 0 then refused_by = i end
-        reply[2 * i + 3] = wait >= 0 and wait or limit.window_ms
+        reply[2 * i + 3] = wait >= 0 and wait or window_ms
       end
     end
   end
   return charged, room_all, refused_by
 end
 
-local function charge_limits(windows, limits, charged, reply)
+local function charge_limits(windows, r, charged, reply)
   -- every limit charged its cost, the reply's counts and ms after it
-  for i, limit in ipairs(limits) do
-    window_charge(charged[i], limit.cost)
-    reply[2 * i + 2] = reply[2 * i + 2] + limit.cost
+  for i = 1, r.n do
+    local _, cost = limit_of(r, i)
+    window_charge(charged[i], cost)
+    reply[2 * i + 2] = reply[2 * i + 2] + cost
     if reply[2 * i + 3] < 0 then reply[2 * i + 3] = reset_ms(charged[i], windows.now) end
   end
 end
@@ -91,7 +99,7 @@ local function admit_request(call, KEYS, ARGV)
     error('ERR its input was not stored (its SET was refused, or it was evicted)', 0)
   end
   local reply = {0, 0, 0}
-  local charged, room_all, refused_by = checked_limits(call.windows, r.limits, reply)
+  local charged, room_all, refused_by = checked_limits(call.windows, r, reply)
   local admitted = room_all and 1 or 0
   local s
   if r.queued and admitted == 1 then
@@ -101,22 +109,22 @@ local function admit_request(call, KEYS, ARGV)
   if r.held_back and admitted == 1 then admitted = 3 end
   reply[1] = admitted
   if admitted == 1 then
-    charge_limits(call.windows, r.limits, charged, reply)
-    local h = r.straight
+    charge_limits(call.windows, r, charged, reply)
     -- (a key of another type on the way: queued, as without a worker idle)
     local handable, handed = false, false
-    if r.queued and h and not call.no_hand[h.prefix] then
+    if r.queued and r.prefix and not call.no_hand[r.prefix] then
+      local h = straight_of(r)
       handable, handed = pcall(hand_straight, h)
-      if h.no_worker then call.no_hand[h.prefix] = true end
+      if h.no_worker then call.no_hand[r.prefix] = true end
     end
     if handable and handed then
       reply[3] = 1
     elseif r.queued then
-      queue_fairly(r.fq, s, r.key_id, r.envelope, r.cost, r.weight)
+      queue_fairly(r.fq, s, r.key_id, r.args[2], r.cost, r.weight)
       call.ring(r.doorbell)
       reply[2] = 1
       -- (queued: nothing of its model goes straight in this call any more)
-      if h then call.no_hand[h.prefix] = true end
+      if r.prefix then call.no_hand[r.prefix] = true end
     end
   end
   if r.beside and admitted ~= 1 then redis.call('DEL', r.input_key) end

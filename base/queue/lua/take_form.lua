@@ -3,7 +3,50 @@
 -- TakeResult reads it by name). Nothing sits between the queues and the
 -- batch, so nothing is held by a process that dies. If work is left behind,
 -- the doorbell rings again so another dispatcher holding a credit wakes.
+-- Pacing: while less than a full batch waits, batches leave no closer
+-- together than the rule's interval, fleet-wide, so workers start evenly
+-- staggered. A credit not spent goes back onto `ready`.
 -- Needs take_pop.lua, frame.lua, rule.lua. Put before the take entries.
+local function holds_work(t, queue)
+  return not t.drained[queue] and redis.call('EXISTS', queue) == 1
+end
+
+local function ring_if_waiting(t, lists, also)
+  -- ring the doorbell (kept at one ring) if any of `lists` (or `also`) holds work
+  for i = 1, t.ntiers do
+    if holds_work(t, lists[i]) or (also and holds_work(t, also[i])) then
+      redis.call('LPUSH', t.doorbell, '1')
+      redis.call('LTRIM', t.doorbell, 0, 0)
+      return
+    end
+  end
+end
+
+local function offer_credit(t)
+  -- the worker's credit onto `ready`, once; with jobs waiting, ring the
+  -- doorbell (a dispatcher waiting for headroom to run them may have it now)
+  redis.call('LREM', t.ready, 0, t.credit)
+  redis.call('LPUSH', t.ready, t.credit)
+  ring_if_waiting(t, t.job_queues)
+end
+
+local function paced_ms(t)
+  -- > 0: less than a full batch waits and the last hand-off was less than
+  -- an interval ago; come back after that long. (The last hand-off, as the
+  -- clock of whoever made it said; one ahead of ours holds pacing back by
+  -- at most one interval, not by the skew.)
+  t.last = math.min(tonumber(redis.call('GET', t.last_dispatch)) or 0, t.now)
+  if t.interval <= 0 then return 0 end
+  local wait = t.last + t.interval - t.now
+  if wait <= 0 then return 0 end
+  local queued = 0
+  for i = 1, t.ntiers do
+    local fair = redis.pcall('ZCARD', t.fair_queues[i])
+    queued = queued + redis.call('LLEN', t.queues[i]) + (type(fair) == 'number' and fair or 0)
+  end
+  return (queued > 0 and queued < t.n) and wait or 0
+end
+
 local function with_rule(t, rule_key)
   -- the batching rule the dispatchers publish, onto the take; false if none
   local n, interval, headroom, quiet_ms, min_slots = published_rule(rule_key, t.ntiers)

@@ -7,9 +7,8 @@
 -- waiting, and the tier's once nothing of it waits. Jobs come after every
 -- synchronous request, by tier: they fill what synchronous work leaves, and
 -- make a batch of their own only while `headroom` other workers are idle,
--- or once no synchronous batch was handed off for quiet_ms. Pacing: while
--- less than a full batch waits, batches leave no closer together than the
--- rule's interval, fleet-wide, so workers start evenly staggered.
+-- or once no synchronous batch was handed off for quiet_ms. A queue read
+-- short is not read again in the take (t.drained).
 -- Needs take_envelope.lua. Put before the take entries (scripts.py).
 local TAKE_KEYS = 6  -- KEYS[1..6], every take's: then the entry's own, then the tiers'
 
@@ -29,7 +28,7 @@ local function new_take(KEYS, ARGV, own_keys)
     credit = ARGV[2], batch_id = ARGV[3], former = ARGV[4], prefix = ARGV[5],
     job_prefix = string.match(ARGV[5], '^{[^}]*}:') .. 'job:', input_prefix = ARGV[5] .. 'input:',
     queues = {}, job_queues = {}, fair_queues = {}, fair_states = {},
-    taken = {}, expired = 0, cancelled = 0, malformed = 0, jobs = 0}
+    taken = {}, expired = 0, cancelled = 0, malformed = 0, jobs = 0, drained = {}}
   local first = TAKE_KEYS + own_keys + 1
   t.ntiers = (#KEYS - first + 1) / 4
   for i = 1, t.ntiers do
@@ -40,48 +39,15 @@ local function new_take(KEYS, ARGV, own_keys)
   return t
 end
 
-local function ring_if_waiting(t, lists, also)
-  -- ring the doorbell (kept at one ring) if any of `lists` (or `also`) holds work
-  for i = 1, t.ntiers do
-    if redis.call('EXISTS', lists[i]) == 1 or (also and redis.call('EXISTS', also[i]) == 1) then
-      redis.call('LPUSH', t.doorbell, '1')
-      redis.call('LTRIM', t.doorbell, 0, 0)
-      return
-    end
-  end
-end
-
-local function offer_credit(t)
-  -- the worker's credit onto `ready`, once; with jobs waiting, ring the
-  -- doorbell (a dispatcher waiting for headroom to run them may have it now)
-  redis.call('LREM', t.ready, 0, t.credit)
-  redis.call('LPUSH', t.ready, t.credit)
-  ring_if_waiting(t, t.job_queues)
-end
-
-local function paced_ms(t)
-  -- > 0: less than a full batch waits and the last hand-off was less than
-  -- an interval ago; come back after that long. (The last hand-off, as the
-  -- clock of whoever made it said; one ahead of ours holds pacing back by
-  -- at most one interval, not by the skew.)
-  t.last = math.min(tonumber(redis.call('GET', t.last_dispatch)) or 0, t.now)
-  if t.interval <= 0 then return 0 end
-  local wait = t.last + t.interval - t.now
-  if wait <= 0 then return 0 end
-  local queued = 0
-  for i = 1, t.ntiers do
-    local fair = redis.pcall('ZCARD', t.fair_queues[i])
-    queued = queued + redis.call('LLEN', t.queues[i]) + (type(fair) == 'number' and fair or 0)
-  end
-  return (queued > 0 and queued < t.n) and wait or 0
-end
-
 local function pop_from(t, queue, limit)
   -- the oldest envelopes, a chunk at a time (no more than could be taken,
-  -- so each one read leaves the queue), trimmed off together
+  -- so each one read leaves the queue), trimmed off together; a queue
+  -- found short is not read again in this take (t.drained)
   local got = 0
-  while got < limit and #t.taken < t.n do
-    local chunk = redis.call('LRANGE', queue, -math.min(limit - got, t.n - #t.taken), -1)
+  while got < limit and #t.taken < t.n and not t.drained[queue] do
+    local want = math.min(limit - got, t.n - #t.taken)
+    local chunk = redis.call('LRANGE', queue, -want, -1)
+    if #chunk < want then t.drained[queue] = true end
     if #chunk == 0 then break end
     for j = #chunk, 1, -1 do got = got + consider(t, chunk[j]) end
     redis.call('LTRIM', queue, 0, -(#chunk + 1))
@@ -112,14 +78,17 @@ local function pop_fair(t, i, limit)
   -- tier's virtual time and its keys' counts
   local queue, state = t.fair_queues[i], t.fair_states[i]
   local got, tag, left = 0, nil, {}
-  while got < limit and #t.taken < t.n do
-    local chunk = redis.pcall('ZRANGE', queue, 0, math.min(limit - got, t.n - #t.taken) - 1, 'WITHSCORES')
+  while got < limit and #t.taken < t.n and not t.drained[queue] do
+    local want = math.min(limit - got, t.n - #t.taken)
+    local chunk = redis.pcall('ZRANGE', queue, 0, want - 1, 'WITHSCORES')
     if chunk.err then
       -- a key of another type (planted) is no tier's queue: it goes, counted
       redis.call('DEL', queue)
       t.malformed = t.malformed + 1
+      t.drained[queue] = true
       break
     end
+    if #chunk / 2 < want then t.drained[queue] = true end
     if #chunk == 0 then break end
     for j = 1, #chunk, 2 do
       local took, env = consider(t, chunk[j])
