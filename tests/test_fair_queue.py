@@ -118,6 +118,74 @@ async def _replay(redis_url: str, ops: list[tuple[str, str | int, int]]) -> None
         await store.close()
 
 
+TIERS_OPS = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("admit"),
+            st.sampled_from(["enterprise", "paid", "free"]),
+            st.sampled_from(sorted(WEIGHTS)),
+            st.integers(1, 3000),
+        ),
+        st.tuples(
+            st.just("take"),
+            st.integers(1, 12),
+            st.tuples(st.integers(0, 3), st.integers(0, 3), st.integers(0, 3)),
+            st.just(0),
+        ),
+    ),
+    min_size=1,
+    max_size=60,
+)
+
+
+def reference_take(models: dict[str, Reference], n: int, slots: tuple[int, ...]) -> list[bytes]:
+    """Priority with minimum shares (take_form.lua's formed): each tier
+    first its minimum share of the batch, if it has work, then the rest in
+    strict priority order, each tier in its own fair order."""
+    taken: list[bytes] = []
+    tiers = ["enterprise", "paid", "free"]
+    for tier, share in zip(tiers, slots, strict=True):
+        if share > 0:
+            taken += models[tier].take(min(share, n - len(taken)))
+    for tier in tiers:
+        taken += models[tier].take(n - len(taken))
+    return taken
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(ops=TIERS_OPS)
+def test_batches_follow_the_reference_model_of_priority_and_minimum_shares(
+    redis_url: str, ops: list[tuple]
+) -> None:
+    asyncio.run(_replay_tiers(redis_url, ops))
+
+
+async def _replay_tiers(redis_url: str, ops: list[tuple]) -> None:
+    store = Store.connect(redis_url, "tiers", name="test")
+    try:
+        await store.redis.flushdb()
+        await store.redis.set(store.keys.heartbeat("worker", "w1"), b"{}")
+        gateway, dispatcher = GatewayQueue(store, "gw"), DispatcherQueue(store, "d1")
+        models = {tier: Reference() for tier in ("enterprise", "paid", "free")}
+        for i, op in enumerate(ops):
+            if op[0] == "admit":
+                _, tier, key, cost = op
+                data = envelope(i, key, tier)
+                await gateway.enqueue(tier, data, place=Place(key, cost, WEIGHTS[key]))
+                models[tier].admit(key, cost, data)
+            else:
+                _, n, slots, _ = op
+                await store.redis.rpush(store.keys.credits("d1"), "w1")
+                rule = Rule(n, 0, -1, min_slots=slots)
+                taken = await dispatcher.take("w1", f"b{i}", clock.now_ms(), rule, True)
+                assert taken.envelopes == reference_take(models, n, slots), i
+                await store.redis.delete(store.keys.handoff("w1"))
+    finally:
+        await store.close()
+
+
 @pytest.fixture
 async def store(redis_url: str):
     s = Store.connect(redis_url, "fair", name="test")
