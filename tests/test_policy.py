@@ -136,3 +136,27 @@ def test_weights_and_usage_retention_are_checked() -> None:
     problems = _problems(as_yaml(doc))
     assert any("keys[0].weight: must be between 0.01 and 1000" in p for p in problems)
     assert any("usage.retention_days: must be between 1/24" in p for p in problems)
+
+
+async def test_an_edit_in_place_that_keeps_size_and_mtime_is_still_taken(tmp_path: Path) -> None:
+    """The watcher reads the file only when its stat moved: an edit of the
+    same size whose mtime is set back (an editor that keeps it, or a copy
+    with -p) still moves its ctime, and is taken."""
+    import os
+
+    from infergate.policies.live import LivePolicy
+
+    path = tmp_path / "policy.yaml"
+    before = policy_yaml(max_batch_size=50)
+    after = policy_yaml(max_batch_size=60)
+    assert len(before) == len(after)
+    path.write_text(before)
+    live = LivePolicy(parse_policy(before), str(path), text=before)
+    assert not await live.check_file()  # (as when last read: nothing to take)
+    stat = path.stat()
+    with path.open("r+") as f:  # in place: the same inode
+        f.write(after)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert not await live.check_file()  # changed: taken once it reads the same again
+    assert await live.check_file()
+    assert live.current.document.batching.max_batch_size == 60
