@@ -59,15 +59,8 @@ class ArrivalRates:
 
 
 class FleetView:
-    """The fleet as one process sees it, refreshed every ``refresh_ms``;
-    with ``at_rest_ms``, every that long instead while nothing asks for it
-    (``in_use``): a gateway at rest reads it as often as heartbeats change."""
-
-    def __init__(self, store: Store, refresh_ms: int = 200, at_rest_ms: int | None = None) -> None:
+    def __init__(self, store: Store, refresh_ms: int = 200) -> None:
         self.store = store
-        self._busy_s = refresh_ms / 1000.0
-        self._at_rest_s = self._busy_s if at_rest_ms is None else at_rest_ms / 1000.0
-        self.used = False  # asked for since the last refresh (a request's decision)
         self._snapshot: FleetSnapshot | None = None
         # Derived once per snapshot (a few times a second), read per request.
         self._serving: list[wire.Heartbeat] = []
@@ -177,8 +170,6 @@ class FleetView:
             raise
         finally:
             self.refreshed.set()
-            self.loop.interval_s = self._busy_s if self.used else self._at_rest_s
-            self.used = False
 
     async def start(self) -> None:
         """Refresh once (so the first request sees the fleet), then keep refreshing."""

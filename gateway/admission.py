@@ -169,7 +169,6 @@ class Admission:
 
     def decide(self, policy: Policy, tier: str) -> Decision:
         """May a request of ``tier`` wait now? (Counts nothing.)"""
-        self.fleet.used = True  # (the view is refreshed often while requests come)
         allowance = self.allowance(policy, tier)
         if allowance >= 1.0:
             return Decision(True, 0.0, 0, allowance)
