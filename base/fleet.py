@@ -10,6 +10,7 @@ batch size of the live policy.
 """
 
 import asyncio
+import time
 from collections import deque
 
 from infergate.base import clock, logs, wire
@@ -59,8 +60,19 @@ class ArrivalRates:
 
 
 class FleetView:
-    def __init__(self, store: Store, refresh_ms: int = 200) -> None:
+    """The fleet as one process sees it, refreshed every ``refresh_ms``.
+    With ``at_rest_ms``, every that long instead while nothing asks for it;
+    then ``fresh`` reads it at once for the first request that does (once
+    for every request waiting on it), so no request is decided on a view
+    older than ``refresh_ms``."""
+
+    def __init__(self, store: Store, refresh_ms: int = 200, at_rest_ms: int | None = None) -> None:
         self.store = store
+        self._busy_s = refresh_ms / 1000.0
+        self._at_rest_s = self._busy_s if at_rest_ms is None else at_rest_ms / 1000.0
+        self._used = False  # asked for (``fresh``) since the last refresh
+        self._read_at = 0.0  # when the last refresh ended, read or not (monotonic s)
+        self._reading: asyncio.Future[None] | None = None
         self._snapshot: FleetSnapshot | None = None
         # Derived once per snapshot (a few times a second), read per request.
         self._serving: list[wire.Heartbeat] = []
@@ -170,6 +182,29 @@ class FleetView:
             raise
         finally:
             self.refreshed.set()
+            self._read_at = time.monotonic()
+            self.loop.interval_s = self._busy_s if self._used else self._at_rest_s
+            self._used = False
+
+    async def fresh(self) -> None:
+        """A request is about to be decided on the view: no older than
+        ``refresh_ms`` (read now if it is, the refresh shared by every
+        request that waits on it; one that fails leaves the view None,
+        as the loop's would)."""
+        self._used = True
+        if time.monotonic() - self._read_at <= self._busy_s:
+            return
+        if self._reading is None:
+            self._reading = asyncio.ensure_future(self._read_now())
+        await asyncio.shield(self._reading)
+
+    async def _read_now(self) -> None:
+        try:
+            await self.refresh()
+        except Exception:  # (the loop reports Redis's health; the view says not ready)
+            pass
+        finally:
+            self._reading = None
 
     async def start(self) -> None:
         """Refresh once (so the first request sees the fleet), then keep refreshing."""

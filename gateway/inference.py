@@ -167,6 +167,7 @@ class Inference:
                 headers = await charge_quota(self.gw, lane, key, tier, len(body.input))
             self.gw.metrics.cache_hits.labels(key.tier).inc()
             return respond(call, started, key, lane, cached), headers
+        await lane.fleet.fresh()
         allowance = check_capacity(self.gw, lane, policy.for_model(lane.name), key)
         deadline_ms = (
             tier.deadline_ms if body.timeout_ms is None else min(tier.deadline_ms, body.timeout_ms)

@@ -51,7 +51,10 @@ class ModelLane:
         self.label = name if shard == 0 else f"{name}@{shard}"
         self.store = store
         self.queue = GatewayQueue(store, gateway_id, on_handed)
-        self.fleet = FleetView(store, fleet_refresh_ms)
+        # (at rest: as often as the heartbeats it reads change)
+        self.fleet = FleetView(
+            store, fleet_refresh_ms, at_rest_ms=max(fleet_refresh_ms, interval_ms)
+        )
         self.quota = Quota(self.queue)
         self.cache = Cache(self.queue, on_cache_bypassed)
         self.collapsing = Collapsing()

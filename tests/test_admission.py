@@ -306,3 +306,37 @@ def test_this_gateways_own_arrivals_count_at_once(monkeypatch: pytest.MonkeyPatc
     view.snapshot = snapshot([worker(1, 100.0)], gateways=beats)
     admission.decide(pol, "free")
     assert admission.allowance(pol, "free") == pytest.approx(0.4 * 85)
+
+
+async def test_a_view_at_rest_is_read_again_for_the_first_request_after_it(
+    redis_url: str,
+) -> None:
+    """At rest the view is refreshed seldom (here every 60 s), but a request
+    is never decided on one older than ``refresh_ms``: ``fresh`` reads it
+    then, once for every request that waits on it."""
+    import asyncio
+
+    store = Store.connect(redis_url, "at-rest", name="test")
+    view = FleetView(store, refresh_ms=50, at_rest_ms=60_000)
+    try:
+        await view.start()
+        await asyncio.sleep(0.1)  # (the loop's next read: at rest, a minute away)
+        assert view.workers_alive == 0
+        await store.beat(worker(1, 100.0), ttl_ms=10_000)
+        await asyncio.sleep(0.1)  # older than refresh_ms: a request reads it again
+        reads = 0
+        fleet_snapshot = store.fleet_snapshot
+
+        async def counted(now_ms: int) -> FleetSnapshot:
+            nonlocal reads
+            reads += 1
+            return await fleet_snapshot(now_ms)
+
+        store.fleet_snapshot = counted  # type: ignore[method-assign]
+        await asyncio.gather(*(view.fresh() for _ in range(5)))
+        assert (view.workers_alive, reads) == (1, 1)
+        await view.fresh()  # (fresh now: not read again)
+        assert reads == 1
+    finally:
+        await view.stop()
+        await store.close()
