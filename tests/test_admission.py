@@ -319,11 +319,12 @@ async def test_a_view_at_rest_is_read_again_for_the_first_request_after_it(
     store = Store.connect(redis_url, "at-rest", name="test")
     view = FleetView(store, refresh_ms=50, at_rest_ms=60_000)
     try:
-        await view.start()
-        await asyncio.sleep(0.1)  # (the loop's next read: at rest, a minute away)
+        await view.start()  # (read once; the loop's next read, at rest, is a minute away)
         assert view.workers_alive == 0
         await store.beat(worker(1, 100.0), ttl_ms=10_000)
-        await asyncio.sleep(0.1)  # older than refresh_ms: a request reads it again
+        # Pacing, not a condition: the view must be older than refresh_ms
+        # (50 ms) for a request to read it again.
+        await asyncio.sleep(0.1)
         reads = 0
         fleet_snapshot = store.fleet_snapshot
 

@@ -80,6 +80,19 @@ local function formed(t)
   return framed(t.batch_id, t.former, t.now_text, t.taken)
 end
 
+local function formed_onto(t, rule_key, onto)
+  -- a worker's credit in hand: a batch formed onto the list `onto`, or the
+  -- credit onto `ready` (no rule, pacing holds it back, nothing taken);
+  -- the batch (false if none) and the take (nil if nothing was tried)
+  if not with_rule(t, rule_key) or paced_ms(t) > 0 then
+    offer_credit(t)
+    return false, nil
+  end
+  local batch = formed(t)
+  if batch then redis.call('LPUSH', onto, batch) else offer_credit(t) end
+  return batch, t
+end
+
 local function take_reply(t, r)
   -- {envelopes (if asked), expired, cancelled, malformed, wait_ms, jobs
   -- taken, worker gone, batch size, credit lost, the batch or false};

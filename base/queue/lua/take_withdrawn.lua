@@ -26,10 +26,5 @@ end
 if redis.call('LPOS', t.ready, t.credit) or redis.call('LLEN', handoff) > 0 then
   return take_reply(nil, {})
 end
-if not with_rule(t, rule) or paced_ms(t) > 0 then
-  offer_credit(t)
-  return take_reply(nil, {})
-end
-local batch = formed(t)
-if batch then redis.call('LPUSH', handoff, batch) else offer_credit(t) end
-return take_reply(t, {})
+local _, taken = formed_onto(t, rule, handoff)
+return take_reply(taken, {})

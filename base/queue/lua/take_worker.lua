@@ -45,10 +45,5 @@ if ack then redis.call('LREM', own, 0, ran) end
 local waiting = redis.call('LMOVE', t.prefix .. 'batches:' .. t.credit, own, 'RIGHT', 'LEFT')
   or redis.call('LMOVE', shared, own, 'RIGHT', 'LEFT')
 if waiting then return take_reply(nil, {batch = waiting}) end
-if not with_rule(t, rule) or paced_ms(t) > 0 then
-  offer_credit(t)
-  return take_reply(nil, {})
-end
-local batch = formed(t)
-if batch then redis.call('LPUSH', own, batch) else offer_credit(t) end
-return take_reply(t, {batch = batch})
+local batch, taken = formed_onto(t, rule, own)
+return take_reply(taken, {batch = batch})
