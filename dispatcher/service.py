@@ -1,10 +1,14 @@
 """The dispatcher: forms a batch only when a worker can take it.
 
 Loop: hold an idle worker's credit, then ``take``: up to ``max_batch_size``
-envelopes in priority order, handed off as one batch in the same step
-(waiting on the doorbell while the queues are empty). Forming batches at the last
-moment means a free-tier batch is never frozen ahead of an enterprise
-request that arrives a millisecond later.
+envelopes in priority order, handed off as one batch in the same step.
+Forming batches at the last moment means a free-tier batch is never frozen
+ahead of an enterprise request that arrives a millisecond later. With
+nothing waiting at all, the take puts the credit back onto ``ready`` and the
+dispatcher waits on the doorbell holding nothing: a request that then finds
+nothing queued goes straight from its gateway to that idle worker
+(``hand_straight.lua``), and at rest the dispatcher makes no calls but its
+waits.
 
 Pacing (on by default): while less than a full batch waits, hand-offs are
 spaced at least ``batch time / workers`` apart across the fleet. Without
@@ -84,6 +88,13 @@ class BatchRule:
         )
 
 
+# Holding nothing, the doorbell is waited on for this many block timeouts
+# before the queues are looked at again: what that look finds (work whose
+# ring a dispatcher took with it as it died) waits no longer than that, and
+# any request admitted meanwhile rings again.
+AT_REST_WAITS = 4
+
+
 @dataclass(frozen=True)
 class DispatcherSettings(ProcessSettings):
     block_timeout_s: float = 0.5
@@ -109,7 +120,10 @@ class Dispatcher:
         self.metrics = DispatcherMetrics(self.registry)
         self.started_ms = clock.now_ms()
         self.batches_formed = 0
-        self.fleet = FleetView(self.store, refresh_ms=200)
+        # (at rest: as often as a heartbeat can expire; a take reads it fresh)
+        self.fleet = FleetView(
+            self.store, refresh_ms=200, at_rest_ms=max(200, settings.heartbeat_ttl_ms)
+        )
         self.reaper = Reaper(
             RecoveryQueue(self.store, self.id),
             lambda: self.policy.current.document.workers.max_attempts,
@@ -212,6 +226,7 @@ class Dispatcher:
 
     async def form_one(self, credit: str) -> None:
         """Holding ``credit``, wait for work and hand off one batch."""
+        await self.fleet.fresh()  # (the pacing interval is the fleet's)
         while True:
             batch_id = new_batch_id()
             started_ns = time.time_ns()
@@ -239,7 +254,15 @@ class Dispatcher:
             if taken.size > 0:
                 self._formed(credit, batch_id, taken, started_ns)
                 return
+            if taken.offered:  # (nothing waits: the credit is back on ready)
+                await self._wait_at_rest()
+                return
             await self.queue.wait_doorbell(self.settings.block_timeout_s)
+
+    async def _wait_at_rest(self) -> None:
+        for _ in range(AT_REST_WAITS):
+            if await self.queue.wait_doorbell(self.settings.block_timeout_s):
+                return
 
     def _formed(self, credit: str, batch_id: str, taken: TakeResult, started_ns: int) -> None:
         self.batches_formed += 1

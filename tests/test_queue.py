@@ -244,6 +244,39 @@ async def test_pacing_holds_a_partial_batch_but_never_a_full_one(q: Faces) -> No
     assert 0 < skewed.wait_ms <= 25
 
 
+async def test_a_take_with_nothing_waiting_puts_the_credit_back_on_ready(q: Faces) -> None:
+    """There a lone request goes straight from its gateway to the worker,
+    and the dispatcher waits on the doorbell holding nothing. With work
+    waiting that it may not take yet (pacing, jobs short of headroom), the
+    credit stays held, and nothing rings (the dispatcher would wake itself)."""
+    await q.worker.offer_credit()
+    assert await q.dispatcher.wait_credit(1) == "w1"
+    taken = await q.dispatcher.take("w1", "b1", clock.now_ms(), rule(100))
+    assert (taken.size, taken.offered, taken.wait_ms) == (0, True, 0)
+    assert await q.redis.llen(q.keys.credits("d1")) == 0
+    assert await q.redis.lrange(q.keys.ready, 0, -1) == [b"w1"]
+    assert await q.redis.llen(q.keys.doorbell) == 0
+    await q.dispatcher.publish_rule(rule(10))
+    counter = Counter(q.gateway.counter_key("k"), 1, 100, 60)
+    alone = await q.gateway.admit([counter], "paid", env(9, "paid"), straight=True)
+    assert alone.handed  # straight to w1, no dispatcher on its way
+    assert await q.redis.llen(q.keys.handoff("w1")) == 1
+    await q.redis.delete(q.keys.handoff("w1"), q.keys.last_dispatch)
+    now = clock.now_ms()
+    await q.redis.set(q.keys.last_dispatch, now)
+    await q.gateway.enqueue("free", env(1, "free"))
+    paced = await take(q, 3, now=now + 5, min_interval_ms=25)
+    assert (paced.size, paced.offered) == (0, False) and paced.wait_ms > 0
+    await q.redis.delete(q.keys.fair_queue("free"), q.keys.fair_state("free"), q.keys.credits("d1"))
+    job = wire.Envelope("j1", "gw", "paid", "k", "job", now, now + 60_000, job=True)
+    assert await q.gateway.enqueue_job(job, max_queued=10, result_ttl_ms=60_000)
+    await q.redis.delete(q.keys.doorbell)
+    short = await take(q, 10, now=now, jobs_headroom=5)
+    assert (short.size, short.offered) == (0, False)
+    assert await q.redis.lrange(q.keys.credits("d1"), 0, -1) == [b"w1"]
+    assert await q.redis.llen(q.keys.doorbell) == 0
+
+
 async def test_concurrent_takes_never_share_an_envelope(q: Faces) -> None:
     for i in range(300):
         await q.gateway.enqueue(TIERS[i % 3], env(i, TIERS[i % 3]))
@@ -819,13 +852,16 @@ async def test_a_free_worker_offers_its_credit_with_no_rule_a_bad_rule_or_pacing
         b'{"n": 5}',
         pacing,
     ]
-    for published in [None, *unreadable]:
+    for i, published in enumerate([None, *unreadable]):
         if published is not None:
             await q.redis.set(q.keys.batch_rule, published)
+        await q.redis.delete(q.keys.doorbell)
         await q.redis.lpush(q.keys.processing("w1"), b"batch A")
-        answered = await _take(q, b"batch A")
+        answered = await _take(q, b"batch A", f"step {i}")
         assert answered.batch is None, published
         assert await q.redis.lrange(q.keys.ready, 0, -1) == [b"w1"]  # once, never twice
+        # Work still waits: the doorbell wakes a dispatcher that holds no credit.
+        assert await q.redis.lrange(q.keys.doorbell, 0, -1) == [b"1"], published
         assert await queued(q.store, "paid") == 1
         assert await q.redis.lrange(q.keys.processing("w1"), 0, -1) == [b"batch A"]
         await q.redis.delete(q.keys.processing("w1"))  # answered

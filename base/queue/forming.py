@@ -52,6 +52,9 @@ class TakeResult(msgspec.Struct, frozen=True):
     credit_lost: bool = False
     # 'worker': the batch now in the worker's processing list, if any.
     batch: bytes | None = None
+    # 'dispatch': nothing waited at all, so the credit went back onto ready
+    # (a gateway hands the next request straight to its worker).
+    offered: bool = False
 
 
 def new_batch_id() -> str:
@@ -143,6 +146,7 @@ TAKE_REPLY = (
     "size",
     "credit_lost",
     "batch",
+    "offered",
 )
 
 
@@ -159,6 +163,7 @@ def take_result(raw: Any) -> TakeResult:
         worker_gone=bool(fields["worker_gone"]),
         credit_lost=bool(fields["credit_lost"]),
         batch=fields["batch"] or None,
+        offered=bool(fields["offered"]),
     )
 
 

@@ -46,7 +46,14 @@ class WorkerQueue:
         """Say this worker is idle and can take one batch (idempotent)."""
         keys = self.keys
         await self.store.scripts.offer_credit(
-            keys=[keys.ready, keys.doorbell, *keys.job_queues], args=[self.worker_id]
+            keys=[
+                keys.ready,
+                keys.doorbell,
+                *keys.job_queues,
+                *keys.queues,
+                *keys.fair_queues,
+            ],
+            args=[self.worker_id],
         )
 
     async def leave(self, keep_membership: bool = False) -> None:
@@ -97,18 +104,22 @@ class WorkerQueue:
 
     async def ensure_credit(self) -> bool:
         """An idle worker re-offers its credit if Redis lost it (see ensure_credit.lua)."""
-        members: set[bytes] = await self.store.redis.smembers(  # type: ignore[assignment]
-            self.keys.members("dispatcher")
+        # (with the hot path's calls: an idle worker makes these every second)
+        (members,) = await self.store.pipelined.commands(
+            [("SMEMBERS", self.keys.members("dispatcher"))]
         )
+        if isinstance(members, Exception):
+            raise members
         dispatchers, _ = process_ids(members)  # (a planted member: the fleet view drops it)
-        offered = await self.store.scripts.ensure_credit(
-            keys=[
+        offered = await self.store.pipelined.call(
+            self.store.scripts.ensure_credit,
+            [
                 self.keys.ready,
                 self.keys.handoff(self.worker_id),
                 self.keys.withdrawn(self.worker_id),
                 *map(self.keys.credits, dispatchers),
             ],
-            args=[self.worker_id],
+            [self.worker_id],
         )
         return bool(offered)
 
@@ -125,14 +136,10 @@ class WorkerQueue:
         )
         if handed is not None:
             return handed
-        waiting: bytes | None = await self.store.scripts.pull_waiting(
-            keys=[
-                self.keys.batches,
-                processing,
-                self.keys.ready,
-                self.keys.withdrawn(self.worker_id),
-            ],
-            args=[self.worker_id],
+        waiting: bytes | None = await self.store.pipelined.call(
+            self.store.scripts.pull_waiting,
+            [self.keys.batches, processing, self.keys.ready, self.keys.withdrawn(self.worker_id)],
+            [self.worker_id],
         )
         return waiting or None
 

@@ -4,7 +4,10 @@
 -- takes nothing if the credit is no longer its own (it stalled past its
 -- heartbeat and the reaper returned the credit: a batch now would run beside
 -- the one another dispatcher forms with it), or if the worker's heartbeat is
--- gone (a batch for it would wait for no one: the credit is dropped).
+-- gone (a batch for it would wait for no one: the credit is dropped). If
+-- nothing waits at all, the credit goes back onto `ready` (offered): there a
+-- gateway hands the next request straight to its worker (hand_straight.lua)
+-- and the dispatcher waits for the doorbell, holding nothing.
 -- KEYS[1..6] as every take (take_pop.lua)  KEYS[7] credits:{dispatcher}
 --   KEYS[8] the credit's worker's heartbeat  KEYS[9] its batches:{worker}
 --   then the tiers' keys
@@ -28,8 +31,13 @@ for i = 1, t.ntiers do t.min_slots[i] = math.floor(tonumber(ARGV[10 + i]) or 0) 
 local wait = paced_ms(t)
 if wait > 0 then return take_reply(nil, {wait = wait}) end
 local batch = formed(t)
+local offered = false
 if batch then
   redis.call('LPUSH', handoff, batch)
   redis.call('LREM', own, 1, t.credit)
+elseif not work_waits(t) then
+  redis.call('LREM', own, 1, t.credit)
+  offer_credit(t)
+  offered = true
 end
-return take_reply(t, {envelopes = ARGV[6] == '1'})
+return take_reply(t, {envelopes = ARGV[6] == '1', offered = offered})

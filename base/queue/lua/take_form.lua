@@ -5,29 +5,42 @@
 -- the doorbell rings again so another dispatcher holding a credit wakes.
 -- Pacing: while less than a full batch waits, batches leave no closer
 -- together than the rule's interval, fleet-wide, so workers start evenly
--- staggered. A credit not spent goes back onto `ready`.
+-- staggered. A credit not spent goes back onto `ready`, ringing the
+-- doorbell if work still waits (a dispatcher holding no credit waits on it).
 -- Needs take_pop.lua, frame.lua, rule.lua. Put before the take entries.
 local function holds_work(t, queue)
   return not t.drained[queue] and redis.call('EXISTS', queue) == 1
 end
 
-local function ring_if_waiting(t, lists, also)
-  -- ring the doorbell (kept at one ring) if any of `lists` (or `also`) holds work
+local function waiting(t, lists, also, more)
+  -- whether any of `lists` (or `also`, or `more`) holds work
   for i = 1, t.ntiers do
-    if holds_work(t, lists[i]) or (also and holds_work(t, also[i])) then
-      redis.call('LPUSH', t.doorbell, '1')
-      redis.call('LTRIM', t.doorbell, 0, 0)
-      return
+    if holds_work(t, lists[i]) or (also and holds_work(t, also[i]))
+        or (more and holds_work(t, more[i])) then
+      return true
     end
   end
+  return false
+end
+
+local function ring(t)
+  -- the doorbell, kept at one ring
+  redis.call('LPUSH', t.doorbell, '1')
+  redis.call('LTRIM', t.doorbell, 0, 0)
+end
+
+local function work_waits(t)
+  -- whether a tier's queue, fair queue or job queue holds anything
+  return waiting(t, t.queues, t.fair_queues, t.job_queues)
 end
 
 local function offer_credit(t)
-  -- the worker's credit onto `ready`, once; with jobs waiting, ring the
-  -- doorbell (a dispatcher waiting for headroom to run them may have it now)
+  -- the worker's credit onto `ready`, once; with work waiting (pacing held
+  -- it back, no rule, jobs waiting for headroom), ring the doorbell: a
+  -- dispatcher waits on it holding no credit
   redis.call('LREM', t.ready, 0, t.credit)
   redis.call('LPUSH', t.ready, t.credit)
-  ring_if_waiting(t, t.job_queues)
+  if work_waits(t) then ring(t) end
 end
 
 local function paced_ms(t)
@@ -71,7 +84,7 @@ local function formed(t)
     if t[drop] > 0 then redis.call('HINCRBY', t.stats, drop .. '_dropped', t[drop]) end
   end
   if t.check_cancelled then redis.call('ZREMRANGEBYSCORE', t.cancelled_set, '-inf', t.now) end
-  if t.n > 0 and #t.taken >= t.n then ring_if_waiting(t, t.queues, t.fair_queues) end
+  if t.n > 0 and #t.taken >= t.n and waiting(t, t.queues, t.fair_queues) then ring(t) end
   if #t.taken == 0 then return false end
   redis.call('HINCRBY', t.stats, 'batches_formed', 1)
   redis.call('HINCRBY', t.stats, 'requests_batched', #t.taken)
@@ -95,9 +108,10 @@ end
 
 local function take_reply(t, r)
   -- {envelopes (if asked), expired, cancelled, malformed, wait_ms, jobs
-  -- taken, worker gone, batch size, credit lost, the batch or false};
-  -- `t` may be nil (nothing was taken), `r` holds what the entry says
+  -- taken, worker gone, batch size, credit lost, the batch or false, credit
+  -- offered}; `t` may be nil (nothing was taken), `r` holds what the entry says
   t = t or {taken = {}, expired = 0, cancelled = 0, malformed = 0, jobs = 0}
   return {r.envelopes and t.taken or {}, t.expired, t.cancelled, t.malformed, r.wait or 0,
-    t.jobs, r.gone and 1 or 0, #t.taken, r.lost and 1 or 0, r.batch or false}
+    t.jobs, r.gone and 1 or 0, #t.taken, r.lost and 1 or 0, r.batch or false,
+    r.offered and 1 or 0}
 end
