@@ -51,10 +51,9 @@ class ModelLane:
         self.label = name if shard == 0 else f"{name}@{shard}"
         self.store = store
         self.queue = GatewayQueue(store, gateway_id, on_handed)
-        # (at rest: as often as the heartbeats it reads change)
-        self.fleet = FleetView(
-            store, fleet_refresh_ms, at_rest_ms=max(fleet_refresh_ms, interval_ms)
-        )
+        # (at rest: as often as a heartbeat it reads can expire; a request
+        # reads it fresh first: FleetView.fresh)
+        self.fleet = FleetView(store, fleet_refresh_ms, at_rest_ms=max(fleet_refresh_ms, ttl_ms))
         self.quota = Quota(self.queue)
         self.cache = Cache(self.queue, on_cache_bypassed)
         self.collapsing = Collapsing()

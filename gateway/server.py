@@ -7,6 +7,8 @@ requests it is holding; then uvicorn shuts down. A second signal ends it at
 once.
 """
 
+import asyncio
+import contextlib
 import signal
 import socket
 from types import FrameType
@@ -79,8 +81,29 @@ class DrainingServer(uvicorn.Server):
         self.gateway = gateway
         self.drain_timeout_s = drain_timeout_s
         self.drain_started: float | None = None
+        self._signalled: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+
+    async def main_loop(self) -> None:
+        """uvicorn's ticks, once a second rather than ten times (the Date
+        header's resolution; a process at rest wakes for little else), ten
+        a second while draining; a signal ends the wait at once."""
+        signalled = asyncio.Event()
+        self._signalled = (asyncio.get_running_loop(), signalled)
+        counter = 0
+        should_exit = await self.on_tick(counter)
+        while not should_exit:
+            step = 1 if self.drain_started is not None else 10  # (tenths of a second)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(signalled.wait(), step / 10)
+            signalled.clear()
+            counter = (counter + step) % 864000
+            should_exit = await self.on_tick(counter)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._signalled is not None:  # (a signal handler: the loop is woken safely)
+            loop, signalled = self._signalled
+            with contextlib.suppress(RuntimeError):  # (a loop already closed)
+                loop.call_soon_threadsafe(signalled.set)
         if self.drain_started is None and sig in (signal.SIGTERM, signal.SIGINT):
             self.drain_started = clock.monotonic_s()
             self.gateway.draining = True

@@ -85,7 +85,7 @@ class DispatcherQueue:
 
     async def publish_rule(self, rule: Rule) -> None:
         """The batching rule, for workers that form their next batch themselves."""
-        await self.store.redis.set(self.keys.batch_rule, encode_rule(rule), px=RULE_TTL_MS)
+        await self.store.set_expiring(self.keys.batch_rule, encode_rule(rule), RULE_TTL_MS)
 
     async def drop_credit(self, credit: str) -> None:
         """Forget a held credit whose worker has gone."""

@@ -101,6 +101,19 @@ class _Transaction(_Call):
         return (missing or errors)[0]
 
 
+class _Commands(_Call):
+    """Plain commands sent together (not a transaction): their replies, an
+    error reply as its exception in its place, as redis-py's pipeline gives
+    them with ``raise_on_error=False``; but a primary that is no longer one
+    fails the whole call (the connection is then dropped, as for any call)."""
+
+    __slots__ = ()
+
+    def outcome(self, replies: list[Any]) -> Any:
+        moved = [r for r in replies if isinstance(r, UNAVAILABLE)]
+        return moved[0] if moved else replies
+
+
 class Pipelined:
     """Queued script calls on one client, flushed a batch per round trip."""
 
@@ -133,6 +146,11 @@ class Pipelined:
         ran): only for commands that may run twice."""
         framed = (("MULTI",), *commands, ("EXEC",))
         return self._queue(_Transaction(scripts, framed, self._future()))
+
+    def commands(self, commands: Sequence[tuple[Any, ...]]) -> "asyncio.Future[list[Any]]":
+        """``commands`` (no script among them) in the next write; the future
+        gets their replies, an error reply as its exception in its place."""
+        return self._queue(_Commands((), tuple(commands), self._future()))
 
     @staticmethod
     def _future() -> "asyncio.Future[Any]":

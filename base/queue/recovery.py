@@ -27,8 +27,8 @@ class RecoveryQueue:
 
     async def hold_lock(self, ttl_ms: int) -> bool:
         """Take or extend the fleet-wide reaper lock; True while this owner holds it."""
-        held = await self.store.scripts.reaper_lock(
-            keys=[self.keys.reaper_lock], args=[self.owner_id, "hold", ttl_ms]
+        held = await self.store.pipelined.call(
+            self.store.scripts.reaper_lock, [self.keys.reaper_lock], [self.owner_id, "hold", ttl_ms]
         )
         return bool(held)
 

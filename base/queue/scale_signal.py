@@ -20,12 +20,15 @@ async def hold_peak(
     dispatcher's readings over the last ``hold_ms``: the hold lives in Redis,
     so dispatchers agree, and one that restarts forgets nothing."""
     history = store.keys.scale_history
-    async with store.redis.pipeline(transaction=True) as pipe:
-        pipe.zadd(history, {f"{now_ms}:{dispatcher_id}:{needed}": now_ms})
-        pipe.zremrangebyscore(history, "-inf", now_ms - hold_ms - 1)
-        pipe.zrangebyscore(history, now_ms - hold_ms, "+inf")
-        pipe.pexpire(history, hold_ms + 10_000)
-        _, _, readings, _ = await pipe.execute()
+    _, _, readings, _ = await store.pipelined.transaction(
+        [
+            ("ZADD", history, now_ms, f"{now_ms}:{dispatcher_id}:{needed}"),
+            ("ZREMRANGEBYSCORE", history, "-inf", now_ms - hold_ms - 1),
+            ("ZRANGEBYSCORE", history, now_ms - hold_ms, "+inf"),
+            ("PEXPIRE", history, hold_ms + 10_000),
+        ],
+        scripts=(),
+    )
     peak = needed
     for reading in readings:
         try:
@@ -36,7 +39,7 @@ async def hold_peak(
 
 
 async def publish(store: Store, signal: wire.ScaleSignal) -> None:
-    await store.redis.set(store.keys.scale_signal, wire.encode(signal), px=SIGNAL_TTL_MS)
+    await store.set_expiring(store.keys.scale_signal, wire.encode(signal), SIGNAL_TTL_MS)
 
 
 class SignalReader:

@@ -143,10 +143,16 @@ class Store:
         stays alive in the fleet's view, with its last beat's contents."""
         key = self.keys.heartbeat(hb.role, hb.id)
         try:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.set(key, wire.encode(hb), px=ttl_ms)
-                pipe.sadd(self.keys.members(hb.role), hb.id)
-                await pipe.execute()
+            # (with the hot path's calls: redis-py's pipeline costs a process
+            # at rest more than the beat itself)
+            _raise_first(
+                await self.pipelined.commands(
+                    [
+                        ("SET", key, wire.encode(hb), "PX", ttl_ms),
+                        ("SADD", self.keys.members(hb.role), hb.id),
+                    ]
+                )
+            )
         except RedisError as exc:
             if not out_of_memory(exc):
                 raise
@@ -157,6 +163,11 @@ class Store:
         if self.full:
             self.full = False
             log.info("redis.memory_recovered")
+
+    async def set_expiring(self, key: str, value: bytes, ttl_ms: int) -> None:
+        """SET with a TTL, with the hot path's calls (a loop's write every
+        second, at rest too)."""
+        _raise_first(await self.pipelined.commands([("SET", key, value, "PX", ttl_ms)]))
 
     async def retire(self, role: str, process_id: str, keep_membership: bool = False) -> None:
         """A clean exit: drop the heartbeat and the membership at once. With
@@ -175,23 +186,23 @@ class Store:
         once it expired), plus the queue depths and counters if asked: two
         round trips whatever the fleet size. Returns (beats, extras)."""
         roles = list(roles)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for role in roles:
-                pipe.smembers(self.keys.members(role))
-            if with_depths:
-                for q in self.keys.queues:
-                    pipe.llen(q)
-                for q in self.keys.fair_queues:
-                    pipe.zcard(q)
-            if with_counters:
-                pipe.hgetall(self.keys.stats)
-            results = await pipe.execute(raise_on_error=False)
+        reads: list[tuple[Any, ...]] = [("SMEMBERS", self.keys.members(role)) for role in roles]
+        if with_depths:
+            reads += [("LLEN", q) for q in self.keys.queues]
+            reads += [("ZCARD", q) for q in self.keys.fair_queues]
+        if with_counters:
+            reads.append(("HGETALL", self.keys.stats))
+        # (with the hot path's calls: the reaper and the scaling signal read
+        # this every second or two, at rest too)
+        results = await self.pipelined.commands(reads)
         depths = range(len(roles), len(roles) + (2 * len(TIERS) if with_depths else 0))
         for i, result in enumerate(results):
             if isinstance(result, ResponseError):
                 if i not in depths:
                     raise result
                 results[i] = 0  # (a queue of another type, planted: take_*.lua drops it)
+        if with_counters:
+            results[-1] = _hash(results[-1])
         member_sets, extras = results[: len(roles)], results[len(roles) :]
         ids = {}
         for role, members in zip(roles, member_sets, strict=True):
@@ -200,7 +211,9 @@ class Store:
                 await self.redis.srem(self.keys.members(role), *planted)
                 log.warning("fleet.member_unreadable", role=role, count=len(planted))
         wanted = [self.keys.heartbeat(role, i) for role in roles for i in ids[role]]
-        values: list[bytes | None] = await self.redis.mget(wanted) if wanted else []  # type: ignore[assignment]
+        values: list[bytes | None] = []
+        if wanted:
+            (values,) = _raised_first(await self.pipelined.commands([("MGET", *wanted)]))
         it = iter(values)
         beats = {role: {i: next(it) for i in ids[role]} for role in roles}
         return beats, extras
@@ -259,6 +272,26 @@ class Store:
             _depths(depths),
             _counters(raw_counters),
         )
+
+
+def _raise_first(replies: list[Any]) -> None:
+    """Raise the first error reply among ``replies``, if any."""
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+
+
+def _raised_first(replies: list[Any]) -> list[Any]:
+    _raise_first(replies)
+    return replies
+
+
+def _hash(reply: Any) -> Any:
+    """HGETALL's reply as redis-py gives it (a dict), whichever protocol
+    the connection speaks (RESP2 sends a flat list)."""
+    if isinstance(reply, list):
+        return dict(zip(reply[::2], reply[1::2], strict=True))
+    return reply
 
 
 def process_ids(members: Iterable[bytes]) -> tuple[list[str], list[bytes]]:
