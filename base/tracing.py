@@ -5,9 +5,12 @@
   needs ``opentelemetry-exporter-otlp-proto-http`` installed.
 
 A request's span (``gateway.inference``) carries its W3C ``traceparent`` in
-the envelope; the worker's ``worker.batch`` span links to the span of every
-request in the batch, so a trace viewer shows which batch served a request
-and with whom. Off, spans are the API's no-ops and nothing is propagated.
+the envelope; the dispatcher's ``dispatcher.batch`` span (or, for a lone
+request its gateway handed straight to a worker, a ``handed_straight``
+event on the request's span) and the worker's ``worker.batch`` span link to
+the span of every request in the batch, so a trace viewer shows which batch
+served a request and with whom. Off, spans are the API's no-ops and
+nothing is propagated.
 """
 
 import os
@@ -51,6 +54,12 @@ def setup(role: str, process_id: str) -> None:
     provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=200))
     trace.set_tracer_provider(provider)
     enabled = True
+
+
+def event(name: str) -> None:
+    """An event on the current span (nothing when off)."""
+    if enabled:
+        trace.get_current_span().add_event(name)
 
 
 def tracer(name: str) -> Tracer:

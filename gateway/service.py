@@ -9,7 +9,7 @@ import contextlib
 import dataclasses
 from dataclasses import dataclass
 
-from infergate.base import clock, logs
+from infergate.base import clock, logs, tracing
 from infergate.base.errors import STORE_ERRORS, UNAVAILABLE, input_not_stored, out_of_memory
 from infergate.base.fleet import fleet_reading
 from infergate.base.keys import DEFAULT_MODEL
@@ -122,9 +122,15 @@ class Gateway:
             self.id,
             self.started_ms,
             (settings.fleet_refresh_ms, settings.heartbeat_interval_ms, settings.heartbeat_ttl_ms),
-            lambda: self.metrics.forming.handed_one(),
+            self._handed_one,
             self.metrics.cache_bypassed.inc,
         )
+
+    def _handed_one(self) -> None:
+        """A lone request handed straight to an idle worker: its batch was
+        formed here (in the request's trace, where a dispatcher's span would be)."""
+        self.metrics.forming.handed_one()
+        tracing.event("handed_straight")
 
     def redis_ok(self, shard: int | None = None) -> bool:
         """Every model's fleet view was read, and lately, on ``shard`` (every

@@ -14,6 +14,10 @@ before it is hung (a multiple of what it should take, with a floor).
 from collections import deque
 
 RECENT_CALLS = 32
+# Once RECENT_CALLS are kept, the fit is made again every this many calls,
+# not after each (a fit in Python costs a fast model a tenth of its
+# batches' CPU; an eighth of the calls it is fitted on moves it little).
+REFIT_EVERY = 8
 HANG_MULTIPLE = 4
 # Before any call of real inputs: the warm-up's inputs' length.
 DEFAULT_CHARS = 512.0
@@ -27,6 +31,7 @@ class BatchTimes:
         # recent ones so the fit always spans a small and a full batch.
         self._anchors: list[tuple[int, int, float]] = []
         self._fit: tuple[float, float, float] | None = None
+        self._unfitted = 0  # calls since the fit was made
         self._slowest: float | None = None
 
     def anchor(self, inputs: int, chars: int, ms: float) -> None:
@@ -45,7 +50,10 @@ class BatchTimes:
 
     def took(self, inputs: int, chars: int, ms: float) -> None:
         self._recent.append((inputs, chars, ms))
-        self._fit = self._slowest = None
+        self._slowest = None
+        self._unfitted += 1
+        if len(self._recent) < RECENT_CALLS or self._unfitted >= REFIT_EVERY:
+            self._fit = None
 
     @property
     def slowest_ms(self) -> float:
@@ -85,6 +93,7 @@ class BatchTimes:
     def _fitted(self) -> tuple[float, float, float]:
         if self._fit is None:
             self._fit = fit([*self._anchors, *self._recent])
+            self._unfitted = 0
         return self._fit
 
 

@@ -2,7 +2,7 @@
 predicts a full batch and bounds a call (gpu/batch_time.py)."""
 
 import pytest
-from infergate.gpu.batch_time import RECENT_CALLS, BatchTimes, fit
+from infergate.gpu.batch_time import RECENT_CALLS, REFIT_EVERY, BatchTimes, fit
 
 # SmolLM2-135M on this repository's 2-core CPU: (inputs, characters, ms)
 # (docs/performance.md, "Several models").
@@ -54,3 +54,16 @@ def test_a_long_call_stretches_the_hang_timeout_only_while_it_is_recent() -> Non
     for _ in range(RECENT_CALLS):
         times.took(1, 10, 100.0)
     assert times.hang_timeout_ms(1, 10) == 2_000
+
+
+def test_a_full_record_is_fitted_again_every_few_calls_not_after_each() -> None:
+    times = BatchTimes(hang_floor_ms=1)
+    for _ in range(RECENT_CALLS):
+        times.took(1, 10, 100.0)
+    assert times.predict_ms(1, 10) == pytest.approx(100.0, rel=0.01)
+    for _ in range(REFIT_EVERY - 1):
+        times.took(1, 10, 200.0)
+    assert times.predict_ms(1, 10) == pytest.approx(100.0, rel=0.01)  # the fit kept
+    times.took(1, 10, 200.0)
+    assert times.predict_ms(1, 10) > 105.0  # made again with the slower calls
+    assert times.slowest_ms == 200.0  # (the slowest call is always current)

@@ -266,7 +266,8 @@ async def test_a_take_with_nothing_waiting_puts_the_credit_back_on_ready(q: Face
     await q.redis.set(q.keys.last_dispatch, now)
     await q.gateway.enqueue("free", env(1, "free"))
     paced = await take(q, 3, now=now + 5, min_interval_ms=25)
-    assert (paced.size, paced.offered) == (0, False) and paced.wait_ms > 0
+    assert (paced.size, paced.offered) == (0, False)
+    assert paced.wait_ms > 0
     await q.redis.delete(q.keys.fair_queue("free"), q.keys.fair_state("free"), q.keys.credits("d1"))
     job = wire.Envelope("j1", "gw", "paid", "k", "job", now, now + 60_000, job=True)
     assert await q.gateway.enqueue_job(job, max_queued=10, result_ttl_ms=60_000)

@@ -97,7 +97,13 @@ def test_a_callers_trace_is_joined_and_the_dispatcher_and_worker_link_to_it(
                 None,
             )
 
-        assert wait_for(lambda: linked(c.dispatchers[0], "dispatcher.batch"), 5, "dispatcher span")
+        # Its batch was formed by a dispatcher, or (nothing queued, the
+        # worker idle) by the gateway itself: one of the two says so.
+        handed = [e["name"] for e in gateway_span["events"]] == ["handed_straight"]
+        if not handed:
+            assert wait_for(
+                lambda: linked(c.dispatchers[0], "dispatcher.batch"), 5, "dispatcher span"
+            )
         assert wait_for(lambda: linked(c.workers[0], "worker.batch"), 5, "worker span")
         # The latency histogram carries the trace id as an exemplar (OpenMetrics).
         assert c.metrics_ports is not None

@@ -92,7 +92,7 @@ class DispatcherQueue:
         await self.store.redis.lrem(self.keys.credits(self.dispatcher_id), 0, credit)
 
     async def wait_doorbell(self, timeout_s: float) -> bool:
-        return await self.store.redis.blpop([self.keys.doorbell], timeout_s) is not None
+        return await self.store.pop_first(self.keys.doorbell, timeout_s) is not None
 
     async def requeue_own(self) -> tuple[int, int]:
         return await requeue(self.store, self.dispatcher_id)

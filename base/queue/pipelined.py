@@ -34,7 +34,7 @@ from typing import Any
 
 from hiredis import pack_command
 from infergate.base.errors import STORE_ERRORS, UNAVAILABLE
-from infergate.base.queue.resp import RawConnection, error_of
+from infergate.base.queue.resp import RawConnection, error_of, hold, let_go
 from infergate.base.queue.scripts import evalsha
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
@@ -255,31 +255,13 @@ class Pipelined:
             self._queued[:0] = missing
 
     async def _open_link(self) -> RawConnection:
-        pool = self.redis.connection_pool
-        connection = await pool.get_connection()  # type: ignore[no-untyped-call]
-        try:
-            link = RawConnection(connection)
-            if not link.usable():  # an idle one of the pool's, from before a restart
-                await connection.disconnect()
-                await connection.connect()
-                link = RawConnection(connection)
-        except BaseException:
-            try:
-                await connection.disconnect()
-            finally:
-                await pool.release(connection)
-            raise
-        self._link = link
-        return link
+        self._link = await hold(self.redis)
+        return self._link
 
     async def _drop_link(self) -> None:
         link, self._link = self._link, None
-        if link is None:
-            return
-        try:
-            await link.connection.disconnect()
-        finally:
-            await self.redis.connection_pool.release(link.connection)
+        if link is not None:
+            await let_go(self.redis, link)
 
 
 def _packed(batch: list[_Call]) -> bytes:

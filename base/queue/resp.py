@@ -17,6 +17,7 @@ from typing import Any
 
 import hiredis
 from redis._parsers import BaseParser
+from redis.asyncio import Redis
 from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import InvalidResponse, ResponseError
@@ -119,3 +120,30 @@ class RawConnection:
     def _time_out(self) -> None:
         self.timed_out = True
         self.writer.transport.abort()
+
+
+async def hold(redis: Redis) -> RawConnection:
+    """A connection of the client's pool, open, held until ``let_go``."""
+    pool = redis.connection_pool
+    connection = await pool.get_connection()  # type: ignore[no-untyped-call]
+    try:
+        link = RawConnection(connection)
+        if not link.usable():  # an idle one of the pool's, from before a restart
+            await connection.disconnect()
+            await connection.connect()
+            link = RawConnection(connection)
+    except BaseException:
+        try:
+            await connection.disconnect()
+        finally:
+            await pool.release(connection)
+        raise
+    return link
+
+
+async def let_go(redis: Redis, link: RawConnection) -> None:
+    """Close a held connection and give it back to the pool."""
+    try:
+        await link.connection.disconnect()
+    finally:
+        await redis.connection_pool.release(link.connection)

@@ -19,6 +19,7 @@ from infergate.base.errors import out_of_memory
 from infergate.base.keys import Keys
 from infergate.base.queue import redis_url
 from infergate.base.queue.admits import Admits
+from infergate.base.queue.blocking import Blocking
 from infergate.base.queue.pipelined import Pipelined
 from infergate.base.queue.scripts import Scripts
 from infergate.base.tiers import ROLES, TIERS
@@ -78,6 +79,8 @@ class Store:
         self.scripts: Scripts = Scripts(redis) if shared is None else shared.scripts
         # The hot path's script calls, sent together (see pipelined.py).
         self.pipelined: Pipelined = Pipelined(redis) if shared is None else shared.pipelined
+        # Blocking pops, on a connection of their own (see blocking.py).
+        self.blocking: Blocking = Blocking(redis) if shared is None else shared.blocking
         # A gateway's admits, gathered into calls (see admits.py).
         self.admits: Admits = (
             Admits(self.pipelined, self.scripts.admit) if shared is None else shared.admits
@@ -121,19 +124,21 @@ class Store:
     async def close(self) -> None:
         await self.admits.close()
         await self.pipelined.close()
+        await self.blocking.close()
         await self.redis.aclose()
 
     async def move_oldest(self, source: str, destination: str, timeout_s: float) -> bytes | None:
         """BLMOVE: block up to ``timeout_s`` for the oldest item of ``source``
         (lists are pushed on the left) and move it atomically to ``destination``."""
-        item: bytes | None = await self.redis.blmove(  # type: ignore[assignment]
-            source,
-            destination,
-            timeout_s,  # type: ignore[arg-type]  # BLMOVE takes fractional seconds
-            "RIGHT",
-            "LEFT",
+        item: bytes | None = await self.blocking.pop(
+            ("BLMOVE", source, destination, "RIGHT", "LEFT", timeout_s), timeout_s
         )
         return item
+
+    async def pop_first(self, key: str, timeout_s: float) -> bytes | None:
+        """BLPOP on one list: its first item, or None after ``timeout_s``."""
+        popped: list[bytes] | None = await self.blocking.pop(("BLPOP", key, timeout_s), timeout_s)
+        return None if popped is None else popped[1]
 
     # -- heartbeats and members ---------------------------------------------
 

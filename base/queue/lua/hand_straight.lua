@@ -17,15 +17,12 @@ end
 
 local function nothing_queued(prefix, tiers)
   -- whether no tier queue, job queue or fair queue of the model holds
-  -- anything, and how many tiers there are
-  local ntiers = 0
+  -- anything (one EXISTS of them all), and how many tiers there are
+  local names = {}
   for tier in string.gmatch(tiers, '%S+') do
-    ntiers = ntiers + 1
-    for _, kind in ipairs({'queue:', 'jobs:', 'fq:'}) do
-      if redis.call('EXISTS', prefix .. kind .. tier) == 1 then return false, ntiers end
-    end
+    for _, kind in ipairs({'queue:', 'jobs:', 'fq:'}) do names[#names + 1] = prefix .. kind .. tier end
   end
-  return true, ntiers
+  return redis.call('EXISTS', unpack(names)) == 0, #names / 3
 end
 
 local function hand_straight(h)

@@ -8,19 +8,16 @@
 -- staggered. A credit not spent goes back onto `ready`, ringing the
 -- doorbell if work still waits (a dispatcher holding no credit waits on it).
 -- Needs take_pop.lua, frame.lua, rule.lua. Put before the take entries.
-local function holds_work(t, queue)
-  return not t.drained[queue] and redis.call('EXISTS', queue) == 1
-end
-
 local function waiting(t, lists, also, more)
-  -- whether any of `lists` (or `also`, or `more`) holds work
-  for i = 1, t.ntiers do
-    if holds_work(t, lists[i]) or (also and holds_work(t, also[i]))
-        or (more and holds_work(t, more[i])) then
-      return true
+  -- whether any of `lists` (or `also`, or `more`) holds work: one EXISTS
+  -- of those not drained in this take
+  local names = {}
+  for _, group in ipairs({lists, also or {}, more or {}}) do
+    for i = 1, #group do
+      if not t.drained[group[i]] then names[#names + 1] = group[i] end
     end
   end
-  return false
+  return #names > 0 and redis.call('EXISTS', unpack(names)) > 0
 end
 
 local function ring(t)
