@@ -225,7 +225,9 @@ class Dispatcher:
         await self.queue.publish_rule(self.forming_rule())
 
     async def form_one(self, credit: str) -> None:
-        """Holding ``credit``, wait for work and hand off one batch."""
+        """Holding ``credit``, wait for work and hand off one batch; with
+        nothing waiting at all, the take gives the credit back and this
+        waits on the doorbell holding nothing (``_wait_at_rest``)."""
         await self.fleet.fresh()  # (the pacing interval is the fleet's)
         while True:
             batch_id = new_batch_id()

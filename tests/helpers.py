@@ -135,6 +135,19 @@ def http(
     return status, hdrs, parsed
 
 
+def ask_with_demo_key(keys_json: Path, port: int, text: str) -> tuple[int, Any]:
+    """POST ``text`` to a local stack with the paid demo key ``up --keys-out``
+    wrote: the status and the body."""
+    key = json.loads(keys_json.read_text())["paid"]
+    status, _, body = http(
+        "POST",
+        f"http://127.0.0.1:{port}/v1/inference",
+        {"input": text},
+        {"Authorization": f"Bearer {key}"},
+    )
+    return status, body
+
+
 def auth(tier: str) -> dict[str, str]:
     return {"Authorization": "Bearer " + SECRETS[tier]}
 

@@ -4,6 +4,7 @@ the tiers above leave it (capacity less their arrival rate), after what is
 queued above, or at least at the rate of its reserved slots; its allowance is
 how many of its requests can wait within its budget less one batch time."""
 
+import asyncio
 from collections.abc import Iterable
 from typing import cast
 
@@ -314,8 +315,6 @@ async def test_a_view_at_rest_is_read_again_for_the_first_request_after_it(
     """At rest the view is refreshed seldom (here every 60 s), but a request
     is never decided on one older than ``refresh_ms``: ``fresh`` reads it
     then, once for every request that waits on it."""
-    import asyncio
-
     store = Store.connect(redis_url, "at-rest", name="test")
     view = FleetView(store, refresh_ms=50, at_rest_ms=60_000)
     try:

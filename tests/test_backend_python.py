@@ -5,7 +5,6 @@ it does wrong at run time fails only the inputs it must, never the worker.
 The code is ``tests/user_backends/mymodel.py``, imported as a user's."""
 
 import concurrent.futures
-import json
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from infergate.gpu.backends.python_code import PythonBackend
 from infergate.policies.backends import MAX_TOKENS, SAMPLING
 from infergate.redis_server import RedisServer, free_port
 
-from tests.helpers import SECRETS, Cluster, as_yaml, http, policy, wait_for
+from tests.helpers import SECRETS, Cluster, as_yaml, ask_with_demo_key, http, policy, wait_for
 from tests.upstreams import answers
 
 USER_CODE = Path(__file__).parent / "user_backends"
@@ -260,13 +259,7 @@ def test_the_readmes_bring_your_model_runs_as_written(tmp_path: Path) -> None:
     )
     try:
         wait_for(lambda: answers(f"http://127.0.0.1:{port}/readyz"), 60, "the stack")
-        key = json.loads((tmp_path / "keys.json").read_text())["paid"]
-        status, _, body = http(
-            "POST",
-            f"http://127.0.0.1:{port}/v1/inference",
-            {"input": "hello"},
-            {"Authorization": f"Bearer {key}"},
-        )
+        status, body = ask_with_demo_key(tmp_path / "keys.json", port, "hello")
         assert (status, body["output"]) == (200, "HELLO")
     finally:
         stack.send_signal(signal.SIGINT)

@@ -3,7 +3,6 @@ anything starts (no Redis, no demo keys written), the ready line counts
 what it started, the wait for a stack outlasts a worker that warms up
 slowly, and ``--workers 0`` prints the command a GPU host runs to join."""
 
-import json
 import os
 import re
 import signal
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 from infergate.redis_server import RedisServer, free_port
 
-from tests.helpers import http, wait_for
+from tests.helpers import ask_with_demo_key, wait_for
 from tests.upstreams import USER_CODE, answers
 
 EXAMPLE = Path(__file__).parent.parent / "policies" / "example.yaml"
@@ -140,13 +139,7 @@ def test_the_workers_run_the_policy_s_backend_without_a_flag(tmp_path: Path) -> 
     )  # fmt: skip
     try:
         wait_for(lambda: up.ready(f"http://127.0.0.1:{port}/readyz"), 60, "up")
-        key = json.loads((tmp_path / "keys.json").read_text())["paid"]
-        status, _, body = http(
-            "POST",
-            f"http://127.0.0.1:{port}/v1/inference",
-            {"input": "mine"},
-            {"Authorization": f"Bearer {key}"},
-        )
+        status, body = ask_with_demo_key(tmp_path / "keys.json", port, "mine")
         assert (status, body.get("output")) == (200, "fn:mine"), body
     finally:
         up.stop()
@@ -180,13 +173,7 @@ def test_workers_elsewhere_join_with_the_printed_command(tmp_path: Path) -> None
             stderr=subprocess.DEVNULL,
         )
         wait_for(lambda: up.ready(f"http://127.0.0.1:{port}/readyz"), 60, "the worker to join")
-        key = json.loads((tmp_path / "keys.json").read_text())["paid"]
-        status, _, body = http(
-            "POST",
-            f"http://127.0.0.1:{port}/v1/inference",
-            {"input": "joined"},
-            {"Authorization": f"Bearer {key}"},
-        )
+        status, body = ask_with_demo_key(tmp_path / "keys.json", port, "joined")
         assert status == 200, body
         assert body["output"].endswith("joined")
     finally:

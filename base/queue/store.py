@@ -148,15 +148,9 @@ class Store:
         stays alive in the fleet's view, with its last beat's contents."""
         key = self.keys.heartbeat(hb.role, hb.id)
         try:
-            # (with the hot path's calls: redis-py's pipeline costs a process
-            # at rest more than the beat itself)
-            _raise_first(
-                await self.pipelined.commands(
-                    [
-                        ("SET", key, wire.encode(hb), "PX", ttl_ms),
-                        ("SADD", self.keys.members(hb.role), hb.id),
-                    ]
-                )
+            await self.commands(
+                ("SET", key, wire.encode(hb), "PX", ttl_ms),
+                ("SADD", self.keys.members(hb.role), hb.id),
             )
         except RedisError as exc:
             if not out_of_memory(exc):
@@ -169,10 +163,20 @@ class Store:
             self.full = False
             log.info("redis.memory_recovered")
 
+    async def commands(self, *commands: tuple[Any, ...]) -> list[Any]:
+        """Plain commands with the hot path's calls (``pipelined``): their
+        replies, or the first error among them raised (the others ran).
+        The loops that run at rest too use this, not redis-py, whose pool,
+        lock and hooks cost a process more than Redis spends on the command."""
+        replies = await self.pipelined.commands(commands)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return replies
+
     async def set_expiring(self, key: str, value: bytes, ttl_ms: int) -> None:
-        """SET with a TTL, with the hot path's calls (a loop's write every
-        second, at rest too)."""
-        _raise_first(await self.pipelined.commands([("SET", key, value, "PX", ttl_ms)]))
+        """SET with a TTL (a loop's write every second, at rest too)."""
+        await self.commands(("SET", key, value, "PX", ttl_ms))
 
     async def retire(self, role: str, process_id: str, keep_membership: bool = False) -> None:
         """A clean exit: drop the heartbeat and the membership at once. With
@@ -202,8 +206,8 @@ class Store:
         results = await self.pipelined.commands(reads)
         depths = range(len(roles), len(roles) + (2 * len(TIERS) if with_depths else 0))
         for i, result in enumerate(results):
-            if isinstance(result, ResponseError):
-                if i not in depths:
+            if isinstance(result, Exception):
+                if i not in depths or not isinstance(result, ResponseError):
                     raise result
                 results[i] = 0  # (a queue of another type, planted: take_*.lua drops it)
         if with_counters:
@@ -218,7 +222,7 @@ class Store:
         wanted = [self.keys.heartbeat(role, i) for role in roles for i in ids[role]]
         values: list[bytes | None] = []
         if wanted:
-            (values,) = _raised_first(await self.pipelined.commands([("MGET", *wanted)]))
+            (values,) = await self.commands(("MGET", *wanted))
         it = iter(values)
         beats = {role: {i: next(it) for i in ids[role]} for role in roles}
         return beats, extras
@@ -277,18 +281,6 @@ class Store:
             _depths(depths),
             _counters(raw_counters),
         )
-
-
-def _raise_first(replies: list[Any]) -> None:
-    """Raise the first error reply among ``replies``, if any."""
-    for reply in replies:
-        if isinstance(reply, Exception):
-            raise reply
-
-
-def _raised_first(replies: list[Any]) -> list[Any]:
-    _raise_first(replies)
-    return replies
 
 
 def _hash(reply: Any) -> Any:

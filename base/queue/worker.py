@@ -105,11 +105,7 @@ class WorkerQueue:
     async def ensure_credit(self) -> bool:
         """An idle worker re-offers its credit if Redis lost it (see ensure_credit.lua)."""
         # (with the hot path's calls: an idle worker makes these every second)
-        (members,) = await self.store.pipelined.commands(
-            [("SMEMBERS", self.keys.members("dispatcher"))]
-        )
-        if isinstance(members, Exception):
-            raise members
+        (members,) = await self.store.commands(("SMEMBERS", self.keys.members("dispatcher")))
         dispatchers, _ = process_ids(members)  # (a planted member: the fleet view drops it)
         offered = await self.store.pipelined.call(
             self.store.scripts.ensure_credit,
