@@ -1,4 +1,5 @@
-"""Running one component as a process: signals, a bounded shutdown, exit codes.
+"""Running one component as a process: signals, a bounded shutdown, exit codes,
+and a heap that a full collection need not scan whole (``freeze_heap``).
 
 The first SIGTERM or SIGINT sets the component's ``stop`` event so it can
 drain; a second ends the process at once. A shutdown can never hang: if the
@@ -8,6 +9,7 @@ that did not finish) and the process exits with ``EXIT_STUCK``.
 """
 
 import asyncio
+import gc
 import os
 import signal
 import sys
@@ -43,6 +45,17 @@ def _exit_stuck(grace_s: float) -> None:
     os._exit(EXIT_STUCK)
 
 
+def freeze_heap() -> None:
+    """Take what the process holds once started (its modules, its app, its
+    policy) out of the cyclic collector's way: a full collection then scans
+    only what was made since. Without it a gateway's full collection, over
+    some 100,000 objects, held its event loop for 55-82 ms a few times a
+    minute under load: every request in flight waited, and the batch being
+    formed meanwhile left short."""
+    gc.collect()
+    gc.freeze()
+
+
 def run(
     main: Callable[[asyncio.Event], Coroutine[Any, Any, int]],
     shutdown_grace_s: float | Callable[[], float] = 10.0,
@@ -65,6 +78,7 @@ def run(
 
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, on_signal, signum)
+        freeze_heap()
         return await main(stop)
 
     return uvloop.run(runner())

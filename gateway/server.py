@@ -14,7 +14,7 @@ import socket
 from types import FrameType
 
 import uvicorn
-from infergate.base import clock, logs
+from infergate.base import clock, logs, runtime
 from infergate.gateway.app import create_asgi, fast_routes
 from infergate.gateway.edge import EdgeProtocol
 from infergate.gateway.edge_contract import quiet_parser_warnings, self_test
@@ -70,6 +70,7 @@ async def serve(
         timeout_graceful_shutdown=int(drain_timeout_s),
         backlog=2048,
     )
+    runtime.freeze_heap()  # (the app is built: a collection scans only what serving makes)
     server = DrainingServer(config, gateway, drain_timeout_s)
     await server.serve(sockets=[sock])
     return 0 if server.started else 1

@@ -451,6 +451,24 @@ async def test_a_worker_that_leaves_a_batch_unanswered_leaves_it_to_the_reaper(
         await store.close()
 
 
+def test_a_process_runs_with_what_it_started_with_out_of_the_collector_s_way() -> None:
+    """A full collection scans only what the process made since it started
+    (``runtime.freeze_heap``): over the whole start-up heap it held a
+    gateway's loop for tens of ms at a time."""
+    code = (
+        "import gc\n"
+        "from infergate.base import runtime\n"
+        "async def main(stop):\n"
+        "    print(gc.get_freeze_count(), flush=True)\n"
+        "    return 0\n"
+        "raise SystemExit(runtime.run(main))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert int(done.stdout) > 10_000  # (the modules imported, at least)
+
+
 def test_a_shutdown_that_hangs_is_ended_and_says_where(tmp_path: Path) -> None:
     code = (
         "import asyncio\n"
