@@ -115,6 +115,9 @@ class Operators:
             fleet = await lane.store.fleet_status()
         except STORE_ERRORS as exc:
             raise self.gw.store_failed(exc, shard) from exc
+        # (admission's figures from a view as fresh as a request's: at rest
+        # the view is read only once a heartbeat's life)
+        await lane.fleet.fresh()
         policy = self.gw.policy.current.for_model(lane.name)
         max_batch = policy.document.batching.max_batch_size
         stats = fleet.counters
