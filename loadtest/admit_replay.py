@@ -31,9 +31,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 import redis
+from infergate.base.ports import free_port
 from infergate.base.queue.scripts import source
 from infergate.loadtest.redis_cost import bench, stack_arguments
-from infergate.loadtest.sweep import cpu_s, free_port, local_stack
+from infergate.loadtest.sweep import cpu_s, local_stack
 
 ESCAPES = {"n": b"\n", "r": b"\r", "t": b"\t", "a": b"\a", "b": b"\b", '"': b'"', "\\": b"\\"}
 

@@ -36,9 +36,10 @@ from typing import Any
 import msgspec
 import uvloop
 import yaml
+from infergate.base.ports import free_port
 from infergate.loadtest.bench import _until, percentile
 from infergate.loadtest.http_client import HttpPool, PostTemplate
-from infergate.loadtest.sweep import children, free_port, wait_ready
+from infergate.loadtest.sweep import children, wait_ready
 
 HERE = Path(__file__).resolve().parent
 KEYS: dict[str, str] = json.loads((HERE / "keys.json").read_text())

@@ -18,7 +18,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ from typing import Any, NamedTuple
 
 import redis
 from infergate.base.capacity import ROLES, Costs, Measured, fit
+from infergate.base.ports import free_port
 from infergate.loadtest.bench import DEFAULT_INPUT_CHARS, DEFAULT_MIX
 from infergate.policies import load_policy
 
@@ -88,12 +88,6 @@ def redis_calls(port: int) -> int:
     with redis.Redis(port=port) as client:
         stats: dict[str, dict[str, int]] = client.info("commandstats")
     return sum(int(v["calls"]) for v in stats.values())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def redis_of(up_pid: int) -> tuple[int, int]:

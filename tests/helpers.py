@@ -18,7 +18,7 @@ import redis
 import yaml
 from infergate.base import clock, wire
 from infergate.base.keys import Keys
-from infergate.redis_server import free_port
+from infergate.base.ports import free_port
 
 SECRETS = {
     "enterprise": "test-enterprise-secret",

@@ -5,7 +5,8 @@ import subprocess
 from pathlib import Path
 
 import redis
-from infergate.redis_server import RedisServer, find_redis_server, free_port
+from infergate.base.ports import free_port
+from infergate.redis_server import RedisServer, find_redis_server
 
 from tests.helpers import wait_for
 

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 import redis
+from infergate.base.ports import free_port
 from infergate.gpu.backend import BackendError, Unusable
 from infergate.gpu.backends.python_code import PythonBackend
 from infergate.policies.backends import MAX_TOKENS, SAMPLING
-from infergate.redis_server import RedisServer, free_port
+from infergate.redis_server import RedisServer
 
 from tests.helpers import SECRETS, Cluster, as_yaml, ask_with_demo_key, http, policy, wait_for
 from tests.upstreams import answers

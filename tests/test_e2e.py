@@ -13,9 +13,10 @@ import pytest
 import redis
 from infergate.base import wire
 from infergate.base.keys import Keys
+from infergate.base.ports import free_port
 from infergate.base.queue.inputs import BESIDE_MIN_CHARS
 from infergate.gpu.backends.simulated import sim_output
-from infergate.redis_server import RedisServer, free_port
+from infergate.redis_server import RedisServer
 
 from tests.helpers import (
     SECRETS,

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from infergate.redis_server import RedisServer, free_port
+from infergate.base.ports import free_port
+from infergate.redis_server import RedisServer
 
 from tests.helpers import MAX_BODY_BYTES, SECRETS, Cluster, http, policy_yaml, wait_for
 

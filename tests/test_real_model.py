@@ -42,7 +42,7 @@ def test_the_readmes_recipe_serves_smollm2_through_up(tmp_path: Path) -> None:
     import sys
     from concurrent.futures import ThreadPoolExecutor
 
-    from infergate.redis_server import free_port
+    from infergate.base.ports import free_port
 
     from tests.helpers import http, wait_for
 

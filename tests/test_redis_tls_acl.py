@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from infergate.redis_server import RedisServer, free_port
+from infergate.base.ports import free_port
+from infergate.redis_server import RedisServer
 
 from tests.helpers import Cluster, policy_yaml
 

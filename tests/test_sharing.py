@@ -7,11 +7,11 @@ from pathlib import Path
 
 import aiohttp
 from infergate.base.keys import Keys
+from infergate.base.ports import free_port
 from infergate.base.queue.gateway import GatewayQueue
 from infergate.base.queue.store import Store
 from infergate.gateway.sharing import Cache
 from infergate.gpu.backends.simulated import sim_output
-from infergate.redis_server import free_port
 
 from tests.helpers import SECRETS, Cluster, auth, http, policy_yaml
 

@@ -106,7 +106,7 @@ def test_runs_on_cuda(tiny_model: Path) -> None:
 def test_a_transformers_worker_serves_http_end_to_end(
     tiny_model: Path, tmp_path: Path, redis_url: str
 ) -> None:
-    from infergate.redis_server import free_port
+    from infergate.base.ports import free_port
 
     from tests.helpers import Proc, auth, http, policy_yaml, wait_for
 

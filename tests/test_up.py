@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from infergate.redis_server import RedisServer, free_port
+from infergate.base.ports import free_port
+from infergate.redis_server import RedisServer
 
 from tests.helpers import ask_with_demo_key, wait_for
 from tests.upstreams import USER_CODE, answers

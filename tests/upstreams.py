@@ -12,7 +12,7 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-from infergate.redis_server import free_port
+from infergate.base.ports import free_port
 
 from tests.helpers import wait_for
 
