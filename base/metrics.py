@@ -66,7 +66,15 @@ class LivePolicyLike(Protocol):
     def on_refused(self, callback: Callable[[], None]) -> None: ...
 
 
-REFUSAL_REASONS = ("capacity", "key_share", "quota", "no_worker", "redis", "draining")
+REFUSAL_REASONS = (
+    "capacity",
+    "key_share",
+    "quota",
+    "no_worker",
+    "redis",
+    "redis_memory",
+    "draining",
+)
 DROP_REASONS = ("expired", "cancelled", "malformed")
 WORKER_STATES = ("idle", "busy", "draining", "upstream_down")
 
@@ -173,6 +181,13 @@ class GatewayMetrics(PolicyWatching):
             "index of their admitted requests over their weights (1: even shares; 1/n: one "
             "key got all), 1 when fewer than two were refused",
             ["tier"],
+            registry=registry,
+        )
+        self.redis_memory_use = Gauge(
+            "infergate_redis_memory_use",
+            "Redis's used memory over its maxmemory, the highest among shards, as this "
+            "gateway last read it (0: no maxmemory, or unread); new work is refused past "
+            "limits.redis_memory_high_water, free first",
             registry=registry,
         )
         self.keys_refused = Gauge(

@@ -212,6 +212,10 @@ class Readiness(msgspec.Struct):
     draining: bool
     # Redis refuses writes for want of memory: new work is refused (503).
     redis_full: bool = False
+    # Redis's used memory over its maxmemory, the highest among shards (0:
+    # no maxmemory, or unread); past limits.redis_memory_high_water new work
+    # is refused, free first.
+    redis_memory_use: float = 0.0
     # The Redis shards, and those this gateway can serve keys on now (ready
     # while one is: a shard that is down refuses only its own keys).
     shards: int = 1

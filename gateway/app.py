@@ -270,6 +270,7 @@ async def readyz(request: Request[Any, Any, Any]) -> Response[Readiness]:
         max(gw.workers_alive(i) for i in shards),
         gw.draining,
         any(gw.full(i) for i in shards),
+        round(max(gw.memory.use), 4),
         len(shards),
         sum(gw.ready_on(i) for i in shards),
     )

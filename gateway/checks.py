@@ -3,7 +3,7 @@ its parameters against its model, and the room its model's fleet has for its
 tier (a local estimate, no Redis round trip)."""
 
 from infergate.gateway.api import Parameters
-from infergate.gateway.errors import ApiError, redis_full, redis_unreachable
+from infergate.gateway.errors import ApiError, redis_full, redis_memory_high, redis_unreachable
 from infergate.gateway.models import ModelLane
 from infergate.gateway.service import Gateway
 from infergate.policies import KeyEntry, Policy, Tier
@@ -52,10 +52,12 @@ def check_parameters(params: Parameters | None, lane: ModelLane, model: Model) -
 
 
 def check_serving(gw: Gateway, lane: ModelLane, key: KeyEntry) -> None:
-    """Redis has room and answers, and a worker of the model is there."""
+    """Redis has room (below the tier's high-water mark) and answers, and
+    a worker of the model is there."""
     if lane.store.full:
         gw.count_refused(key, "redis_full", lane, for_capacity=False)
         raise redis_full()
+    check_memory(gw, lane.shard, key, lane)
     if not gw.ready_for_replies(lane.shard):
         gw.count_refused(key, "redis", lane, for_capacity=False)
         raise redis_unreachable()
@@ -66,6 +68,14 @@ def check_serving(gw: Gateway, lane: ModelLane, key: KeyEntry) -> None:
             f"no healthy worker of the model {lane.name!r} is available",
             RETRY_NO_WORKER_MS,
         )
+
+
+def check_memory(gw: Gateway, shard: int, key: KeyEntry, lane: ModelLane | None) -> None:
+    """``shard``'s Redis is below ``key``'s tier's high-water mark."""
+    use = gw.memory.refuses(shard, key.tier)
+    if use is not None:
+        gw.count_refused(key, "redis_memory", lane, for_capacity=False)
+        raise redis_memory_high(use, key.tier)
 
 
 def check_capacity(gw: Gateway, lane: ModelLane, policy: Policy, key: KeyEntry) -> float:

@@ -146,3 +146,12 @@ def redis_full() -> ApiError:
         "the queue store is out of memory (Redis maxmemory): new work is refused until it frees",
         RETRY_REDIS_FULL_MS,
     )
+
+
+def redis_memory_high(use: float, tier: str) -> ApiError:
+    return ApiError(
+        "SERVICE_OVERLOADED",
+        f"the queue store's memory is {use:.0%} used, past the {tier} tier's high-water "
+        f"mark: new {tier} work is refused until it frees",
+        RETRY_REDIS_FULL_MS,
+    )

@@ -23,6 +23,7 @@ from infergate.base.errors import STORE_ERRORS
 from infergate.gateway.api import InferenceResponse, JobAccepted, JobView, Parameters
 from infergate.gateway.calls import Call, OnDisconnect
 from infergate.gateway.charging import charge_quota
+from infergate.gateway.checks import check_memory
 from infergate.gateway.errors import (
     ERRORS,
     ApiError,
@@ -66,6 +67,7 @@ class Jobs:
         shard = gw.shard_of(key.id)
         if shard.store.full:
             raise redis_full()
+        check_memory(gw, shard.index, key, None)
         body, tier, lane = self.inference.read_body(call.body, policy, key)
         params = body.parameters or Parameters()
         headers = await charge_quota(gw, lane, key, tier, len(body.input))

@@ -34,6 +34,7 @@ from infergate.gateway.jwks import KeySet
 from infergate.gateway.limits import EdgeLimits
 from infergate.gateway.models import Lanes, ModelLane
 from infergate.gateway.quota import Quota
+from infergate.gateway.redis_memory import RedisMemory
 from infergate.gateway.replies import ReplyRouter
 from infergate.gateway.shares import Shares
 from infergate.policies import KeyEntry, Policy
@@ -102,6 +103,11 @@ class Gateway:
             lambda model, key_id: self.shard_of(key_id).store.of_model(model), self.metrics
         )
         self.shares_flush = Supervised("usage-refusals", self._flush_shares, 5.0)
+        self.memory = RedisMemory(
+            [shard.store for shard in self.shards],
+            lambda: self.policy.current.document.limits.redis_memory_high_water,
+            self.metrics.redis_memory_use,
+        )
         self.draining = False
         self.key_set = KeySet(policy)
         self.authenticator = Authenticator(self.key_set)
@@ -274,6 +280,7 @@ class Gateway:
         await self.replies.start()
         self.metrics_reading.start()
         self.shares_flush.start()
+        self.memory.loop.start()
         log.info("gateway.started", gateway_id=self.id, policy_version=self.policy.current.version)
 
     def authenticate(self, authorization: str | None, policy: Policy) -> KeyEntry:
@@ -283,6 +290,7 @@ class Gateway:
     async def stop(self) -> None:
         await self.metrics_reading.stop()
         await self.shares_flush.stop()
+        await self.memory.loop.stop()
         await self.key_set.stop()
         with contextlib.suppress(*STORE_ERRORS):  # (the last refusals counted)
             await self._flush_shares()

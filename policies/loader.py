@@ -393,6 +393,13 @@ def _check_settings(doc: Document, at: Locator) -> list[Problem]:
         out.append(
             at.problem(["limits", "key_connection_share"], "must be between 0.01 and 1, e.g. 0.25")
         )
+    if not 0.5 <= doc.limits.redis_memory_high_water <= 1.0:
+        out.append(
+            at.problem(
+                ["limits", "redis_memory_high_water"],
+                "must be between 0.5 and 1 (1: off), e.g. 0.8",
+            )
+        )
     out.extend(check_workers(doc.workers, ["workers"], at))
     return out
 

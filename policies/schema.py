@@ -90,6 +90,11 @@ class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # The share of a gateway's connections one key may hold with requests
     # that wait (synchronous inferences, job long polls); one more is 429.
     key_connection_share: float = 0.25
+    # Past this share of Redis's maxmemory new work is refused (503), the
+    # lowest tier first: free at the mark, paid a third of the way on to
+    # full, enterprise two thirds. 1: Redis's own refusal alone. A Redis with
+    # no maxmemory has no mark.
+    redis_memory_high_water: float = 0.8
 
 
 class Workers(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

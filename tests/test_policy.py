@@ -118,6 +118,13 @@ def test_a_tier_whose_longest_input_cannot_fit_a_body_is_refused() -> None:
     parse_policy(as_yaml(doc), "p.yaml")
 
 
+@pytest.mark.parametrize("mark", [0.4, 1.5, float("nan"), float("inf")])
+def test_a_redis_memory_high_water_mark_outside_half_to_one_is_refused(mark: float) -> None:
+    [problem] = _problems(as_yaml(policy(limits={"redis_memory_high_water": mark})))
+    assert "limits.redis_memory_high_water: must be between 0.5 and 1" in problem
+    parse_policy(as_yaml(policy(limits={"redis_memory_high_water": 1.0})), "p.yaml")
+
+
 def test_a_key_written_twice_in_one_mapping_is_refused() -> None:
     """YAML keeps the last of two, silently: `disabled: true` above a
     `disabled: false` would leave the key working."""

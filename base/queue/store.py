@@ -163,6 +163,12 @@ class Store:
             self.full = False
             log.info("redis.memory_recovered")
 
+    async def memory_use(self) -> float | None:
+        """Redis's used memory over its ``maxmemory``, from ``INFO memory``
+        (None: it has no maxmemory, so nothing but the host bounds it)."""
+        (info,) = await self.commands(("INFO", "memory"))
+        return memory_use_of(info)
+
     async def commands(self, *commands: tuple[Any, ...]) -> list[Any]:
         """Plain commands with the hot path's calls (``pipelined``): their
         replies, or the first error among them raised (the others ran).
@@ -281,6 +287,21 @@ class Store:
             _depths(depths),
             _counters(raw_counters),
         )
+
+
+def memory_use_of(info: bytes) -> float | None:
+    """``used_memory`` over ``maxmemory`` in an ``INFO memory`` reply (None
+    when maxmemory is 0 or either is missing or unreadable)."""
+    fields: dict[bytes, bytes] = {}
+    for line in info.splitlines():
+        name, _, value = line.partition(b":")
+        if name in (b"used_memory", b"maxmemory"):
+            fields[name] = value.strip()
+    try:
+        used, most = int(fields[b"used_memory"]), int(fields[b"maxmemory"])
+    except (KeyError, ValueError):
+        return None
+    return used / most if most > 0 and used >= 0 else None
 
 
 def _hash(reply: Any) -> Any:
