@@ -3,6 +3,7 @@
 last, before Redis itself refuses a write; it recovers by itself below the
 mark. A real stack on a real Redis whose maxmemory the test sets."""
 
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -107,3 +108,59 @@ def test_past_the_high_water_mark_free_is_refused_first_then_paid(cluster: Clust
     logs = cluster.gateways[0].output()
     assert logs.count('"redis.memory_high"') >= 1
     assert '"redis.memory_below_high_water"' in logs
+
+
+def test_redis_filled_under_load_refuses_free_then_paid_then_enterprise_before_itself(
+    cluster: Cluster,
+) -> None:
+    """Redis filled step by step while every tier sends: each tier's first
+    refusal comes at a higher use than the tier below's, all before Redis
+    refuses a write, and every request not refused is answered."""
+    client = redis.Redis.from_url(cluster.redis_url)
+    client.config_set("maxmemory-policy", "noeviction")
+    for i in range(100):
+        client.set(f"junk:{i}", JUNK)
+    used = int(client.info("memory")["used_memory"])
+    client.config_set("maxmemory", round(used / 0.7))
+    wait_for(lambda: _use(cluster) > 0.69, 10, "the gateway to read 0.7")
+
+    use_now = [0.7]
+    first_refused: dict[str, float] = {}
+    other: list[tuple[str, int]] = []
+    done = threading.Event()
+
+    def send(tier: str) -> None:
+        n = 0
+        while not done.is_set():
+            seen = use_now[0]
+            status = cluster.infer(tier, f"fill {tier} {n}")[0]
+            n += 1
+            if status == 503:
+                first_refused.setdefault(tier, seen)
+            elif status != 200:
+                other.append((tier, status))
+
+    senders = [threading.Thread(target=send, args=(t,)) for t in ("free", "paid", "enterprise")]
+    for t in senders:
+        t.start()
+    try:
+        i = 100
+        while "enterprise" not in first_refused:
+            assert i < 1_000, first_refused
+            for _ in range(2):  # some 1.4 % a step: a few steps between two tiers' marks
+                client.set(f"junk:{i}", JUNK)  # never refused: Redis is not full yet
+                i += 1
+            use_now[0] = wait_for(
+                lambda: (u := _use(cluster)) > use_now[0] and u, 10, "the gateway's reading"
+            )
+            assert use_now[0] < 1.0
+    finally:
+        done.set()
+        for t in senders:
+            t.join(30)
+    assert other == []
+    # (what a sender saw is the reading before the one that refused it, at most)
+    assert 0.78 <= first_refused["free"] < first_refused["paid"] < first_refused["enterprise"]
+    assert first_refused["enterprise"] < 1.0
+    client.config_set("maxmemory", 0)
+    wait_for(lambda: cluster.infer("free", "after")[0] == 200, 10, "free served again")
