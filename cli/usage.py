@@ -1,10 +1,14 @@
-"""``infergate usage``: what each key used (GET /v1/admin/usage), as a table.
+"""``infergate usage``: what each key used (GET /v1/admin/usage), as a
+table, CSV (for billing) or the endpoint's JSON.
 
 Reads a gateway's endpoint with an admin key (``--admin-key``, or the
 ``INFERGATE_ADMIN_KEY`` environment variable, so the secret stays out of the
-process list), and prints one line per key, most first.
+process list), and prints one line per key (or per key and hour or day),
+most first.
 """
 
+import csv
+import io
 import json
 import os
 import signal
@@ -23,13 +27,19 @@ COLUMNS = (
     ("tier", "TIER"),
     ("requests", "REQUESTS"),
     ("input_chars", "INPUT CHARS"),
+    ("input_tokens", "IN TOKENS"),
+    ("output_tokens", "OUT TOKENS"),
     ("gpu_ms", "GPU MS"),
     ("refused", "REFUSED"),
 )
+PERIOD = ("period", "PERIOD")
+FORMATS = ("table", "csv", "json")
 
 
 def add_parser(sub: Any) -> None:
-    usage = sub.add_parser("usage", help="what each key used: requests, input characters, GPU time")
+    usage = sub.add_parser(
+        "usage", help="what each key used: requests, characters, tokens, GPU time, refusals"
+    )
     usage.add_argument("--url", default="http://127.0.0.1:8000", help="a gateway")
     usage.add_argument("--admin-key", default=None, help="default: $INFERGATE_ADMIN_KEY")
     usage.add_argument("--key-id", default=None, help="one key only")
@@ -37,9 +47,19 @@ def add_parser(sub: Any) -> None:
         "--since", default=None, help="epoch seconds or ISO 8601 (default: a day ago)"
     )
     usage.add_argument(
-        "--sort", default="gpu_ms", help="gpu_ms, requests, input_chars or refused (most first)"
+        "--sort",
+        default="gpu_ms",
+        help="gpu_ms, requests, input_chars, input_tokens, output_tokens or refused (most first)",
     )
-    usage.add_argument("--json", action="store_true", help="the endpoint's JSON as it is")
+    usage.add_argument(
+        "--by",
+        default="all",
+        choices=("all", "hour", "day"),
+        help="a row per key, or per key and hour or UTC day (for billing)",
+    )
+    usage.add_argument(
+        "--format", default="table", choices=FORMATS, help="table, csv, or the endpoint's JSON"
+    )
 
 
 def run(args: Any) -> int:
@@ -50,7 +70,7 @@ def run(args: Any) -> int:
             file=sys.stderr,
         )
         return 2
-    query = {"sort": args.sort}
+    query = {"sort": args.sort, "by": args.by}
     query |= {k: v for k, v in (("key_id", args.key_id), ("since", args.since)) if v}
     url = args.url.rstrip("/") + "/v1/admin/usage?" + urllib.parse.urlencode(query)
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {secret}"})
@@ -75,7 +95,10 @@ def run(args: Any) -> int:
         return 1
     finally:
         signal.alarm(0)
-    print(json.dumps(report, indent=2) if args.json else table(report))
+    if args.format == "json":
+        print(json.dumps(report, indent=2))
+    else:
+        print(table(report) if args.format == "table" else as_csv(report), end="\n")
     return 0
 
 
@@ -97,21 +120,48 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
         return None
 
 
+def _columns(report: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    """The report's columns: a period first where its rows have one."""
+    periodic = any(row.get("period") for row in report.get("keys", []))
+    return (PERIOD, *COLUMNS) if periodic else COLUMNS
+
+
 def table(report: dict[str, Any]) -> str:
-    rows = [[_cell(row.get(field)) for field, _ in COLUMNS] for row in report.get("keys", [])]
-    heads = [head for _, head in COLUMNS]
+    columns = _columns(report)
+    rows = [[_cell(row.get(field)) for field, _ in columns] for row in report.get("keys", [])]
+    heads = [head for _, head in columns]
     widths = [max(len(c) for c in col) for col in zip(heads, *rows, strict=False)]
+    left = 3 if columns[0] == PERIOD else 2  # (the names left-aligned, the numbers right)
     lines = [f"usage from {report.get('since')} to {report.get('until')}"]
     for cells in [heads, *rows]:
         lines.append(
             "  ".join(
-                c.ljust(w) if i < 2 else c.rjust(w)
+                c.ljust(w) if i < left else c.rjust(w)
                 for i, (c, w) in enumerate(zip(cells, widths, strict=True))
             ).rstrip()
         )
     if not rows:
         lines.append("(no usage in that time)")
     return "\n".join(lines)
+
+
+def as_csv(report: dict[str, Any]) -> str:
+    """One line per row, the fields' names first; numbers as they are, and a
+    text that a spreadsheet would run as a formula quoted with a ' first."""
+    columns = _columns(report)
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow([field for field, _ in columns])
+    for row in report.get("keys", []):
+        writer.writerow([_csv_cell(row.get(field)) for field, _ in columns])
+    return out.getvalue().rstrip("\n")
+
+
+def _csv_cell(value: Any) -> str:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    text = "" if value is None else str(value)
+    return "'" + text if text[:1] in ("=", "+", "-", "@", "\t", "\r") else text
 
 
 def _cell(value: Any) -> str:

@@ -5,6 +5,7 @@ the policy's default model)."""
 from typing import Annotated, Any
 
 from infergate.base.queue.dead_letters import MAX_LISTED
+from infergate.base.queue.usage import By as UsageBy
 from infergate.base.queue.usage import Order as UsageOrder
 from infergate.gateway.api import (
     AdminPolicy,
@@ -113,10 +114,12 @@ async def purge_dead_letters(
 
 @get(
     "/v1/admin/usage",
-    summary="What each key used: answered requests, input characters, GPU time, refusals",
+    summary="What each key used: answered requests, input characters and tokens, output "
+    "tokens, GPU time, refusals",
     description="Kept per hour for the policy's usage.retention_days; a key's GPU time is "
-    "its requests' shares of the backend calls that ran them.",
-    responses={**ADMIN_ERRORS, 400: error_spec("INVALID_INPUT: since or sort is not valid")},
+    "its requests' shares of the backend calls that ran them; tokens are the model's. "
+    "by=hour or by=day gives a row per key and period (UTC), for billing.",
+    responses={**ADMIN_ERRORS, 400: error_spec("INVALID_INPUT: since, sort or by is not valid")},
     security=[{"bearer": []}],
 )
 async def admin_usage(
@@ -127,9 +130,12 @@ async def admin_usage(
         Parameter(max_length=64, description="epoch seconds or ISO 8601; default: a day ago"),
     ] = None,
     sort: Annotated[UsageOrder, Parameter(description="most first")] = "gpu_ms",
+    by: Annotated[
+        UsageBy, Parameter(description="all: a row per key; hour, day: per key and period")
+    ] = "all",
     model: MODEL = None,
 ) -> UsageReport:
-    return await _operators(request).usage(key_id, since, sort, model)
+    return await _operators(request).usage(key_id, since, sort, model, by)
 
 
 @get(

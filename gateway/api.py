@@ -288,7 +288,8 @@ class DeadLetters(msgspec.Struct):
 
 class UsageReport(msgspec.Struct):
     """What each key used from ``since`` (whole hours) to now: answered
-    requests, their input characters, their share of GPU time, refusals."""
+    requests, their input characters and tokens, their output tokens, their
+    share of GPU time, refusals; a row per key, or per key and hour or day."""
 
     since: str
     until: str

@@ -88,10 +88,16 @@ class Operators:
         return DeadLettersPurged(purged)
 
     async def usage(
-        self, key_id: str | None, since: str | None, sort: usage.Order, model: str | None = None
+        self,
+        key_id: str | None,
+        since: str | None,
+        sort: usage.Order,
+        model: str | None = None,
+        by: usage.By = "all",
     ) -> UsageReport:
-        """Usage per key from ``since`` (epoch seconds or ISO 8601; default a
-        day ago; no earlier than the policy keeps it), most first by ``sort``."""
+        """Usage per key (and per hour or day, ``by``) from ``since`` (epoch
+        seconds or ISO 8601; default a day ago; no earlier than the policy
+        keeps it), most first by ``sort`` (within each period)."""
         now_ms = clock.now_ms()
         kept_ms = round(self.gw.policy.current.document.usage.retention_days * DAY_MS)
         since_ms = max(now_ms - DAY_MS if since is None else _epoch_ms(since), now_ms - kept_ms)
@@ -103,10 +109,10 @@ class Operators:
         # after a shard is added.
         stores = [shard.store.of_model(name) for shard in self.gw.shards]
         try:
-            rows = await usage.read(stores, since_ms, now_ms, key_id)
+            rows = await usage.read(stores, since_ms, now_ms, key_id, by)
         except STORE_ERRORS as exc:
             raise redis_unreachable() from exc  # (a read: which shard failed changes nothing)
-        rows.sort(key=lambda r: (-getattr(r, sort), r.key_id))
+        rows.sort(key=lambda r: (r.period or "", -getattr(r, sort), r.key_id))
         return UsageReport(_iso(since_ms - since_ms % usage.HOUR_MS), _iso(now_ms), rows)
 
     async def status(self, model: str | None = None, shard: int = 0) -> StatusResponse:

@@ -113,8 +113,9 @@ class Answers:
         return self.backend.clip(outcome, max_tokens)
 
     def _input_tokens(self, env: wire.Envelope, outcome: str | BackendError) -> int:
-        """The input's length in the backend's tokens, where its envelope asks."""
-        if not env.count_input:
+        """The input's length in the backend's tokens (0 for an input that
+        failed: it is not billed)."""
+        if isinstance(outcome, BackendError):
             return 0
         if isinstance(outcome, Counted):
             return outcome.input_tokens
@@ -135,19 +136,23 @@ class Answers:
         answer = Answer()
         size = len(live) + len(lost)
         results = self.lost_results(batch, lost, started_ms, size) if lost else []
+        tokens: list[tuple[int, int]] = []
         for env in live:
             # Reported as served by the model, whichever copy ran: the keys of a
             # batch must not learn from served_by that another sent the same input.
             outcome = outcome_of[slot_key(env)]
+            clipped = self._clipped(outcome, env.max_tokens)
+            input_tokens = self._input_tokens(env, outcome)
+            tokens.append((input_tokens, 0 if isinstance(clipped, BackendError) else clipped[1]))
             result = _result(
                 env,
-                self._clipped(outcome, env.max_tokens),
+                clipped,
                 batch.id,
                 size,
                 self.worker_id,
                 started_ms,
                 infer_ms,
-                self._input_tokens(env, outcome),
+                input_tokens if env.count_input else 0,  # (where its envelope asks)
             )
             results.append((wire.destination(env), result))
             if (
@@ -161,7 +166,7 @@ class Answers:
                     )
                 )
         answer.replies = group_by_gateway(results)
-        answer.usage = charges(live, infer_ms)
+        answer.usage = charges(live, infer_ms, tokens)
         # (the batch leaves processing with its answer: none of them runs again)
         answer.inputs_done = inputs.input_keys(self.keys, batch.envelopes)
         self.tally.batch_served(len(live))
@@ -238,16 +243,22 @@ class Answers:
         )
 
 
-def charges(live: list[wire.Envelope], infer_ms: int) -> list[Charge]:
+def charges(
+    live: list[wire.Envelope], infer_ms: int, tokens: list[tuple[int, int]]
+) -> list[Charge]:
     """Each key's share of a call that ran ``live``: its requests, their input
-    characters, and the call's time split evenly over them."""
+    characters, the call's time split evenly over them, and their input and
+    output ``tokens``."""
     per_key: dict[tuple[str, str], list[int]] = {}
-    for env, gpu_us in zip(live, shares(infer_ms * 1000, len(live)), strict=True):
+    gpu = shares(infer_ms * 1000, len(live))
+    for env, gpu_us, (tokens_in, tokens_out) in zip(live, gpu, tokens, strict=True):
         chars = env.input_chars or len(env.input or "")
-        counts = per_key.setdefault((env.key_id, env.tier), [0, 0, 0])
+        counts = per_key.setdefault((env.key_id, env.tier), [0, 0, 0, 0, 0, 0])
         counts[0] += 1
         counts[1] += chars
         counts[2] += gpu_us
+        counts[4] += tokens_in
+        counts[5] += tokens_out
     return [Charge(key, tier, *counts) for (key, tier), counts in per_key.items()]
 
 

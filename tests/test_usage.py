@@ -4,6 +4,8 @@ gateways; read back by GET /v1/admin/usage and `infergate usage`. Real
 processes on a real Redis."""
 
 import asyncio
+import csv
+import io
 import json
 import os
 import subprocess
@@ -48,6 +50,39 @@ async def test_read_skips_what_it_cannot_read(redis_url: str) -> None:
         await store.close()
 
 
+async def test_usage_reads_per_key_and_hour_or_day_with_tokens(redis_url: str) -> None:
+    store = Store.connect(redis_url, "u", name="test")
+    day = 20_000 * usage.DAY_MS  # 2024-10-04, a UTC midnight
+    try:
+        for hour, charge in [
+            (1, usage.Charge("a", "paid", 1, 10, 1000, 0, 3, 7)),
+            (2, usage.Charge("a", "paid", 2, 20, 2000, 1, 6, 14)),
+            (25, usage.Charge("a", "paid", 4, 40, 4000, 0, 12, 28)),
+            (25, usage.Charge("b", "free", 1, 5, 9000, 0, 1, 2)),
+        ]:
+            now_ms = day + hour * usage.HOUR_MS
+            commands = usage.charge_commands(store, [charge], now_ms, 86_400 * 3)
+            await store.pipelined.transaction(commands, (store.scripts.charge_usage,))
+        until = day + 30 * usage.HOUR_MS
+        [b, a] = await usage.read(store, day, until)  # (most GPU time first)
+        assert a == usage.KeyUsage("a", "paid", 7, 70, 7.0, 1, 21, 49)
+        assert (b.input_tokens, b.output_tokens, b.period) == (1, 2, None)
+        by_day = await usage.read(store, day, until, by="day")
+        assert [(r.period, r.key_id, r.requests, r.output_tokens) for r in by_day] == [
+            ("2024-10-04T00:00:00+00:00", "a", 3, 21),
+            ("2024-10-05T00:00:00+00:00", "b", 1, 2),  # (more GPU time first, in a day)
+            ("2024-10-05T00:00:00+00:00", "a", 4, 28),
+        ]
+        by_hour = await usage.read(store, day, until, key_id="a", by="hour")
+        assert [(r.period, r.requests) for r in by_hour] == [
+            ("2024-10-04T01:00:00+00:00", 1),
+            ("2024-10-04T02:00:00+00:00", 2),
+            ("2024-10-05T01:00:00+00:00", 4),
+        ]
+    finally:
+        await store.close()
+
+
 @pytest.fixture
 def cluster(tmp_path: Path, redis_url: str):
     keys = (
@@ -60,9 +95,9 @@ def cluster(tmp_path: Path, redis_url: str):
     c.stop()
 
 
-def _usage_command(url: str, env: dict[str, str]) -> "subprocess.CompletedProcess[str]":
+def _usage_command(url: str, env: dict[str, str], *more: str) -> "subprocess.CompletedProcess[str]":
     return subprocess.run(
-        [sys.executable, "-m", "infergate", "usage", "--url", url],
+        [sys.executable, "-m", "infergate", "usage", "--url", url, *more],
         env=env,
         capture_output=True,
         text=True,
@@ -115,6 +150,10 @@ async def test_every_answered_request_is_charged_to_its_key(cluster: Cluster) ->
     assert (rows["u1"]["tier"], rows["u1"]["requests"], rows["u1"]["refused"]) == ("paid", 30, 0)
     assert rows["u1"]["input_chars"] == sum(len(f"u1-secret-{i}-") + i for i in range(30))
     assert (rows["u2"]["requests"], rows["u3"]["requests"]) == (10, 2)
+    # The model's tokens (the simulated one's are words): one an input, and its
+    # answer "sim[crc32]: input" two.
+    assert (rows["u1"]["input_tokens"], rows["u1"]["output_tokens"]) == (30, 60)
+    assert (rows["u3"]["input_tokens"], rows["u3"]["output_tokens"]) == (2, 4)
     # The keys' GPU time adds up to the workers' backend time, to the microsecond.
     total = sum(r["gpu_ms"] for r in body["keys"])
     assert total == pytest.approx(_gpu_ms_logged(c), abs=1e-6)
@@ -134,13 +173,29 @@ async def test_every_answered_request_is_charged_to_its_key(cluster: Cluster) ->
     assert bad[0] == 400
     assert "since" in bad[2]["error"]["message"]
     assert http("GET", c.urls[0] + "/v1/admin/usage?sort=x", headers=auth("admin"))[0] == 400
+    assert http("GET", c.urls[0] + "/v1/admin/usage?by=week", headers=auth("admin"))[0] == 400
     # The command prints the same as a table; without an admin key it says so.
     env = {**os.environ, "INFERGATE_ADMIN_KEY": SECRETS["admin"]}
     out = await asyncio.to_thread(_usage_command, c.urls[0], env)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert lines[1].split() == ["KEY", "TIER", "REQUESTS", "INPUT", "CHARS", "GPU", "MS", "REFUSED"]
+    assert lines[1].split() == [
+        "KEY", "TIER", "REQUESTS", "INPUT", "CHARS", "IN", "TOKENS", "OUT", "TOKENS", "GPU", "MS",
+        "REFUSED",
+    ]  # fmt: skip
     assert [line.split()[0] for line in lines[2:]] == [r["key_id"] for r in body["keys"]]
+    # For billing: a row per key and UTC day, as CSV.
+    out = await asyncio.to_thread(_usage_command, c.urls[0], env, "--by", "day", "--format", "csv")
+    assert out.returncode == 0, out.stderr
+    daily = list(csv.DictReader(io.StringIO(out.stdout)))
+    assert list(daily[0]) == [
+        "period", "key_id", "tier", "requests", "input_chars", "input_tokens", "output_tokens",
+        "gpu_ms", "refused",
+    ]  # fmt: skip
+    # (a day's rows: one, or two where the run crossed midnight)
+    assert {r["period"][11:] for r in daily} == {"00:00:00+00:00"}
+    assert sum(int(r["requests"]) for r in daily if r["key_id"] == "u1") == 30
+    assert sum(int(r["output_tokens"]) for r in daily if r["key_id"] == "u1") == 60
     env.pop("INFERGATE_ADMIN_KEY")
     bare = await asyncio.to_thread(_usage_command, c.urls[0], env)
     assert bare.returncode == 2

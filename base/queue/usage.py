@@ -3,14 +3,17 @@
 A worker charges every request of a batch it ran its share of the batch's
 measured backend time (the call's time split evenly over the requests that
 ran in it, in microseconds, so the shares add up to the call), with its input
-characters, in the transaction that answers the batch (``WorkerQueue``).
+characters and its input and output tokens (the model's), in the transaction
+that answers the batch (``WorkerQueue``).
 One hash per hour, ``usage:{hour}``, with fields ``{tier}\\n{key}\\n{what}``
 (a key id may hold anything but a newline), kept for the policy's
 ``usage.retention_days``; gateways add what they refused, per key, a few
-times a minute. Operators read it with ``GET /v1/admin/usage``.
+times a minute. Operators read it with ``GET /v1/admin/usage``: totals per
+key, or a row per key and hour or UTC day (for billing).
 """
 
 from collections.abc import Iterable, Sequence
+from datetime import UTC, datetime
 from typing import Any, Literal, NamedTuple
 
 import msgspec
@@ -18,10 +21,14 @@ from infergate.base.queue.scripts import evalsha
 from infergate.base.queue.store import Store
 
 HOUR_MS = 3_600_000
+DAY_MS = 24 * HOUR_MS
 # What is counted per key and hour (a field's last part).
-WHAT = ("requests", "input_chars", "gpu_us", "refused")
+WHAT = ("requests", "input_chars", "gpu_us", "refused", "input_tokens", "output_tokens")
 # What a report can be sorted by, most first.
-Order = Literal["gpu_ms", "requests", "input_chars", "refused"]
+Order = Literal["gpu_ms", "requests", "input_chars", "refused", "input_tokens", "output_tokens"]
+# A report's rows: one per key over the whole time, or per key and hour or UTC day.
+By = Literal["all", "hour", "day"]
+PERIOD_MS = {"hour": HOUR_MS, "day": DAY_MS}
 
 
 class Charge(NamedTuple):
@@ -33,15 +40,21 @@ class Charge(NamedTuple):
     input_chars: int = 0
     gpu_us: int = 0
     refused: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
 
 
-class KeyUsage(msgspec.Struct, frozen=True):
+class KeyUsage(msgspec.Struct, frozen=True, omit_defaults=True):
     key_id: str
     tier: str
     requests: int
     input_chars: int
     gpu_ms: float
     refused: int
+    input_tokens: int = 0
+    output_tokens: int = 0
+    # The hour or UTC day the row counts, from its start (ISO 8601); none for totals.
+    period: str | None = None
 
 
 def shares(total_us: int, count: int) -> list[int]:
@@ -78,40 +91,59 @@ async def charge(store: Store, charges: Sequence[Charge], now_ms: int, retention
 
 
 async def read(
-    store: Store | Sequence[Store], since_ms: int, until_ms: int, key_id: str | None = None
+    store: Store | Sequence[Store],
+    since_ms: int,
+    until_ms: int,
+    key_id: str | None = None,
+    by: By = "all",
 ) -> list[KeyUsage]:
     """Every key's usage in the hours from ``since_ms`` to ``until_ms``
     (whole hours: the hour ``since_ms`` falls in counts whole), most GPU time
-    first, summed over ``store`` when it is several (a deployment's shards:
-    a key moved to a shard added later has usage on both). A field that does
-    not read as a count is skipped (Redis contents are not trusted)."""
+    first (by period first, when ``by`` an hour or a day), summed over
+    ``store`` when it is several (a deployment's shards: a key moved to a
+    shard added later has usage on both). A field that does not read as a
+    count is skipped (Redis contents are not trusted)."""
     hours = range(since_ms // HOUR_MS, until_ms // HOUR_MS + 1)
-    totals: dict[tuple[str, str], list[int]] = {}
+    period_ms = PERIOD_MS.get(by)
+    totals: dict[tuple[int | None, str, str], list[int]] = {}
     # A day at a time: between two round trips the gateway serves requests
     # (a long read is up to 400 days of hours).
     for one in [store] if isinstance(store, Store) else store:
         for first in range(0, len(hours), 24):
             async with one.redis.pipeline(transaction=False) as pipe:
-                for hour in hours[first : first + 24]:
+                some = hours[first : first + 24]
+                for hour in some:
                     pipe.hgetall(one.keys.usage(hour))
-                _add(totals, await pipe.execute(raise_on_error=False), key_id)
+                for hour, raw in zip(some, await pipe.execute(raise_on_error=False), strict=True):
+                    period = None if period_ms is None else hour * HOUR_MS // period_ms * period_ms
+                    _add(totals, period, raw, key_id)
     rows = [
-        KeyUsage(key, tier, counts[0], counts[1], counts[2] / 1000.0, counts[3])
-        for (key, tier), counts in totals.items()
+        KeyUsage(key, tier, c[0], c[1], c[2] / 1000.0, c[3], c[4], c[5], _iso(period))
+        for (period, key, tier), c in totals.items()
     ]
-    return sorted(rows, key=lambda r: (-r.gpu_ms, -r.requests, r.key_id))
+    return sorted(rows, key=lambda r: (r.period or "", -r.gpu_ms, -r.requests, r.key_id))
 
 
-def _add(totals: dict[tuple[str, str], list[int]], hashes: list[Any], key_id: str | None) -> None:
-    for raw in hashes:
-        if not isinstance(raw, dict):
-            continue  # (a key of another type)
-        for field, value in raw.items():
-            parsed = _parse(field, value)
-            if parsed is None or (key_id is not None and parsed[1] != key_id):
-                continue
-            tier, key, what, amount = parsed
-            totals.setdefault((key, tier), [0] * len(WHAT))[WHAT.index(what)] += amount
+def _iso(epoch_ms: int | None) -> str | None:
+    if epoch_ms is None:
+        return None
+    return datetime.fromtimestamp(epoch_ms / 1000, UTC).isoformat(timespec="seconds")
+
+
+def _add(
+    totals: dict[tuple[int | None, str, str], list[int]],
+    period: int | None,
+    raw: Any,
+    key_id: str | None,
+) -> None:
+    if not isinstance(raw, dict):
+        return  # (a key of another type)
+    for field, value in raw.items():
+        parsed = _parse(field, value)
+        if parsed is None or (key_id is not None and parsed[1] != key_id):
+            continue
+        tier, key, what, amount = parsed
+        totals.setdefault((period, key, tier), [0] * len(WHAT))[WHAT.index(what)] += amount
 
 
 def _parse(field: bytes, value: bytes) -> tuple[str, str, str, int] | None:
