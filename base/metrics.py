@@ -190,6 +190,11 @@ class GatewayMetrics(PolicyWatching):
             "limits.redis_memory_high_water, free first",
             registry=registry,
         )
+        self.redis_memory_high_water = Gauge(
+            "infergate_redis_memory_high_water",
+            "The policy's limits.redis_memory_high_water: free work is refused from it",
+            registry=registry,
+        )
         self.keys_refused = Gauge(
             "infergate_keys_refused",
             "Keys of a tier refused at least once in the last 10 s (at this gateway)",

@@ -7,6 +7,7 @@ process list), and prints one line per key (or per key and hour or day),
 most first.
 """
 
+import argparse
 import csv
 import io
 import json
@@ -60,6 +61,8 @@ def add_parser(sub: Any) -> None:
     usage.add_argument(
         "--format", default="table", choices=FORMATS, help="table, csv, or the endpoint's JSON"
     )
+    # (the flag before --format: the same as --format json)
+    usage.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
 
 
 def run(args: Any) -> int:
@@ -95,10 +98,13 @@ def run(args: Any) -> int:
         return 1
     finally:
         signal.alarm(0)
-    if args.format == "json":
+    periodic = args.by != "all"
+    if args.json or args.format == "json":
         print(json.dumps(report, indent=2))
+    elif args.format == "csv":
+        print(as_csv(report, periodic))
     else:
-        print(table(report) if args.format == "table" else as_csv(report), end="\n")
+        print(table(report, periodic))
     return 0
 
 
@@ -120,14 +126,8 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
         return None
 
 
-def _columns(report: dict[str, Any]) -> tuple[tuple[str, str], ...]:
-    """The report's columns: a period first where its rows have one."""
-    periodic = any(row.get("period") for row in report.get("keys", []))
-    return (PERIOD, *COLUMNS) if periodic else COLUMNS
-
-
-def table(report: dict[str, Any]) -> str:
-    columns = _columns(report)
+def table(report: dict[str, Any], periodic: bool = False) -> str:
+    columns = (PERIOD, *COLUMNS) if periodic else COLUMNS
     rows = [[_cell(row.get(field)) for field, _ in columns] for row in report.get("keys", [])]
     heads = [head for _, head in columns]
     widths = [max(len(c) for c in col) for col in zip(heads, *rows, strict=False)]
@@ -145,10 +145,11 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def as_csv(report: dict[str, Any]) -> str:
-    """One line per row, the fields' names first; numbers as they are, and a
-    text that a spreadsheet would run as a formula quoted with a ' first."""
-    columns = _columns(report)
+def as_csv(report: dict[str, Any], periodic: bool = False) -> str:
+    """One line per row, the fields' names first (with a period first when
+    ``periodic``); numbers as they are, and a text that a spreadsheet would
+    run as a formula quoted with a ' first."""
+    columns = (PERIOD, *COLUMNS) if periodic else COLUMNS
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow([field for field, _ in columns])

@@ -57,10 +57,10 @@ def check_serving(gw: Gateway, lane: ModelLane, key: KeyEntry) -> None:
     if lane.store.full:
         gw.count_refused(key, "redis_full", lane, for_capacity=False)
         raise redis_full()
-    check_memory(gw, lane.shard, key, lane)
     if not gw.ready_for_replies(lane.shard):
         gw.count_refused(key, "redis", lane, for_capacity=False)
         raise redis_unreachable()
+    check_memory(gw, lane.shard, key, lane)
     if lane.fleet.workers_alive == 0:
         gw.count_refused(key, "no_worker", lane)
         raise ApiError(

@@ -102,6 +102,8 @@ class Operators:
         kept_ms = round(self.gw.policy.current.document.usage.retention_days * DAY_MS)
         since_ms = max(now_ms - DAY_MS if since is None else _epoch_ms(since), now_ms - kept_ms)
         since_ms = min(since_ms, now_ms)
+        # A row counts the whole of its period: a day's from its midnight (UTC).
+        since_ms -= since_ms % usage.PERIOD_MS.get(by, usage.HOUR_MS)
         policy = self.gw.policy.current
         self.gw.lanes.named(policy, model)  # (404 for a model not served)
         name = policy.default_model if model is None else model
@@ -113,7 +115,7 @@ class Operators:
         except STORE_ERRORS as exc:
             raise redis_unreachable() from exc  # (a read: which shard failed changes nothing)
         rows.sort(key=lambda r: (r.period or "", -getattr(r, sort), r.key_id))
-        return UsageReport(_iso(since_ms - since_ms % usage.HOUR_MS), _iso(now_ms), rows)
+        return UsageReport(_iso(since_ms), _iso(now_ms), rows)
 
     async def status(self, model: str | None = None, shard: int = 0) -> StatusResponse:
         lane = self.gw.lanes.named(self.gw.policy.current, model, shard)

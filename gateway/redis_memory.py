@@ -3,9 +3,11 @@ once a second, off the request path, and past the policy's high-water mark
 of ``maxmemory`` refuses new work, the lowest tier first: free at the mark,
 paid a third of the way from it to full, enterprise two thirds, so the
 paying tiers keep room while the free one backs off. Redis's own refusal
-(out of memory) stays the last guard. A Redis with no maxmemory, or an ACL
-that denies INFO, has no mark: said once in the log."""
+(out of memory) stays the last guard. A Redis with no maxmemory or one that
+evicts, or an ACL that denies INFO, has no mark (the last said once in the
+log); nor has a shard whose memory cannot be read now."""
 
+import math
 from collections.abc import Callable, Sequence
 
 from infergate.base import logs
@@ -24,22 +26,27 @@ def tier_mark(tier: str, high_water: float) -> float:
     """The use of maxmemory from which ``tier``'s new work is refused
     (above 1, never: a mark of 1 leaves it to Redis's own refusal)."""
     if high_water >= 1.0:
-        return 2.0
+        return math.inf
     rank = len(TIERS) - 1 - TIERS.index(tier)  # free 0, paid 1, enterprise 2
     return high_water + (1.0 - high_water) * rank / len(TIERS)
 
 
 class RedisMemory:
     def __init__(
-        self, stores: Sequence[Store], high_water: Callable[[], float], gauge: Gauge
+        self,
+        stores: Sequence[Store],
+        high_water: Callable[[], float],
+        gauge: Gauge,
+        mark_gauge: Gauge,
     ) -> None:
         """``high_water()`` is the policy's mark now; ``gauge`` shows the
-        highest use among the shards."""
+        highest use among the shards, ``mark_gauge`` the mark."""
         self._stores = stores
         self._high_water = high_water
         self.use = [0.0] * len(stores)  # 0: no maxmemory, or not read
         self._unreadable: set[int] = set()
         gauge.set_function(lambda: max(self.use, default=0.0))
+        mark_gauge.set_function(high_water)
         self.loop = Supervised("redis-memory", self.read, READ_EVERY_S)
 
     def refuses(self, shard: int, tier: str) -> float | None:
@@ -60,6 +67,7 @@ class RedisMemory:
                 use = None
             except Exception as exc:  # (Redis away: its own checks refuse meanwhile)
                 failed = failed or exc
+                self.use[shard] = 0.0  # (not a stale reading: none until read again)
                 continue
             self._record(shard, use or 0.0)
         if failed is not None:

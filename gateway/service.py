@@ -107,6 +107,7 @@ class Gateway:
             [shard.store for shard in self.shards],
             lambda: self.policy.current.document.limits.redis_memory_high_water,
             self.metrics.redis_memory_use,
+            self.metrics.redis_memory_high_water,
         )
         self.draining = False
         self.key_set = KeySet(policy)

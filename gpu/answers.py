@@ -109,7 +109,10 @@ class Answers:
         if isinstance(outcome, BackendError):
             return outcome
         if isinstance(outcome, Counted):  # (the engine stopped at max_tokens itself)
-            return str(outcome), outcome.tokens
+            text = str(outcome)
+            if outcome.tokens > 0 or not text:
+                return text, outcome.tokens
+            return text, self.backend.clip(text, 0)[1]  # (a server that did not count them)
         return self.backend.clip(outcome, max_tokens)
 
     def _input_tokens(self, env: wire.Envelope, outcome: str | BackendError) -> int:
@@ -117,9 +120,9 @@ class Answers:
         failed: it is not billed)."""
         if isinstance(outcome, BackendError):
             return 0
-        if isinstance(outcome, Counted):
+        if isinstance(outcome, Counted) and outcome.input_tokens > 0:
             return outcome.input_tokens
-        return self.backend.clip(env.input or "", 0)[1]
+        return self.backend.clip(env.input or "", 0)[1]  # (none counted them)
 
     def of(
         self,

@@ -18,11 +18,15 @@ JUNK = b"j" * 100_000
 
 
 def test_a_memory_reading_is_used_over_maxmemory_or_none() -> None:
+    kept = b"maxmemory_policy:noeviction\r\n"
     info = b"# Memory\r\nused_memory:800\r\nused_memory_human:800B\r\nmaxmemory:1000\r\n"
-    assert memory_use_of(info) == 0.8
-    assert memory_use_of(b"used_memory:800\r\nmaxmemory:0\r\n") is None  # no maxmemory
-    assert memory_use_of(b"used_memory:800\r\n") is None
-    assert memory_use_of(b"used_memory:lots\r\nmaxmemory:1000\r\n") is None
+    assert memory_use_of(info + kept) == 0.8
+    assert memory_use_of(b"used_memory:800\r\nmaxmemory:0\r\n" + kept) is None  # no maxmemory
+    # A Redis that evicts keeps its use near 1 by design: no mark.
+    assert memory_use_of(info + b"maxmemory_policy:allkeys-lru\r\n") is None
+    assert memory_use_of(info) is None
+    assert memory_use_of(b"used_memory:800\r\n" + kept) is None
+    assert memory_use_of(b"used_memory:lots\r\nmaxmemory:1000\r\n" + kept) is None
     assert memory_use_of(b"") is None
 
 
@@ -31,7 +35,7 @@ def test_the_tiers_marks_run_from_the_high_water_mark_to_full() -> None:
     assert tier_mark("paid", 0.8) == pytest.approx(0.8 + 0.2 / 3)
     assert tier_mark("enterprise", 0.8) == pytest.approx(0.8 + 0.4 / 3)
     assert tier_mark("enterprise", 0.8) < 1.0  # refused before Redis refuses a write
-    assert tier_mark("free", 1.0) > 1.0  # 1: off, Redis's own refusal alone
+    assert tier_mark("free", 1.0) == float("inf")  # 1: off, Redis's own refusal alone
 
 
 @pytest.fixture
@@ -91,6 +95,13 @@ def test_past_the_high_water_mark_free_is_refused_first_then_paid(cluster: Clust
     _set_use(cluster, client, 0.96)  # past every mark: Redis still takes writes
     assert _statuses(cluster, "at 0.96") == {"free": 503, "paid": 503, "enterprise": 503}
     client.set("still-writable", b"x")
+
+    # A Redis that evicts (a cache's policy) never refuses a write: no mark.
+    client.config_set("maxmemory-policy", "allkeys-lru")
+    wait_for(lambda: _use(cluster) == 0.0, 10, "no mark while Redis evicts")
+    assert _statuses(cluster, "evicting") == {"free": 200, "paid": 200, "enterprise": 200}
+    client.config_set("maxmemory-policy", "noeviction")
+    wait_for(lambda: _use(cluster) > 0.9, 10, "the mark back under noeviction")
 
     # The mark is the policy's, followed live: at 1 only Redis's own refusal is left.
     write_policy(cluster.policy_path, policy(limits={"redis_memory_high_water": 1.0}))

@@ -13,9 +13,16 @@ import sys
 from pathlib import Path
 
 import aiohttp
+import msgspec
 import pytest
+from infergate.base import wire
+from infergate.base.keys import Keys
 from infergate.base.queue import usage
 from infergate.base.queue.store import Store
+from infergate.base.queue.usage import Charge
+from infergate.gpu.answers import Answers, charges
+from infergate.gpu.backend import BackendError, Counted
+from infergate.gpu.backends.simulated import SimulatedBackend
 
 from tests.helpers import SECRETS, Cluster, auth, http, key_entry, policy_yaml, wait_for
 
@@ -38,11 +45,22 @@ async def test_read_skips_what_it_cannot_read(redis_url: str) -> None:
         hour = store.keys.usage(10)
         await store.redis.hset(hour, mapping={"junk": 1, "paid\nk|1\nrequests2": 1})
         await store.redis.hset(hour, "paid\nk|1\ngpu_us", "NaN")  # (replaces the real one)
+        # Counts no charge writes: a sign, spaces, digits past any sum, no tier or key.
+        await store.redis.hset(
+            hour,
+            mapping={
+                "paid\nk|1\ninput_tokens": "-5",
+                "paid\nk|1\noutput_tokens": " 7 ",
+                "paid\nk|1\nrefused": "1" * 320,
+                "gold\nk|1\nrequests": 1,
+                "paid\n\nrequests": 1,
+            },
+        )
         await store.redis.set(store.keys.usage(9), "a string")
         rows = await usage.read(store, 9 * usage.HOUR_MS, now_ms)
         assert rows == [
-            usage.KeyUsage("k|1", "paid", 2, 20, 0.0, 0),
-            usage.KeyUsage("k2", "free", 0, 0, 0.0, 4),
+            usage.KeyUsage("k|1", "paid", 2, 20, 0.0, 0, 0, 0),
+            usage.KeyUsage("k2", "free", 0, 0, 0.0, 4, 0, 0),
         ]
         assert 0 < await store.redis.ttl(hour) <= 3600
         assert await usage.read(store, 9 * usage.HOUR_MS, now_ms, key_id="k2") == rows[1:]
@@ -66,6 +84,8 @@ async def test_usage_reads_per_key_and_hour_or_day_with_tokens(redis_url: str) -
         until = day + 30 * usage.HOUR_MS
         [b, a] = await usage.read(store, day, until)  # (most GPU time first)
         assert a == usage.KeyUsage("a", "paid", 7, 70, 7.0, 1, 21, 49)
+        assert msgspec.json.decode(msgspec.json.encode(a))["input_tokens"] == 21
+        assert "period" not in msgspec.json.decode(msgspec.json.encode(a))
         assert (b.input_tokens, b.output_tokens, b.period) == (1, 2, None)
         by_day = await usage.read(store, day, until, by="day")
         assert [(r.period, r.key_id, r.requests, r.output_tokens) for r in by_day] == [
@@ -220,7 +240,7 @@ async def test_nothing_planted_in_usage_stops_an_answer(redis_url: str) -> None:
             commands = usage.charge_commands(store, charges, now_ms, 3600)
             await store.pipelined.transaction(commands, (store.scripts.charge_usage,))
             rows = await usage.read(store, now_ms, now_ms)
-            assert rows == [usage.KeyUsage("k", "paid", 1, 10, 0.1, 0)], planted
+            assert rows == [usage.KeyUsage("k", "paid", 1, 10, 0.1, 0, 0, 0)], planted
     finally:
         await store.close()
 
@@ -272,3 +292,21 @@ def test_the_command_reads_only_a_usage_report_and_follows_no_redirect() -> None
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_tokens_a_server_did_not_count_are_counted_by_the_worker() -> None:
+    """A remote backend's counts are optional (docs/backends.md): what it
+    left out is counted by the worker (words, for a backend without a
+    tokenizer), never billed as 0; a failed input bills none."""
+    answers = Answers("w", Keys(), SimulatedBackend(0), None, None)  # type: ignore[arg-type]
+    env = wire.Envelope("r", "g", "paid", "k", "three words here", 0, 1)
+    both = Counted("an answer", tokens=7, input_tokens=5)
+    assert answers._clipped(both, 0) == ("an answer", 7)
+    assert answers._input_tokens(env, both) == 5
+    neither = Counted("an answer", tokens=0, input_tokens=0)
+    assert answers._clipped(neither, 0) == ("an answer", 2)
+    assert answers._input_tokens(env, neither) == 3
+    assert answers._clipped(Counted("", tokens=0), 0) == ("", 0)
+    assert answers._input_tokens(env, BackendError("failed")) == 0
+    [charge] = charges([env, env], 10, [(3, 2), (0, 0)])
+    assert charge == Charge("k", "paid", 2, 32, 10_000, 0, 3, 2)

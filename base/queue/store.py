@@ -165,7 +165,7 @@ class Store:
 
     async def memory_use(self) -> float | None:
         """Redis's used memory over its ``maxmemory``, from ``INFO memory``
-        (None: it has no maxmemory, so nothing but the host bounds it)."""
+        (None: it has no maxmemory, or evicts to stay under it)."""
         (info,) = await self.commands(("INFO", "memory"))
         return memory_use_of(info)
 
@@ -290,13 +290,17 @@ class Store:
 
 
 def memory_use_of(info: bytes) -> float | None:
-    """``used_memory`` over ``maxmemory`` in an ``INFO memory`` reply (None
-    when maxmemory is 0 or either is missing or unreadable)."""
+    """``used_memory`` over ``maxmemory`` in an ``INFO memory`` reply, where
+    Redis refuses writes at maxmemory (``noeviction``); None where it has no
+    maxmemory, evicts to stay under it (its use sits near 1 by design), or
+    a field is missing or unreadable."""
     fields: dict[bytes, bytes] = {}
     for line in info.splitlines():
         name, _, value = line.partition(b":")
-        if name in (b"used_memory", b"maxmemory"):
+        if name in (b"used_memory", b"maxmemory", b"maxmemory_policy"):
             fields[name] = value.strip()
+    if fields.get(b"maxmemory_policy") != b"noeviction":
+        return None
     try:
         used, most = int(fields[b"used_memory"]), int(fields[b"maxmemory"])
     except (KeyError, ValueError):

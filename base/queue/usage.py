@@ -19,6 +19,7 @@ from typing import Any, Literal, NamedTuple
 import msgspec
 from infergate.base.queue.scripts import evalsha
 from infergate.base.queue.store import Store
+from infergate.base.tiers import TIERS
 
 HOUR_MS = 3_600_000
 DAY_MS = 24 * HOUR_MS
@@ -51,8 +52,8 @@ class KeyUsage(msgspec.Struct, frozen=True, omit_defaults=True):
     input_chars: int
     gpu_ms: float
     refused: int
-    input_tokens: int = 0
-    output_tokens: int = 0
+    input_tokens: int
+    output_tokens: int
     # The hour or UTC day the row counts, from its start (ISO 8601); none for totals.
     period: str | None = None
 
@@ -147,11 +148,15 @@ def _add(
 
 
 def _parse(field: bytes, value: bytes) -> tuple[str, str, str, int] | None:
+    """A field as ``charge_usage.lua`` writes it: a tier, a key, a count's
+    name, and a count as HINCRBY keeps it (digits, under 2**63)."""
+    if not (value.isdigit() and len(value) <= 18):
+        return None  # (a sign, spaces, an exponent, a count no charge reaches)
     try:
-        text = field.decode()
-        tier, rest = text.split("\n", 1)
+        tier, rest = field.decode().split("\n", 1)
         key, what = rest.rsplit("\n", 1)
-        amount = int(value)
     except (UnicodeDecodeError, ValueError):
         return None
-    return (tier, key, what, amount) if what in WHAT else None
+    if tier not in TIERS or not key or what not in WHAT:
+        return None
+    return tier, key, what, int(value)
