@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install install-torch lock lock-check test test-upstreams lint up up-loadtest bench sweep real-model-check clean FORCE
+.PHONY: install install-torch lock lock-check proto test test-upstreams lint up up-loadtest bench sweep real-model-check clean FORCE
 
 # Every install takes its versions from the lock: pip reads it as constraints,
 # so a fresh clone gets what CI tested. One lock for every extra (torch's
@@ -27,7 +27,7 @@ install: $(BIN)/infergate
 $(SOURCES): FORCE
 	@mkdir -p $(VENV)
 	@git ls-files --cached --others --exclude-standard cli base policies gateway dispatcher gpu loadtest \
-		| grep -E '\.(py|lua|yaml|typed)$$' | sort > $@.new
+		| grep -E '\.(py|pyi|proto|lua|yaml|typed)$$' | sort > $@.new
 	@cmp -s $@.new $@ || mv $@.new $@; rm -f $@.new
 
 # setuptools warns that a strict editable install is one (by design here).
@@ -37,6 +37,18 @@ $(BIN)/infergate: pyproject.toml $(LOCK) $(SOURCES)
 	PYTHONWARNINGS="ignore:Editable installation" \
 		$(BIN)/pip install -q -c $(LOCK) $(STRICT) -e ".[dev,loadtest]"
 	@touch $@
+
+# The gRPC API's generated code, from its .proto (committed; tests/test_grpc.py
+# checks it is current). protoc names modules by the .proto's path: it runs
+# on a copy laid out as the installed package.
+PROTO := base/grpc_api/inference.proto
+proto: install         ## regenerate base/grpc_api/inference_pb2*.py from inference.proto
+	@tmp=$$(mktemp -d) && mkdir -p $$tmp/in/infergate/base/grpc_api $$tmp/out \
+		&& cp $(PROTO) $$tmp/in/infergate/base/grpc_api/ \
+		&& $(BIN)/python -m grpc_tools.protoc -I $$tmp/in --python_out=$$tmp/out \
+			--pyi_out=$$tmp/out --grpc_python_out=$$tmp/out infergate/$(PROTO) \
+		&& cp $$tmp/out/infergate/base/grpc_api/inference_pb2* base/grpc_api/ \
+		&& rm -rf $$tmp
 
 lock: install          ## recompile requirements.lock after changing pyproject.toml
 	$(LOCK_COMPILE) -o $(LOCK)

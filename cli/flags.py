@@ -79,6 +79,7 @@ def _up_parser(sub: Any) -> None:
     up = sub.add_parser("up", help="run a whole local stack")
     _add(up, "--host", "127.0.0.1", "address the gateway listens on")
     _add(up, "--port", 8000, "port the gateway listens on", port)
+    _add(up, "--grpc-port", 0, "port the gateways serve the gRPC API on (0: off)", port)
     from infergate.scaling import worker_range
 
     _add(
@@ -167,6 +168,7 @@ def _gateway_parser(sub: Any) -> None:
     )
     _add(gw, "--policy", None, "policy file (required)")
     _add(gw, "--drain-timeout-s", 10, "on SIGTERM, how long to wait for open requests", float)
+    _add(gw, "--grpc-port", 0, "serve the gRPC API on this port too (shared too; 0: off)", port)
     from infergate.gateway.limits import EdgeLimits
 
     edge = EdgeLimits()

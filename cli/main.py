@@ -176,7 +176,7 @@ def _gateway(args: argparse.Namespace) -> int:
     limits = EdgeLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EdgeLimits)})
     gateway = Gateway(settings, _live_policy(args, required=True), limits.max_connections)
     with _side_port(args, gateway.registry, gateway.probes()):
-        return uvloop.run(serve(gateway, sock, args.drain_timeout_s, limits))
+        return uvloop.run(serve(gateway, sock, args.drain_timeout_s, limits, args.grpc_port))
 
 
 def _dispatcher(args: argparse.Namespace) -> int:

@@ -105,7 +105,7 @@ def _children(args: argparse.Namespace, policy_path: str, gpus: list[str]) -> li
     if args.models:
         return _model_children(args, policy_path, gpus)
     low, high = args.workers
-    gateway_args = ["--policy", policy_path, "--host", args.host, "--port", str(args.port)]
+    gateway_args = _gateway_args(args, policy_path)
     others = [
         *(
             Child(f"dispatcher-{i + 1}", "dispatcher", ["--policy", policy_path])
@@ -126,6 +126,11 @@ def _children(args: argparse.Namespace, policy_path: str, gpus: list[str]) -> li
     return [*(worker_child(args, policy_path, slot, gpus) for slot in range(low)), *others]
 
 
+def _gateway_args(args: argparse.Namespace, policy_path: str) -> list[str]:
+    out = ["--policy", policy_path, "--host", args.host, "--port", str(args.port)]
+    return out + (["--grpc-port", str(args.grpc_port)] if args.grpc_port else [])
+
+
 def _model_children(args: argparse.Namespace, policy_path: str, gpus: list[str]) -> list[Child]:
     """``--models``: each model's workers and dispatchers, then the gateways
     (which serve them all); metrics ports one after another in that order."""
@@ -140,7 +145,7 @@ def _model_children(args: argparse.Namespace, policy_path: str, gpus: list[str])
             Child(f"dispatcher-{name}-{i + 1}", "dispatcher", list(argv))
             for i in range(args.dispatchers)
         ]
-    gateway_args = ["--policy", policy_path, "--host", args.host, "--port", str(args.port)]
+    gateway_args = _gateway_args(args, policy_path)
     children += [
         Child(f"gateway-{i + 1}", "gateway", list(gateway_args)) for i in range(args.gateways)
     ]

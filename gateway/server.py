@@ -12,6 +12,7 @@ import contextlib
 import signal
 import socket
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import uvicorn
 from infergate.base import clock, logs, runtime
@@ -21,6 +22,9 @@ from infergate.gateway.edge_contract import quiet_parser_warnings, self_test
 from infergate.gateway.inference import Inference
 from infergate.gateway.limits import EdgeLimits
 from infergate.gateway.service import Gateway
+
+if TYPE_CHECKING:
+    from infergate.gateway.grpc_server import GrpcServer
 
 log = logs.get(__name__)
 
@@ -41,9 +45,11 @@ async def serve(
     sock: socket.socket,
     drain_timeout_s: float = 10.0,
     limits: EdgeLimits | None = None,
+    grpc_port: int = 0,
 ) -> int:
     """Serve on ``sock`` (from ``reuseport_socket``, bound before the event
-    loop starts, so a busy port is a message, not a traceback)."""
+    loop starts, so a busy port is a message, not a traceback), and the
+    gRPC API on ``grpc_port`` too (0: not)."""
     limits = limits or EdgeLimits()
     broken = await self_test()
     if broken is not None:
@@ -70,10 +76,32 @@ async def serve(
         timeout_graceful_shutdown=int(drain_timeout_s),
         backlog=2048,
     )
+    try:
+        grpc = await _grpc_server(inference, sock, limits, grpc_port) if grpc_port else None
+    except OSError as exc:
+        log.error("grpc.cannot_listen", port=grpc_port, error=str(exc))
+        return 2
     runtime.freeze_heap()  # (the app is built: a collection scans only what serving makes)
     server = DrainingServer(config, gateway, drain_timeout_s)
-    await server.serve(sockets=[sock])
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        if grpc is not None:
+            await grpc.stop(1.0)
     return 0 if server.started else 1
+
+
+async def _grpc_server(
+    inference: Inference, sock: socket.socket, limits: EdgeLimits, port: int
+) -> "GrpcServer":
+    """The gRPC API, listening (imported only where it is asked for)."""
+    from infergate.gateway.grpc_server import GrpcServer
+
+    host = sock.getsockname()[0]
+    max_bytes = inference.gw.policy.current.document.limits.max_body_bytes
+    grpc = GrpcServer(inference, host, port, limits, max_bytes)
+    await grpc.start()
+    return grpc
 
 
 class DrainingServer(uvicorn.Server):

@@ -333,11 +333,15 @@ class Cluster:
         policy_file: Path | None = None,
         models: dict[str, int] | None = None,
         worker_args: Sequence[str] = (),
+        grpc: bool = False,
     ) -> None:
         """``models``: a dispatcher and this many workers for each model
         named (``--model-name``), in place of ``dispatchers`` and ``workers``;
-        ``worker_args``: more flags for every worker (its backend)."""
+        ``worker_args``: more flags for every worker (its backend); ``grpc``:
+        each gateway serves the gRPC API too (on ``grpc_ports``)."""
         self.worker_args = list(worker_args)
+        self.grpc = grpc
+        self.grpc_ports: list[int] = []
         self.tmp = tmp
         # With metrics, each process serves /metrics on its own port: name -> port.
         self.metrics_ports: dict[str, int] | None = {} if metrics else None
@@ -438,8 +442,12 @@ class Cluster:
     def add_gateway(self, wrapper: Sequence[str] = ()) -> str:
         """Start one more gateway on its own port; returns its URL (not waited on)."""
         port = free_port()
+        more: list[str] = []
+        if self.grpc:
+            self.grpc_ports.append(free_port())
+            more = ["--grpc-port", str(self.grpc_ports[-1])]
         gateway = self._start(
-            ["gateway", "--port", str(port), "--policy", str(self.policy_path)],
+            ["gateway", "--port", str(port), "--policy", str(self.policy_path), *more],
             f"gateway{len(self.gateways)}",
             wrapper,
         )
