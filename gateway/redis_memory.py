@@ -20,6 +20,9 @@ from redis.exceptions import ResponseError
 log = logs.get(__name__)
 
 READ_EVERY_S = 1.0
+# ... and this often while a shard is past the mark: a tier refused is
+# served again soon after memory frees, and the next tier's mark is seen soon.
+READ_PAST_MARK_S = 0.2
 
 
 def tier_mark(tier: str, high_water: float) -> float:
@@ -70,6 +73,8 @@ class RedisMemory:
                 self.use[shard] = 0.0  # (not a stale reading: none until read again)
                 continue
             self._record(shard, use or 0.0)
+        past = max(self.use, default=0.0) >= self._high_water()
+        self.loop.interval_s = READ_PAST_MARK_S if past else READ_EVERY_S
         if failed is not None:
             raise failed
 

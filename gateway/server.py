@@ -76,41 +76,58 @@ async def serve(
         timeout_graceful_shutdown=int(drain_timeout_s),
         backlog=2048,
     )
-    try:
-        grpc = await _grpc_server(inference, sock, limits, grpc_port) if grpc_port else None
-    except OSError as exc:
-        log.error("grpc.cannot_listen", port=grpc_port, error=str(exc))
-        return 2
+    grpc = _grpc_server(inference, sock, limits, grpc_port) if grpc_port else None
     runtime.freeze_heap()  # (the app is built: a collection scans only what serving makes)
-    server = DrainingServer(config, gateway, drain_timeout_s)
-    try:
-        await server.serve(sockets=[sock])
-    finally:
-        if grpc is not None:
-            await grpc.stop(1.0)
+    server = DrainingServer(config, gateway, drain_timeout_s, grpc)
+    await server.serve(sockets=[sock])
+    if server.grpc_failed:
+        return 2
     return 0 if server.started else 1
 
 
-async def _grpc_server(
+def _grpc_server(
     inference: Inference, sock: socket.socket, limits: EdgeLimits, port: int
 ) -> "GrpcServer":
-    """The gRPC API, listening (imported only where it is asked for)."""
+    """The gRPC API (imported only where it is asked for)."""
     from infergate.gateway.grpc_server import GrpcServer
 
     host = sock.getsockname()[0]
     max_bytes = inference.gw.policy.current.document.limits.max_body_bytes
-    grpc = GrpcServer(inference, host, port, limits, max_bytes)
-    await grpc.start()
-    return grpc
+    return GrpcServer(inference, host, port, limits, max_bytes)
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, gateway: Gateway, drain_timeout_s: float) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        gateway: Gateway,
+        drain_timeout_s: float,
+        grpc: "GrpcServer | None" = None,
+    ) -> None:
         super().__init__(config)
         self.gateway = gateway
+        # The gRPC port: open once the gateway has started, as HTTP's is,
+        # and closed before it stops (its calls drained with HTTP's).
+        self.grpc = grpc
+        self.grpc_failed = False
         self.drain_timeout_s = drain_timeout_s
         self.drain_started: float | None = None
         self._signalled: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.grpc is None or self.should_exit:
+            return
+        try:
+            await self.grpc.start()
+        except OSError as exc:
+            log.error("grpc.cannot_listen", error=str(exc))
+            self.grpc, self.grpc_failed, self.should_exit = None, True, True
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.grpc is not None:
+            await self.grpc.stop(1.0)
+        await super().shutdown(sockets)
 
     async def main_loop(self) -> None:
         """uvicorn's ticks, once a second rather than ten times (the Date

@@ -4,12 +4,14 @@ request's; a cancelled call leaves the queue; the health service and
 reflection; and a hostile client (huge messages, many streams, garbage)
 leaves it serving. The generated code is what its .proto makes."""
 
+import asyncio
 import concurrent.futures
 import filecmp
 import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +21,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from infergate.base.grpc_api import inference_pb2, inference_pb2_grpc
+from infergate.gateway.grpc_infer import _Withdrawal
 from infergate.redis_server import RedisServer
 
 from tests.helpers import SECRETS, Cluster, auth, http, key_entry, policy_yaml, wait_for
@@ -136,6 +139,31 @@ def test_the_call_s_deadline_is_the_request_s(cluster: Cluster, channel: grpc.Ch
     # A deadline shorter than the time left to serve it is a 504 from the gateway.
     error = _error(channel, SECRETS["paid"], input="x", timeout_ms=1)
     assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    # A deadline longer than any request may wait leaves the tier's in force.
+    assert _infer(channel, SECRETS["paid"], timeout=3600, input="a long deadline")[0].output
+
+
+def test_a_client_gone_while_its_request_is_admitted_withdraws_it() -> None:
+    """The request registers its withdrawal only once queued: a call
+    cancelled before then runs it at once (as the HTTP edge does for a
+    connection already lost), and one cancelled after, when it goes."""
+
+    async def check() -> list[str]:
+        ran: list[str] = []
+        early = _Withdrawal()
+        early.client_gone()
+        early.hook(lambda: ran.append("early"))
+        late = _Withdrawal()
+        late.hook(lambda: ran.append("late"))
+        late.client_gone()
+        done = _Withdrawal()
+        done.hook(lambda: ran.append("answered"))
+        done.hook(None)  # (answered: the request took its hook back)
+        done.client_gone()
+        await asyncio.sleep(0)
+        return ran
+
+    assert sorted(asyncio.run(check())) == ["early", "late"]
 
 
 def _status(cluster: Cluster) -> dict:
@@ -177,6 +205,28 @@ def test_health_and_reflection(cluster: Cluster, channel: grpc.Channel) -> None:
     )
     names = {s.name for s in reply.list_services_response.service}
     assert {"infergate.v1.Inference", "grpc.health.v1.Health"} <= names
+    # A stream held open would hold a slot for ever: Watch is not served.
+    for _ in range(30):
+        with pytest.raises(grpc.RpcError) as raised:
+            next(iter(health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=5)))
+        assert raised.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    with pytest.raises(grpc.RpcError) as unknown:
+        health.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=5)
+    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+    # Reflection streams held open: a few at once, and the service answers past them.
+    stop = threading.Event()
+    held = [stub.ServerReflectionInfo(iter(stop.wait, True), timeout=60) for _ in range(20)]
+    try:
+        # (16 at once: the other four refused at once)
+        wait_for(lambda: sum(s.done() for s in held) == 4, 10, "four streams refused")
+        assert all(s.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for s in held if s.done())
+        reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        assert _infer(channel, SECRETS["paid"], input="past the streams")[0].output
+    finally:
+        stop.set()
+        for stream in held:
+            stream.cancel()
 
 
 def test_a_hostile_client_leaves_it_serving(cluster: Cluster, channel: grpc.Channel) -> None:
