@@ -19,8 +19,11 @@ from infergate.gateway.limits import EdgeLimits
 
 log = logs.get(__name__)
 
-# Streams one connection may have open at once.
-MAX_STREAMS = 100
+# Streams one connection may have open at once: a client multiplexes its
+# calls on one connection (1,000 req/s at 200 ms is 200 open), and past it
+# a call is refused unread (RST_STREAM), which a client may not retry; the
+# process's cap on calls (--max-connections) answers with a pushback instead.
+MAX_STREAMS = 1_000
 # The metadata of one call (the HTTP edge's --max-head-bytes).
 MAX_METADATA_BYTES = 16_384
 # Reflection streams open at once in a process (a tool's, for a moment).

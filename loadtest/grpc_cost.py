@@ -35,12 +35,15 @@ async def send_grpc(
     many are open. Returns how many were sent, answered, and the latencies."""
     weights = parse_mix(mix)
     rng = random.Random(1)
-    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}") for _ in range(4)]
+    # (a connection each: channels to one address otherwise share one)
+    own = [("grpc.use_local_subchannel_pool", 1)]
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=own) for _ in range(4)]
     stubs = [inference_pb2_grpc.InferenceStub(c) for c in channels]  # type: ignore[no-untyped-call]
     metadata = {t: (("authorization", "Bearer " + keys[t]),) for t in weights}
     pad = "x" * max(0, input_chars - 20)
     latencies: list[float] = []
     codes: dict[str, int] = {}
+    details: dict[str, str] = {}  # (each code's first message)
 
     async def one(i: int, tier: str, due: float) -> None:
         text = f"grpc-{i}-{tier}-{pad}"
@@ -53,6 +56,7 @@ async def send_grpc(
             latencies.append((time.perf_counter() - due) * 1000.0)
         except grpc.aio.AioRpcError as exc:
             codes[exc.code().name] = codes.get(exc.code().name, 0) + 1
+            details.setdefault(exc.code().name, (exc.details() or "")[:120])
 
     total = int(rate * duration_s)
     tasks = []
@@ -71,6 +75,7 @@ async def send_grpc(
     return {
         "sent": total,
         "codes": codes,
+        "details": details,
         "p50_ms": round(percentile(latencies, 50), 1),
         "p95_ms": round(percentile(latencies, 95), 1),
     }
@@ -112,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             used = cpu_by_kind(stack.up_pid, stack.redis_pid)["gateway"] - before
             print(
                 f"turn {turn + 1} gRPC: gateway {used / sent['sent'] * 1e6:.1f} us a request, "
-                f"p50 {sent['p50_ms']} p95 {sent['p95_ms']} ms, codes {sent['codes']}",
+                f"p50 {sent['p50_ms']} p95 {sent['p95_ms']} ms, codes {sent['codes']} {sent['details']}",
                 flush=True,
             )
     return 0

@@ -248,7 +248,7 @@ def test_a_hostile_client_leaves_it_serving(cluster: Cluster, channel: grpc.Chan
             sock.sendall(junk)
     stalled = socket.create_connection(("127.0.0.1", port), timeout=5)
     try:
-        # Many calls at once on one connection (past its 100 streams): each
+        # Many calls at once on one connection: each
         # answered, none hung.
         with concurrent.futures.ThreadPoolExecutor(16) as pool:
             calls = [
