@@ -99,6 +99,13 @@ def _up_parser(sub: Any) -> None:
         "simulated batch time (default: each model's in the policy, 100)",
         float,
     )
+    _add(
+        up,
+        "--sim-ms-per-kchar",
+        0.0,
+        "simulated batch time per 1,000 characters in and out of it, on top (default 0)",
+        float,
+    )
     _add(up, "--policy", None, "policy file (default: the built-in demo policy with fresh keys)")
     _add(up, "--keys-out", None, "write the demo keys as JSON to this file")
     _add(up, "--namespace", "infergate", "key namespace of this deployment")
@@ -242,6 +249,13 @@ def _worker_parser(sub: Any) -> None:
         int,
     )
     _add(wk, "--sim-latency-ms", None, "simulated backend: time per batch (default 100)", float)
+    _add(
+        wk,
+        "--sim-ms-per-kchar",
+        0.0,
+        "simulated backend: more time per 1,000 characters in and out of a batch (default 0)",
+        float,
+    )
     _add(
         wk,
         "--sim-fail-marker",

@@ -121,7 +121,13 @@ def _build(
 
         latency_ms = model.sim_latency_ms if args.sim_latency_ms is None else args.sim_latency_ms
         named = "" if args.model_name == "default" else args.model_name
-        return SimulatedBackend(latency_ms, args.sim_fail_marker, args.sim_hang_marker, model=named)
+        return SimulatedBackend(
+            latency_ms,
+            args.sim_fail_marker,
+            args.sim_hang_marker,
+            model=named,
+            ms_per_kchar=args.sim_ms_per_kchar,
+        )
     max_new_tokens = args.max_new_tokens or model.max_new_tokens
     if spec.kind == "transformers":
         path = args.model or model.path

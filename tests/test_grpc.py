@@ -27,7 +27,7 @@ from infergate.redis_server import RedisServer
 from tests.helpers import SECRETS, Cluster, auth, http, key_entry, policy_yaml, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
-LATENCY_MS = 300
+LATENCY_MS = 600  # (a batch long enough for a call to be cancelled while one runs)
 LIMITED = "grpc-limited-secret"
 
 
@@ -183,7 +183,7 @@ def test_a_cancelled_call_is_withdrawn_from_the_queue(
             inference_pb2.InferRequest(input="cancelled while queued"),
             metadata=_key(SECRETS["free"]),
         )
-        time.sleep(LATENCY_MS / 1000 / 4)  # pacing: the call is admitted and waits
+        time.sleep(LATENCY_MS / 1000 / 6)  # pacing: the call is admitted and waits
         assert future.cancel()
         assert busy.result(10)[0] == 200
     wait_for(

@@ -40,13 +40,17 @@ class SimulatedBackend:
         hang_marker: str | None = None,
         hang_s: float = 3600.0,
         model: str = "",
+        ms_per_kchar: float = 0.0,
     ) -> None:
         self.model = model
         # Its output depends on the input alone (and the model it names).
         self.fingerprint = "simulated/1" + (f"/{model}" if model else "")
-        if latency_ms < 0:
-            raise ValueError("latency_ms must be >= 0")
+        if latency_ms < 0 or not 0 <= ms_per_kchar <= 60_000:
+            raise ValueError("latency_ms must be >= 0, ms_per_kchar 0-60000")
         self.latency_s = latency_ms / 1000.0
+        # A batch's time grows with what it reads and writes (a model's
+        # prefill and decode): per character in and out, on top.
+        self.s_per_char = ms_per_kchar / 1e6
         self.fail_marker = fail_marker or None
         self.hang_marker = hang_marker or None
         self.hang_s = hang_s
@@ -61,10 +65,12 @@ class SimulatedBackend:
     def infer_sampled(self, inputs: list[str], temperatures: list[float]) -> list[str]:
         check_batch(inputs)
         with self._one_at_a_time:
-            time.sleep(self.latency_s)
+            model = self.model
+            outputs = [sim_output(s, t, model) for s, t in zip(inputs, temperatures, strict=True)]
+            chars = sum(map(len, inputs)) + sum(map(len, outputs)) if self.s_per_char else 0
+            time.sleep(self.latency_s + chars * self.s_per_char)
             if self.hang_marker is not None and any(self.hang_marker in s for s in inputs):
                 time.sleep(self.hang_s)
             if self.fail_marker is not None and any(self.fail_marker in s for s in inputs):
                 raise BackendError("simulated failure: input contains the fail marker")
-            model = self.model
-            return [sim_output(s, t, model) for s, t in zip(inputs, temperatures, strict=True)]
+            return outputs
