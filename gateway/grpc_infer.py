@@ -238,9 +238,13 @@ class InferenceService:
 
 
 def _consumed(task: "asyncio.Future[Any]") -> None:
-    """A request path whose call was cancelled: its outcome is nobody's."""
-    if not task.cancelled():
-        task.exception()
+    """A request path whose call was cancelled: its outcome is nobody's (a
+    bug's is still logged)."""
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None and not isinstance(exc, ApiError):
+        log.error("grpc.orphan_failed", error=type(exc).__name__, detail=str(exc)[:200])
 
 
 async def _abort(context: Context, exc: ApiError, request_id: str) -> None:
