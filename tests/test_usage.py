@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import aiohttp
@@ -23,6 +24,7 @@ from infergate.base.queue.usage import Charge
 from infergate.gpu.answers import Answers, charges
 from infergate.gpu.backend import BackendError, Counted
 from infergate.gpu.backends.simulated import SimulatedBackend
+from infergate.usage import as_csv
 
 from tests.helpers import SECRETS, Cluster, auth, http, key_entry, policy_yaml, wait_for
 
@@ -194,6 +196,16 @@ async def test_every_answered_request_is_charged_to_its_key(cluster: Cluster) ->
     assert "since" in bad[2]["error"]["message"]
     assert http("GET", c.urls[0] + "/v1/admin/usage?sort=x", headers=auth("admin"))[0] == 400
     assert http("GET", c.urls[0] + "/v1/admin/usage?by=week", headers=auth("admin"))[0] == 400
+    # A day's row counts its whole UTC day, whatever hour 'since' names.
+    an_hour_ago = int(time.time()) - 3600
+    daily_report = http(
+        "GET", f"{c.urls[0]}/v1/admin/usage?by=day&since={an_hour_ago}", headers=auth("admin")
+    )[2]
+    assert daily_report["since"].endswith("T00:00:00+00:00")
+    assert all(
+        r["period"] == daily_report["since"] or r["period"] > daily_report["since"]
+        for r in daily_report["keys"]
+    )
     # The command prints the same as a table; without an admin key it says so.
     env = {**os.environ, "INFERGATE_ADMIN_KEY": SECRETS["admin"]}
     out = await asyncio.to_thread(_usage_command, c.urls[0], env)
@@ -310,3 +322,11 @@ def test_tokens_a_server_did_not_count_are_counted_by_the_worker() -> None:
     assert answers._input_tokens(env, BackendError("failed")) == 0
     [charge] = charges([env, env], 10, [(3, 2), (0, 0)])
     assert charge == Charge("k", "paid", 2, 32, 10_000, 0, 3, 2)
+
+
+def test_the_csv_header_follows_by_even_with_no_rows() -> None:
+    empty = {"since": "a", "until": "b", "keys": []}
+    assert as_csv(empty, periodic=True).startswith("period,key_id,tier,")
+    assert as_csv(empty).startswith("key_id,tier,")
+    row = {"key_id": "=cmd", "tier": "paid", "requests": 1, "gpu_ms": 1.5}
+    assert as_csv({"keys": [row]}).splitlines()[1].startswith("'=cmd,paid,1,")
