@@ -160,7 +160,7 @@ def test_a_client_gone_while_its_request_is_admitted_withdraws_it() -> None:
         done.hook(lambda: ran.append("answered"))
         done.hook(None)  # (answered: the request took its hook back)
         done.client_gone()
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # pacing: one loop turn, where call_soon runs the early one
         return ran
 
     assert sorted(asyncio.run(check())) == ["early", "late"]
