@@ -3,6 +3,7 @@ takes the next batch itself, from real Redis, and starts the backend on it;
 it leaves the take to the event loop whenever that is the safe thing."""
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
@@ -281,7 +282,9 @@ async def _serve_60_requests(worker: Worker, backend: "Counting") -> dict[str, i
     dispatcher, the other 40 arriving while it runs; returns how many times
     each request was answered, and checks that no batch ran twice and that
     processing never held more than two batches."""
-    store = worker.store
+    # The test's own client: the worker closes its store as it stops.
+    settings = worker.settings
+    store = Store.connect(settings.redis_url, settings.namespace, name="test", model=settings.model)
     await DispatcherQueue(store, "d1").publish_rule(Rule(20, 0, -1, min_slots=(0, 0, 0)))
     gateway = GatewayQueue(store, "gw")
     pubsub = store.redis.pubsub()
@@ -319,9 +322,12 @@ async def _serve_60_requests(worker: Worker, backend: "Counting") -> dict[str, i
                     answered[result.id] = answered.get(result.id, 0) + 1
     finally:
         watching.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(watching, 5)
         stop.set()
         await asyncio.wait_for(serving, 30)
         await pubsub.aclose()
+        await store.close()
     assert sorted(answered) == sorted(f"r{i}" for i in range(60))
     # No batch ran twice (a running call is adopted, not run again), and
     # never more than the batch being answered and the next.
