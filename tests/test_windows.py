@@ -1,7 +1,7 @@
 """A key's limits (window.lua, as admit_request.lua checks and charges them)
 against a reference model of the sliding window written here in Python:
 the same replies and the same buckets in Redis, over sequences of charges,
-refunds and steps of time that hypothesis makes up. Time is stepped by a
+refunds, settlements and steps of time that hypothesis makes up. Time is stepped by a
 test entry (tests/lua/charge_at.lua) over the production libraries: the
 admit itself reads Redis's clock, which a test cannot step."""
 
@@ -16,9 +16,11 @@ from hypothesis import strategies as st
 from infergate.base.queue import scripts
 
 HARNESS = Path(__file__).parent / "lua" / "charge_at.lua"
-# Two limits of a key, as a tier's "10 per 10 s" and "24 per 25 s" would be
-# (a tenth over the limit counts from 10 up).
-LIMITS = ((10, 10.0), (24, 25.0))
+# Three limits of a key, as a tier's "10 per 10 s" and "24 per 25 s" would be
+# (a tenth over the limit counts from 10 up), and a token limit's hard
+# "12 per 10 s" (none over it).
+LIMITS = ((10, 10.0, False), (24, 25.0, False), (12, 10.0, True))
+HARD = 2  # (the token limit's index)
 
 
 @dataclass
@@ -28,6 +30,7 @@ class Window:
 
     amount: int
     window_ms: int
+    hard: bool = False
     buckets: dict[int, int] = field(default_factory=dict)
 
     def _sum(self, first: int, last: int) -> int:
@@ -41,7 +44,7 @@ class Window:
         reset = math.ceil((current + 10) * self.window_ms / 10) - now
         if cost <= 0:
             return True, ten, reset if eleven != 0 else -2
-        allowed = self.amount + self.amount // 10
+        allowed = self.amount if self.hard else self.amount + self.amount // 10
         if eleven + cost <= allowed and ten + cost <= self.amount:
             return True, ten, reset if eleven != 0 else -2
         for later in range(1, 12):
@@ -54,6 +57,17 @@ class Window:
     def charge(self, now: int, cost: int) -> None:
         current = now * 10 // self.window_ms
         self.buckets[current] = self.buckets.get(current, 0) + cost
+
+    def settle(self, now: int, bucket: int, back: int) -> None:
+        """What a reservation charged in ``bucket`` did not use, given back
+        (a bucket out of the window has nothing to give back to)."""
+        current = now * 10 // self.window_ms
+        if bucket >= current - 10 and bucket in self.buckets:
+            # (never more than it or the window holds: refunds, charges of
+            # minus the cost, can leave either below what was reserved)
+            given = min(back, self.buckets[bucket], self._sum(current - 10, current))
+            if given > 0:
+                self.buckets[bucket] -= given
 
     def held(self, now: int) -> dict[int, int]:
         """What Redis must hold: every bucket of the eleven charged in."""
@@ -79,7 +93,8 @@ STEPS = st.lists(
     st.tuples(
         # ms since the last request: mostly within a bucket (1 s), at times past many
         st.one_of(st.integers(0, 400), st.integers(0, 400), st.integers(0, 12_000)),
-        st.lists(st.integers(-2, 6), min_size=2, max_size=2),  # each limit's cost
+        st.lists(st.integers(-2, 6), min_size=3, max_size=3),  # each limit's cost
+        st.integers(0, 6),  # given back to the oldest reservation not settled
     ),
     min_size=1,
     max_size=60,
@@ -98,20 +113,29 @@ def client(module_redis) -> redis.Redis:
 )
 @given(steps=STEPS, start=st.integers(0, 10**6))
 def test_the_windows_keep_the_reference_model(
-    client: redis.Redis, steps: list[tuple[int, list[int]]], start: int
+    client: redis.Redis, steps: list[tuple[int, list[int], int]], start: int
 ) -> None:
     charge = client.register_script(scripts.libraries("admit") + "\n" + HARNESS.read_text("utf-8"))
+    settle = client.register_script(scripts.source("settle"))
     keys = [f"window:{start}:{i}" for i in range(len(LIMITS))]
     client.delete(*keys)
-    windows = [Window(amount, round(s * 1000)) for amount, s in LIMITS]
+    windows = [Window(amount, round(s * 1000), hard) for amount, s, hard in LIMITS]
+    reserved: list[tuple[int, int]] = []  # (bucket, tokens) not settled yet
     now = 1_700_000_000_000 + start
-    for step, (elapsed, costs) in enumerate(steps):
+    for step, (elapsed, costs, back) in enumerate(steps):
         now += elapsed
         args = [now]
-        for (amount, window_s), cost in zip(LIMITS, costs, strict=True):
-            args += [cost, amount, window_s]
+        for (amount, window_s, hard), cost in zip(LIMITS, costs, strict=True):
+            args += [cost, amount, amount if hard else amount + amount // 10, window_s]
         got = [int(x) for x in charge(keys=keys, args=args)]
         assert got == reference(windows, now, costs), (step, now, costs)
+        token_window = windows[HARD]
+        if got[0] == 1 and costs[HARD] > 0:
+            reserved.append((now * 10 // token_window.window_ms, costs[HARD]))
+        if back and reserved:
+            bucket, tokens = reserved.pop(0)
+            settle(keys=[keys[HARD]], args=[bucket, min(back, tokens)])
+            token_window.settle(now, bucket, min(back, tokens))
         for key, w in zip(keys, windows, strict=True):
             stored = {
                 int(k): int(v) for k, v in client.hgetall(key).items() if k not in (b"l", b"s")

@@ -25,6 +25,14 @@ class Counter(NamedTuple):
     cost: int
     amount: int
     window_s: int
+    # A hard bound (tokens): no window-long span is charged more than
+    # ``amount``; otherwise a tenth more may fall in one (window.lua).
+    hard: bool = False
+
+    @property
+    def most(self) -> int:
+        """The most its window's eleven buckets may hold."""
+        return self.amount if self.hard else self.amount + self.amount // 10
 
 
 class Place(NamedTuple):
@@ -56,6 +64,7 @@ class Admitted(NamedTuple):
     handed: bool = False  # handed straight to an idle worker, not queued
     over_share: bool = False  # refused: its key already holds its share of the tier
     refused_by: int = -1  # the first counter without room (its index), if any
+    now_ms: int = 0  # Redis's clock as it charged (the buckets charged: ``settle``)
 
 
 # admit_request.lua's verdicts: the first field of its reply.
@@ -65,8 +74,8 @@ REFUSED, ADMITTED, OVER_SHARE, HELD_BACK = 0, 1, 2, 3
 def admitted_from(reply: list[Any]) -> tuple[int, Admitted]:
     """``admit_request.lua``'s reply, read by name in this one place: its
     verdict, whether it was queued or handed straight, each limit's count
-    and ms, and the first limit without room (1-based; 0: none)."""
-    verdict, queued, handed, *limits, refused_by = reply
+    and ms, the first limit without room (1-based; 0: none), and Redis's clock."""
+    verdict, queued, handed, *limits, refused_by, now_ms = reply
     admitted = Admitted(
         admitted=verdict == ADMITTED,
         queued=bool(queued),
@@ -75,6 +84,7 @@ def admitted_from(reply: list[Any]) -> tuple[int, Admitted]:
         handed=bool(handed),
         over_share=verdict == OVER_SHARE,
         refused_by=int(refused_by) - 1,
+        now_ms=int(now_ms),
     )
     return int(verdict), admitted
 
@@ -150,7 +160,7 @@ class GatewayQueue:
         names = [c.key for c in counters]
         args: list[str | int | float | bytes] = [len(counters), envelope]
         for c in counters:
-            args += (c.cost, c.amount, c.window_s)
+            args += (c.cost, c.amount, c.most, c.window_s)
         stored_first = None
         if tier is not None:
             names += (keys.fair_queue(tier), keys.doorbell, keys.fair_state(tier))
@@ -182,6 +192,17 @@ class GatewayQueue:
         if admitted.handed:
             self._on_handed()
         return admitted
+
+    async def settle(self, unused: Sequence[tuple[Counter, int, int]]) -> None:
+        """Give back what reservations of hard bounds did not use: each
+        (counter, Redis's clock as it was charged, tokens unused) to the
+        bucket it was charged in (``settle.lua``)."""
+        names: list[str] = []
+        args: list[int] = []
+        for counter, charged_ms, back in unused:
+            names.append(counter.key)
+            args += (charged_ms * 10 // (counter.window_s * 1000), back)
+        await self.store.scripts.settle(names, args)
 
     def stored(self, envelope: wire.Envelope) -> tuple[bytes, Beside | None]:
         """The envelope as it is queued, and its input if it is kept beside it."""

@@ -24,6 +24,7 @@ LIBRARIES = {
     "take_withdrawn": _TAKE,
     "admit": (*_ADMIT, "admit_request"),
     "retry": ("idle_worker",),
+    "settle": ("numbers",),
 }
 
 
@@ -50,6 +51,7 @@ class Scripts:
             return redis.register_script(source(name))
 
         self.admit = load("admit")
+        self.settle = load("settle")
         self.fleet = load("fleet")
         self.take_dispatch = load("take_dispatch")
         self.take_worker = load("take_worker")

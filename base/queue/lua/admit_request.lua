@@ -11,37 +11,39 @@
 --   KEYS[n+3] fair:{tier}  (without those three: charge only)
 --   KEYS[n+4] the input's key, when one is kept beside
 -- ARGV[1] n  ARGV[2] the envelope (when queued)
--- ARGV[3i..3i+2] limit i's cost, amount and window (s)
--- ARGV[3n+3] 0 input in the envelope, 1 kept beside, 2 kept beside but held
+-- ARGV[4i-1..4i+2] limit i's cost, amount, most in its eleven buckets (its
+--   amount and a tenth, or for a hard bound its amount), and window (s)
+-- ARGV[4n+3] 0 input in the envelope, 1 kept beside, 2 kept beside but held
 --   back (the gateway expects a refusal: admitted, it is answered 3, nothing
 --   done, and the gateway sends it again with its input)
--- ARGV[3n+4..3n+8] key id, cost, weight (thousandths), the tier's allowance
+-- ARGV[4n+4..4n+8] key id, cost, weight (thousandths), the tier's allowance
 --   (0: no share check), the weights the gateway admitted in the last second
--- ARGV[3n+9..3n+13] (to hand it straight) batch id, former, now (epoch ms),
+-- ARGV[4n+9..4n+13] (to hand it straight) batch id, former, now (epoch ms),
 --   the model's key prefix, its tiers (space-separated, highest first)
 -- Needs window.lua, fair_tag.lua, hand_straight.lua. Put before admit.lua.
 local function parsed(KEYS, ARGV)
   -- the request's arguments by name (its limits: limit_of, read when used;
   -- its hand-off: straight_of, only when tried)
   local n = tonumber(ARGV[1])
-  local fa = 3 * n + 4
+  local fa = 4 * n + 4
   return {n = n, keys = KEYS, args = ARGV, queued = #KEYS > n,
     fq = KEYS[n + 1], doorbell = KEYS[n + 2], state = KEYS[n + 3], input_key = KEYS[n + 4],
-    beside = ARGV[3 * n + 3] == '1', held_back = ARGV[3 * n + 3] == '2',
+    beside = ARGV[4 * n + 3] == '1', held_back = ARGV[4 * n + 3] == '2',
     key_id = ARGV[fa], cost = tonumber(ARGV[fa + 1]) or 0,
     weight = tonumber(ARGV[fa + 2]) or 1000, allowance = tonumber(ARGV[fa + 3]) or 0,
     recent = tonumber(ARGV[fa + 4]) or 0, prefix = ARGV[fa + 9] and ARGV[fa + 8]}
 end
 
 local function limit_of(r, i)
-  -- limit i's window key, cost, amount and window (ms)
-  local args = r.args
-  return r.keys[i], tonumber(args[3 * i]), tonumber(args[3 * i + 1]), tonumber(args[3 * i + 2]) * 1000
+  -- limit i's window key, cost, amount, most in eleven buckets and window (ms)
+  local args, a = r.args, 4 * i - 1
+  return r.keys[i], tonumber(args[a]), tonumber(args[a + 1]), tonumber(args[a + 2]),
+    tonumber(args[a + 3]) * 1000
 end
 
 local function straight_of(r)
   -- what hand_straight.lua reads: batch id, former, now, prefix, tiers
-  local sa, args = 3 * r.n + 9, r.args
+  local sa, args = 4 * r.n + 9, r.args
   return {batch_id = args[sa], former = args[sa + 1], formed_ms = args[sa + 2],
     prefix = args[sa + 3], tiers = args[sa + 4], envelope = args[2]}
 end
@@ -58,13 +60,13 @@ local function checked_limits(windows, r, reply)
   -- first limit without room
   local now, charged, room_all, refused_by = windows.now, {}, true, 0
   for i = 1, r.n do
-    local key, cost, amount, window_ms = limit_of(r, i)
+    local key, cost, amount, allowed, window_ms = limit_of(r, i)
     local w = windows.get(key, window_ms)
     charged[i] = w
     reply[2 * i + 2] = w.eleven - w.oldest
     reply[2 * i + 3] = w.eleven ~= 0 and reset_ms(w, now) or -2
     if cost > 0 then
-      local fits, wait = window_room(key, w, cost, amount, now)
+      local fits, wait = window_room(key, w, cost, amount, allowed, now)
       if not fits then
         room_all = false
         if refused_by == 0 then refused_by = i end
@@ -88,7 +90,8 @@ end
 local function admit_request(call, KEYS, ARGV)
   -- Returns {admitted (1; 0: over a limit; 2: over its key's share; 3: its
   -- input held back, nothing done), queued, handed straight, count_1,
-  -- ms_1, ..., count_n, ms_n, the first limit without room (0: none)}: a
+  -- ms_1, ..., count_n, ms_n, the first limit without room (0: none),
+  -- Redis's clock (epoch ms: the buckets charged, settle.lua)}: a
   -- window's last ten buckets' sum after the charge (before it, if
   -- refused), and the ms until it has room again (refused) or until its
   -- oldest charge leaves it (-2: nothing charged).
@@ -129,5 +132,6 @@ local function admit_request(call, KEYS, ARGV)
   end
   if r.beside and admitted ~= 1 then redis.call('DEL', r.input_key) end
   reply[2 * r.n + 4] = refused_by
+  reply[2 * r.n + 5] = call.windows.now
   return reply
 end

@@ -6,7 +6,8 @@
 -- its cost stays within the limit plus a tenth (floor), and the last ten
 -- buckets' within the limit: no span of one window is ever charged more than
 -- 110 % of the limit, a burst gets the limit, and a client that keeps to its
--- rate is never refused. A hash that is not one of counts starts over, empty.
+-- rate is never refused. A hard bound (tokens) holds the eleven buckets
+-- within the limit itself: no span of one window is charged more than it. A hash that is not one of counts starts over, empty.
 -- Needs numbers.lua. Put before admit.lua (scripts.py).
 local function window_expiry(window_ms)
   -- (a charge in bucket b leaves the window at (b + 11) tenths: 1.1
@@ -85,11 +86,11 @@ local function read_window(key, current, window_ms)
   return w
 end
 
-local function window_room(key, w, cost, amount, now)
-  -- Whether a charge of `cost` fits now; if not, the ms until it would
-  -- (reading every bucket: only when refused; the current one as the call
-  -- left it), -1 if never.
-  local allowed = amount + math.floor(amount / 10)
+local function window_room(key, w, cost, amount, allowed, now)
+  -- Whether a charge of `cost` fits now, the eleven buckets within
+  -- `allowed` and the last ten within `amount`; if not, the ms until it
+  -- would (reading every bucket: only when refused; the current one as the
+  -- call left it), -1 if never.
   local eleven, current = w.eleven, w.current
   if eleven + cost <= allowed and eleven - w.oldest + cost <= amount then return true, 0 end
   local fields = {}
