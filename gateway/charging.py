@@ -2,12 +2,16 @@
 step (``Quota.charge``), with what a client gets when a limit or its key's
 share of its tier says no: 429 with the x-ratelimit-* headers, or 503."""
 
+from infergate.base import logs
 from infergate.base.errors import STORE_ERRORS
 from infergate.base.queue.inputs import Beside
 from infergate.gateway.errors import ApiError
 from infergate.gateway.models import ModelLane
+from infergate.gateway.quota import QuotaResult, Reservation
 from infergate.gateway.service import Gateway
 from infergate.policies import KeyEntry, Tier
+
+log = logs.get(__name__)
 
 
 async def charge_quota(
@@ -20,11 +24,13 @@ async def charge_quota(
     envelope: bytes = b"",
     beside: Beside | None = None,
     allowance: float = 0.0,
-) -> dict[str, str]:
-    """Charge the key's limits (and queue ``envelope`` on ``queue_on``, with
-    its long input ``beside`` it, in the same step, if the key holds less
-    than its share of the tier's ``allowance``); returns the x-ratelimit-*
-    headers, or raises 429 (a limit) or 503 (the key's share)."""
+    tokens: int = 0,
+) -> QuotaResult:
+    """Charge the key's limits, ``tokens`` reserved of its token limits (and
+    queue ``envelope`` on ``queue_on``, with its long input ``beside`` it, in
+    the same step, if the key holds less than its share of the tier's
+    ``allowance``); returns what was charged (its x-ratelimit-* headers, its
+    reservation), or raises 429 (a limit) or 503 (the key's share)."""
     try:
         quota = await lane.quota.charge(
             key,
@@ -35,6 +41,7 @@ async def charge_quota(
             beside,
             allowance,
             gw.shares.recent_weight(key.tier, model=lane.label) if allowance else 0.0,
+            tokens,
         )
     except STORE_ERRORS as exc:
         raise store_refused(gw, key, lane, exc) from exc
@@ -52,7 +59,36 @@ async def charge_quota(
             quota.retry_after_ms,
             headers,
         )
-    return headers
+    return quota
+
+
+def check_reservation(
+    gw: Gateway, lane: ModelLane, key: KeyEntry, tier: Tier, input_chars: int, tokens: int
+) -> None:
+    """429, not worth a retry, for a request whose reservation of ``tokens``
+    is over a token limit even in an empty window."""
+    over = lane.quota.over_as_a_whole(key, tier, [input_chars], tokens)
+    if over is not None:
+        raise quota_refused(
+            gw,
+            key,
+            lane,
+            f"this request reserves {tokens} tokens (its input's bound and its max_tokens), "
+            f"over the key's limit of {over} as a whole: it can never be admitted; "
+            "ask for fewer max_tokens",
+            retryable=False,
+        )
+
+
+async def settle(lane: ModelLane, reservation: Reservation | None, used: int) -> None:
+    """Give back what a request's token reservation did not use, once it
+    used ``used`` (Redis away: kept, so the limit is never overshot)."""
+    if reservation is None:
+        return
+    try:
+        await lane.quota.settle(reservation, used)
+    except STORE_ERRORS as exc:
+        logs.limited(log, "request.settle_failed", level="warning", error=type(exc).__name__)
 
 
 def store_refused(gw: Gateway, key: KeyEntry, lane: ModelLane, exc: BaseException) -> ApiError:

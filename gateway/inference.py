@@ -15,6 +15,7 @@ from infergate.base import clock, logs, tracing, wire
 from infergate.base.errors import STORE_ERRORS
 from infergate.base.metrics import NO_TIER
 from infergate.base.queue.gateway import Place
+from infergate.gateway import reservations
 from infergate.gateway.api import (
     BadRequestBody,
     InferenceRequest,
@@ -23,15 +24,17 @@ from infergate.gateway.api import (
     decode_inference_request,
 )
 from infergate.gateway.calls import Call, OnDisconnect
-from infergate.gateway.charging import charge_quota, over_share
+from infergate.gateway.charging import charge_quota, check_reservation, over_share, settle
 from infergate.gateway.checks import check_capacity, check_input, check_parameters
 from infergate.gateway.errors import ApiError, error_from_result
 from infergate.gateway.models import ModelLane
 from infergate.gateway.prompt_lists import ListCharge
+from infergate.gateway.quota import Reservation
 from infergate.gateway.service import Gateway
 from infergate.gateway.sharing import Share
 from infergate.gateway.waiting import cancel, wait_for_reply
 from infergate.policies import KeyEntry, Policy, Tier
+from infergate.policies.schema import Model
 
 log = logs.get(__name__)
 _tracer = tracing.tracer(__name__)
@@ -62,6 +65,11 @@ class Request:
     quota_headers: dict[str, str] | None = None
     charged: "ListCharge | None" = None
     conversation: str | None = None
+    # Its token limits' reservation: what it reserves, the bound on its
+    # input within it, and what was charged (given back in part once answered).
+    reserve: int = 0
+    input_bound: int = 0
+    reservation: Reservation | None = None
 
 
 class Inference:
@@ -164,7 +172,13 @@ class Inference:
                 call.charged.use(call.request_id)
                 headers = call.charged.headers
             else:
-                headers = await charge_quota(self.gw, lane, key, tier, len(body.input))
+                tokens = 0  # (a cached answer's: its input's bound and the answer's, used)
+                if lane.quota.limits_tokens(key, tier):
+                    tokens = reservations.input_bound(body.input, call.conversation) + cached.tokens
+                charged = await charge_quota(
+                    self.gw, lane, key, tier, len(body.input), tokens=tokens
+                )
+                headers = charged.headers()
             self.gw.metrics.cache_hits.labels(key.tier).inc()
             return respond(call, started, key, lane, cached), headers
         await lane.fleet.fresh()
@@ -180,13 +194,20 @@ class Inference:
             request.temperature = params.temperature or 0.0
         request.count_input = call.count_input
         request.conversation = call.conversation
+        if lane.quota.limits_tokens(key, tier):
+            _reserve_tokens(request, policy.models[lane.name])
+            if call.charged is None:  # (a list is checked as a whole)
+                check_reservation(self.gw, lane, key, tier, len(request.text), request.reserve)
         if call.charged is not None:  # (one of a list: charged with it, not again)
             request.quota_headers, request.charged = call.charged.headers, call.charged
         try:
             result = await self._collapsed_or_run(request, call.on_disconnect)
         except ApiError as exc:
             exc.headers.update(request.quota_headers or {})
+            if exc.code == "INFERENCE_FAILED":  # (its input failed: no tokens used)
+                await settle(lane, request.reservation, 0)
             raise
+        await settle(lane, request.reservation, reservations.used(result, request.input_bound))
         return respond(call, started, key, lane, result), request.quota_headers or {}
 
     async def _cached(self, lane: ModelLane, share: "Share | None") -> wire.Result | None:
@@ -257,7 +278,7 @@ class Inference:
         key, queue_on = request.key, None if envelope is None else envelope.tier
         data, beside = (b"", None) if envelope is None else lane.queue.stored(envelope)
         try:
-            request.quota_headers = await charge_quota(
+            quota = await charge_quota(
                 self.gw,
                 lane,
                 key,
@@ -267,7 +288,9 @@ class Inference:
                 data,
                 beside,
                 request.allowance,
+                request.reserve,
             )
+            request.quota_headers, request.reservation = quota.headers(), quota.reservation
         except ApiError:
             lane.admission.released(key.tier)  # counted when it was let in
             raise
@@ -339,6 +362,15 @@ class Inference:
         if not queued:
             self.gw.count_refused(key, "key_share", lane, for_capacity=False)
             raise over_share(key, lane)
+
+
+def _reserve_tokens(request: Request, model: Model) -> None:
+    """What the request reserves of its key's token limits; the worker cuts
+    its output to what was reserved for it, and counts its input."""
+    request.input_bound = reservations.input_bound(request.text, request.conversation)
+    request.max_tokens = reservations.output_bound(request.max_tokens, model)
+    request.reserve = request.input_bound + request.max_tokens
+    request.count_input = True
 
 
 def _failed(exc: ApiError) -> wire.Result:

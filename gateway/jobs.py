@@ -20,6 +20,7 @@ from collections import defaultdict
 import msgspec
 from infergate.base import clock, logs, wire
 from infergate.base.errors import STORE_ERRORS
+from infergate.gateway import reservations
 from infergate.gateway.api import InferenceResponse, JobAccepted, JobView, Parameters
 from infergate.gateway.calls import Call, OnDisconnect
 from infergate.gateway.charging import charge_quota
@@ -70,7 +71,12 @@ class Jobs:
         check_memory(gw, shard.index, key, None)
         body, tier, lane = self.inference.read_body(call.body, policy, key)
         params = body.parameters or Parameters()
-        headers = await charge_quota(gw, lane, key, tier, len(body.input))
+        max_tokens, reserve = params.max_tokens or 0, 0
+        if lane.quota.limits_tokens(key, tier):  # (kept whole: nobody waits on its answer)
+            max_tokens = reservations.output_bound(max_tokens, policy.models[lane.name])
+            reserve = reservations.input_bound(body.input) + max_tokens
+        quota = await charge_quota(gw, lane, key, tier, len(body.input), tokens=reserve)
+        headers = quota.headers()
         now_ms = clock.now_ms()
         deadline_ms = tier.job_deadline_ms
         if body.timeout_ms is not None:
@@ -85,7 +91,7 @@ class Jobs:
             now_ms,
             now_ms + deadline_ms,
             job=True,
-            max_tokens=params.max_tokens or 0,
+            max_tokens=max_tokens,
             temperature=params.temperature or 0.0,
         )
         jobs = policy.document.jobs
@@ -95,6 +101,7 @@ class Jobs:
             )
             if not accepted:
                 await shard.quota.refund(key, tier, len(body.input))
+                await shard.quota.settle(quota.reservation, 0)
                 headers = _refunded(headers)
         except STORE_ERRORS as exc:
             raise gw.store_failed(exc, shard.index) from exc

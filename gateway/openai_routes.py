@@ -135,6 +135,7 @@ async def _infer_all(
                 key,
                 tier,
                 {i: r.input for i, r in zip(ids, requests, strict=True)},
+                (ask.parameters.max_tokens or 0) if ask.parameters is not None else 0,
             )
         except BaseException:
             holds.release(key.id)

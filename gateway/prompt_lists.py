@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from infergate.base import logs
 from infergate.base.errors import STORE_ERRORS
+from infergate.gateway import reservations
 from infergate.gateway.charging import quota_refused, store_refused
 from infergate.gateway.models import ModelLane
 from infergate.gateway.service import Gateway
@@ -35,12 +36,23 @@ class ListCharge:
 
 
 async def charge(
-    gw: Gateway, lane: ModelLane, key: KeyEntry, tier: Tier, inputs: dict[str, str]
+    gw: Gateway,
+    lane: ModelLane,
+    key: KeyEntry,
+    tier: Tier,
+    inputs: dict[str, str],
+    max_tokens: int = 0,
 ) -> ListCharge:
     """Charge the key's quotas for every prompt (``inputs`` by request id)
-    at once; 429 if they have no room for all of them, charging nothing."""
+    at once; 429 if they have no room for all of them, charging nothing.
+    Their token reservation is kept whole (``reservations.py``)."""
     chars = [len(text) for text in inputs.values()]
-    over = lane.quota.over_as_a_whole(key, tier, chars)
+    tokens = 0
+    if lane.quota.limits_tokens(key, tier):
+        model = gw.policy.current.models[lane.name]
+        out = reservations.output_bound(max_tokens, model)
+        tokens = sum(reservations.input_bound(text) + out for text in inputs.values())
+    over = lane.quota.over_as_a_whole(key, tier, chars, tokens)
     if over is not None:
         raise quota_refused(
             gw,
@@ -51,7 +63,7 @@ async def charge(
             retryable=False,
         )
     try:
-        result = await lane.quota.charge_list(key, tier, chars)
+        result = await lane.quota.charge_list(key, tier, chars, tokens)
     except STORE_ERRORS as exc:
         raise store_refused(gw, key, lane, exc) from exc
     headers = result.headers()

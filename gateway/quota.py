@@ -10,6 +10,7 @@ the gateways racing, and a refusal has nothing to refund. The charge also
 brings back how long each window has left, for the x-ratelimit-* headers.
 """
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -38,10 +39,15 @@ def parse_rates(rates: tuple[str, ...]) -> tuple[RateLimitItem, ...]:
     return tuple(item for rate in rates for item in parse_many(rate))
 
 
+# Each kind of limit: its window's name, and what a refusal calls its unit.
+_NAMES = {"requests": "requests", "cost": "chars", "tokens": "tokens"}
+_WHAT = {"requests": "requests", "cost": "input characters", "tokens": "tokens"}
+
+
 class Charge(NamedTuple):
     item: RateLimitItem
     counter: Counter
-    kind: str  # "requests" or "cost"
+    kind: str  # "requests", "cost" (input characters) or "tokens" (a reservation)
     what: str  # how a refusal names it
 
 
@@ -57,15 +63,51 @@ class QuotaResult:
     retry_after_ms: int | None = None
     # Refused (and charged nothing): its key holds its share of the tier already.
     over_share: bool = False
+    # The token limit closest to running out (the x-ratelimit-*-tokens headers),
+    # and, admitted, the tokens it reserved (given back by ``Quota.settle``).
+    tokens: "TokenWindow | None" = None
+    reservation: "Reservation | None" = None
 
     def headers(self) -> dict[str, str]:
-        if self.limit is None or self.remaining is None or self.reset_s is None:
-            return {}
+        out = {}
+        if self.limit is not None and self.remaining is not None and self.reset_s is not None:
+            out = {
+                "x-ratelimit-limit-requests": str(self.limit),
+                "x-ratelimit-remaining-requests": str(self.remaining),
+                "x-ratelimit-reset-requests": f"{self.reset_s:.3f}s",
+            }
+        if self.tokens is not None:
+            out.update(self.tokens.headers())
+        return out
+
+
+class TokenWindow(NamedTuple):
+    limit: int
+    remaining: int
+    reset_s: float
+
+    def headers(self) -> dict[str, str]:
         return {
-            "x-ratelimit-limit-requests": str(self.limit),
-            "x-ratelimit-remaining-requests": str(self.remaining),
-            "x-ratelimit-reset-requests": f"{self.reset_s:.3f}s",
+            "x-ratelimit-limit-tokens": str(self.limit),
+            "x-ratelimit-remaining-tokens": str(self.remaining),
+            "x-ratelimit-reset-tokens": f"{self.reset_s:.3f}s",
         }
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Tokens an admitted request reserved in each of its token windows, as
+    Redis's clock read when it charged them (their bucket)."""
+
+    counters: tuple[Counter, ...]
+    charged_ms: int
+    tokens: int
+
+    def unused(self, used: int) -> list[tuple[Counter, int, int]]:
+        """What goes back to each window once it used ``used`` tokens (the
+        reservation is the most it is charged)."""
+        back = self.tokens - min(max(used, 0), self.tokens)
+        return [(c, self.charged_ms, back) for c in self.counters] if back > 0 else []
 
 
 class Quota:
@@ -76,25 +118,45 @@ class Quota:
         self._refused_until: dict[str, float] = {}
         self._pruned_at = -float("inf")
 
-    def charges(self, key: KeyEntry, tier: Tier, input_chars: int) -> list[Charge]:
+    def charges(self, key: KeyEntry, tier: Tier, input_chars: int, tokens: int = 0) -> list[Charge]:
+        """The request's charge to each of its key's limits: one request,
+        ``input_chars``, and ``tokens`` reserved (``reservations.py``)."""
         rates = key.rate_limits if key.rate_limits is not None else tier.rate_limits
-        windows = self._windows(key.id, tuple(rates), tier.cost_limit)
-        return [w if w.kind == "requests" else _costing(w, input_chars) for w in windows]
+        token_rates = key.token_limits if key.token_limits is not None else tier.token_limits
+        windows = self._windows(key.id, tuple(rates), tier.cost_limit, tuple(token_rates))
+        return [
+            w if w.kind == "requests" else _costing(w, input_chars if w.kind == "cost" else tokens)
+            for w in windows
+        ]
+
+    @staticmethod
+    def limits_tokens(key: KeyEntry, tier: Tier) -> bool:
+        """Whether the key's requests reserve tokens (it has token limits)."""
+        return bool(key.token_limits if key.token_limits is not None else tier.token_limits)
 
     @lru_cache(maxsize=4096)  # noqa: B019 (one Quota per process, for its life)
-    def _windows(self, key_id: str, rates: tuple[str, ...], cost_limit: str | None) -> list[Charge]:
-        """A key's limits, named once: only the cost of a cost limit changes per request."""
+    def _windows(
+        self,
+        key_id: str,
+        rates: tuple[str, ...],
+        cost_limit: str | None,
+        token_rates: tuple[str, ...] = (),
+    ) -> list[Charge]:
+        """A key's limits, named once: only the cost of a cost or token
+        limit changes per request."""
         out = [self._charge(item, key_id, "requests", 1) for item in parse_rates(rates)]
         if cost_limit:
             out += [self._charge(item, key_id, "cost", 0) for item in parse_rates((cost_limit,))]
+        out += [self._charge(item, key_id, "tokens", 0) for item in parse_rates(token_rates)]
         # A limit written twice is one window (admit.lua reads each window once).
         return list({c.counter.key: c for c in out}.values())
 
     def _charge(self, item: RateLimitItem, key_id: str, kind: str, cost: int) -> Charge:
-        name = item.key_for(key_id, "requests" if kind == "requests" else "chars")
-        counter = Counter(self.queue.counter_key(name), cost, item.amount, item.get_expiry())
-        what = "requests" if kind == "requests" else "input characters"
-        return Charge(item, counter, kind, f"{item} ({what})")
+        name = item.key_for(key_id, _NAMES[kind])
+        counter = Counter(
+            self.queue.counter_key(name), cost, item.amount, item.get_expiry(), kind == "tokens"
+        )
+        return Charge(item, counter, kind, f"{item} ({_WHAT[kind]})")
 
     async def charge(
         self,
@@ -106,14 +168,16 @@ class Quota:
         beside: Beside | None = None,
         allowance: float = 0.0,
         recent_weight: float = 0.0,
+        tokens: int = 0,
     ) -> QuotaResult:
         """Charge the request to its key's limits; with ``queue_on`` (a tier),
         queue ``envelope`` there too (and store its long input ``beside`` it),
         in the same step, if it was admitted: its key's limits have room, and
         the key holds less than its weight's share of ``allowance`` (or hand
         it straight to an idle worker: ``GatewayQueue.admit``). ``recent_weight``:
-        the weights of the tier's keys admitted lately (``Place``)."""
-        charges = self.charges(key, tier, input_chars)
+        the weights of the tier's keys admitted lately (``Place``); ``tokens``:
+        what it reserves of its token limits."""
+        charges = self.charges(key, tier, input_chars, tokens)
         if not charges and queue_on is None:
             return QuotaResult(True)
         place = Place(key.id, max(1, input_chars), key.weight, allowance, recent_weight)
@@ -157,19 +221,32 @@ class Quota:
         charges = self._for_many(self.charges(key, tier, input_chars), requests)
         await self.queue.admit([c.counter._replace(cost=-c.counter.cost) for c in charges])
 
-    async def charge_list(self, key: KeyEntry, tier: Tier, input_chars: list[int]) -> QuotaResult:
+    async def settle(self, reservation: "Reservation | None", used: int) -> None:
+        """Give back to its token windows what a reservation did not use."""
+        if reservation is not None and (unused := reservation.unused(used)):
+            await self.queue.settle(unused)
+
+    async def charge_list(
+        self, key: KeyEntry, tier: Tier, input_chars: list[int], tokens: int = 0
+    ) -> QuotaResult:
         """Charge ``len(input_chars)`` requests at once, in one step: all of
-        them, or none if any limit lacks room for all."""
-        charges = self._for_many(self.charges(key, tier, sum(input_chars)), len(input_chars))
+        them, or none if any limit lacks room for all (``tokens``: what they
+        reserve together)."""
+        charges = self._for_many(
+            self.charges(key, tier, sum(input_chars), tokens), len(input_chars)
+        )
         if not charges:
             return QuotaResult(True)
         return _result(charges, await self.queue.admit([c.counter for c in charges]))
 
-    def over_as_a_whole(self, key: KeyEntry, tier: Tier, input_chars: list[int]) -> str | None:
-        """The limit that ``input_chars`` (requests at once) are over even in
-        an empty window, if one is: no wait makes room for them."""
-        for c in self.charges(key, tier, sum(input_chars)):
-            need = len(input_chars) if c.kind == "requests" else sum(input_chars)
+    def over_as_a_whole(
+        self, key: KeyEntry, tier: Tier, input_chars: list[int], tokens: int = 0
+    ) -> str | None:
+        """The limit that ``input_chars`` (requests at once, reserving
+        ``tokens``) are over even in an empty window, if one is: no wait
+        makes room for them."""
+        for c in self.charges(key, tier, sum(input_chars), tokens):
+            need = len(input_chars) if c.kind == "requests" else c.counter.cost
             if need > c.counter.amount:
                 return str(c.what)
         return None
@@ -188,13 +265,34 @@ class Quota:
 def _costing(charge: Charge, cost: int) -> Charge:
     """A cost limit's charge for this request's cost (built directly: a
     namedtuple's ``_replace`` costs more than the rest of the charge)."""
-    key, _, amount, window_s = charge.counter
-    return Charge(charge.item, Counter(key, cost, amount, window_s), charge.kind, charge.what)
+    key, _, amount, window_s, hard = charge.counter
+    return Charge(charge.item, Counter(key, cost, amount, window_s, hard), charge.kind, charge.what)
 
 
 def _result(charges: list[Charge], admitted: Admitted) -> QuotaResult:
-    """The headers' limit (the request limit closest to running out), and the
-    first limit that refused, if one did."""
+    """The headers' limits (the request and token limits closest to running
+    out), the tokens reserved, and the first limit that refused, if one did."""
+    result = _requests_result(charges, admitted)
+    if not charges or charges[-1].kind != "tokens":  # (token limits come last)
+        return result
+    tokens = [
+        (c, count, ttl_ms)
+        for c, count, ttl_ms in zip(charges, admitted.counts, admitted.ttls_ms, strict=True)
+        if c.kind == "tokens"
+    ]
+    charge, count, ttl_ms = min(tokens, key=lambda w: w[0].item.amount - w[1])
+    amount = charge.item.amount
+    window = TokenWindow(amount, max(0, amount - count), _left_s(charge, ttl_ms))
+    reservation = None
+    if admitted.admitted and charge.counter.cost > 0:
+        counters = tuple(c.counter for c, _, _ in tokens)
+        reservation = Reservation(counters, admitted.now_ms, charge.counter.cost)
+    return dataclasses.replace(result, tokens=window, reservation=reservation)
+
+
+def _requests_result(charges: list[Charge], admitted: Admitted) -> QuotaResult:
+    """The request limit closest to running out, and the first limit that
+    refused, if one did."""
     # The usual case, one request limit (a cost limit or not; request limits
     # come first): no search.
     one_request_limit = len(charges) == 1 or (len(charges) > 1 and charges[1].kind != "requests")

@@ -291,6 +291,7 @@ def _check_tier(name: str, tier: Tier, at: Locator) -> list[Problem]:
     out.extend(_check_rates(tier.rate_limits, [*here, "rate_limits"], at))
     if tier.cost_limit is not None:
         out.extend(_check_rates([tier.cost_limit], [*here, "cost_limit"], at, single=True))
+    out.extend(_check_rates(tier.token_limits, [*here, "token_limits"], at))
     if not 0.0 <= tier.min_batch_share <= 1.0:
         out.append(at.problem([*here, "min_batch_share"], "must be between 0 and 1, e.g. 0.1"))
     if not 1_000 <= tier.job_deadline_ms <= 7 * 86_400_000:
@@ -343,6 +344,8 @@ def _check_keys(doc: Document, at: Locator) -> list[Problem]:
         seen_digests.setdefault(key.sha256, i)
         if key.rate_limits is not None:
             out.extend(_check_rates(key.rate_limits, [*here, "rate_limits"], at))
+        if key.token_limits is not None:
+            out.extend(_check_rates(key.token_limits, [*here, "token_limits"], at))
         if not 0.01 <= key.weight <= 1000:  # (NaN fails too)
             out.append(
                 at.problem([*here, "weight"], "must be between 0.01 and 1000, e.g. 1 (the default)")

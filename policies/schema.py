@@ -18,6 +18,10 @@ class Tier(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     rate_limits: list[str] = msgspec.field(default_factory=list)
     # Optional cost limit on input characters, e.g. "200000/minute".
     cost_limit: str | None = None
+    # Token limits, input plus output in the model's tokens, e.g.
+    # ["100000/minute"]: reserved as a request is admitted, the unused part
+    # given back as it is answered; a hard bound across every gateway.
+    token_limits: list[str] = msgspec.field(default_factory=list)
     # The share of every batch reserved for this tier when it has work (0-1).
     min_batch_share: float = 0.0
     # An asynchronous job (POST /v1/jobs) not started by then is 'expired'.
@@ -31,8 +35,9 @@ class KeyEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     sha256: str
     disabled: bool = False
     admin: bool = False
-    # Overrides the tier's rate limits for this key when given.
+    # Overrides the tier's rate limits (token limits) for this key when given.
     rate_limits: list[str] | None = None
+    token_limits: list[str] | None = None
     # Its share of its tier against the tier's other keys with requests
     # waiting (fair queuing), relative to theirs: 2 gets twice a 1's share.
     weight: float = 1.0

@@ -1,0 +1,34 @@
+"""What a request reserves of its key's token limits, before a tokenizer
+has seen it: its input's tokens bounded from above (a byte-level or
+byte-fallback tokenizer's token is at least one byte of UTF-8; special
+tokens and a chat's template add a few), plus the most output tokens it may
+get: its max_tokens, or else its model's bound, which the worker then cuts
+its output to. What it did not use goes back once it is answered
+(``Quota.settle``), so a key's token limit is never overshot."""
+
+from infergate.base import wire
+from infergate.policies.backends import generates_up_to
+from infergate.policies.schema import Model
+
+# Special tokens (a BOS, an EOS) and a chat template's per message.
+TEMPLATE_TOKENS = 16
+
+
+def input_bound(text: str, conversation: str | None = None) -> int:
+    """The most tokens the input can be (a conversation's JSON is longer
+    than the messages and roles its template renders)."""
+    rendered = conversation if conversation is not None else text
+    return len(rendered.encode("utf-8", "surrogatepass")) + TEMPLATE_TOKENS
+
+
+def output_bound(max_tokens: int, model: Model) -> int:
+    """The most output tokens: the request's max_tokens, or its model's."""
+    if max_tokens > 0:
+        return max_tokens
+    return generates_up_to(model) or model.max_new_tokens
+
+
+def used(result: wire.Result, bound: int) -> int:
+    """The tokens an answered request used: the worker's count of its input
+    (``bound`` where none was made: a cached or joined answer) and output."""
+    return (result.input_tokens or bound) + result.tokens

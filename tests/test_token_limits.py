@@ -1,0 +1,200 @@
+"""Token limits (policy ``token_limits``): a request reserves its input's
+bound and its max_tokens as it is admitted, and gives back what it did not
+use once answered, so the tokens charged in any window never exceed the
+limit, across gateways. Real processes on a real Redis."""
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import aiohttp
+import pytest
+import redis.asyncio
+
+from tests.helpers import auth, http, key_entry, policy_yaml
+
+TEMPLATE_TOKENS = 16  # (gateway/reservations.py: what an input's bound adds)
+WINDOW_S = 2
+LIMIT = 600
+# Every answer of the simulated backend is its input after one word of its own.
+SIM_WORDS = 1
+
+
+def reserves(text: str, max_tokens: int) -> int:
+    return len(text.encode()) + TEMPLATE_TOKENS + max_tokens
+
+
+def used(text: str, max_tokens: int) -> int:
+    """What a simulated answer uses: its input's words, and its output's
+    (cut at max_tokens)."""
+    words = len(text.split())
+    return words + min(words + SIM_WORDS, max_tokens)
+
+
+def tokens_policy(limit: str = f"{LIMIT}/{WINDOW_S} seconds") -> str:
+    metered = key_entry("metered", "paid", "metered-secret", token_limits=[limit])
+    return policy_yaml(extra_keys=(metered,))
+
+
+METERED = {"Authorization": "Bearer metered-secret"}
+
+
+def test_a_request_is_charged_what_it_used_and_told_what_is_left(cluster_factory) -> None:
+    """The first request reserves its bound and gives back the rest as it is
+    answered: the second's headers count what the first used, exactly."""
+    c = cluster_factory(tokens_policy("5000/hour"), latency_ms=10)
+    first, second = "one two three", "four five"
+    status, headers, body = http(
+        "POST",
+        c.urls[0] + "/v1/inference",
+        {"input": first, "parameters": {"max_tokens": 50}},
+        METERED,
+    )
+    assert status == 200, body
+    assert headers["x-ratelimit-limit-tokens"] == "5000"
+    # (before it is answered: its whole reservation)
+    assert int(headers["x-ratelimit-remaining-tokens"]) == 5000 - reserves(first, 50)
+    assert body["metadata"]["tokens_used"] == len(first.split()) + SIM_WORDS
+    status, headers, body = http(
+        "POST",
+        c.urls[0] + "/v1/inference",
+        {"input": second, "parameters": {"max_tokens": 2}},
+        METERED,
+    )
+    assert status == 200, body
+    assert body["metadata"]["tokens_used"] == 2  # (cut at its max_tokens)
+    left = 5000 - used(first, 50) - reserves(second, 2)
+    assert int(headers["x-ratelimit-remaining-tokens"]) == left
+    # A key without token limits gets no token headers.
+    status, headers, body = http(
+        "POST", c.urls[0] + "/v1/inference", {"input": "a b c"}, auth("paid")
+    )
+    assert status == 200
+    assert "x-ratelimit-limit-tokens" not in headers
+
+
+def test_a_request_that_does_not_fit_gets_429_and_one_that_never_can_no_retry(
+    cluster_factory,
+) -> None:
+    c = cluster_factory(tokens_policy("100/hour"), latency_ms=300)
+    status, headers, body = http(
+        "POST",
+        c.urls[0] + "/v1/inference",
+        {"input": "x", "parameters": {"max_tokens": 500}},
+        METERED,
+    )
+    assert status == 429, body
+    assert "retry-after" not in headers  # (no wait makes room for it)
+    assert "can never be admitted" in body["error"]["message"]
+    # Five at once, each reserving 2 + 16 + 20 = 38 of 100: two fit, three
+    # are refused; once answered, the two give back all but the 3 each used.
+    with ThreadPoolExecutor(5) as pool:
+        replies = list(
+            pool.map(
+                lambda i: http(
+                    "POST",
+                    c.urls[0] + "/v1/inference",
+                    {"input": f"w{i}", "parameters": {"max_tokens": 20}},
+                    METERED,
+                ),
+                range(5),
+            )
+        )
+    assert sorted(status for status, _, _ in replies) == [200, 200, 429, 429, 429]
+    for status, headers, body in replies:
+        if status == 429:
+            assert body["error"]["code"] == "RATE_LIMITED"
+            assert "tokens" in body["error"]["message"]
+            assert headers["x-ratelimit-limit-tokens"] == "100"
+            assert int(headers["retry-after"]) >= 1
+    status, headers, body = http(
+        "POST",
+        c.urls[0] + "/v1/inference",
+        {"input": "w5", "parameters": {"max_tokens": 20}},
+        METERED,
+    )
+    assert status == 200, body
+    assert int(headers["x-ratelimit-remaining-tokens"]) == 100 - 2 * 3 - 38
+
+
+async def test_two_gateways_and_fifty_clients_never_overshoot_the_limit(
+    tmp_path: Path, cluster_factory
+) -> None:
+    """One key, two gateways, 50 clients at once with mixed max_tokens: in
+    every span of one window, the tokens of the requests admitted within it
+    (sent and answered inside it) stay within the limit; and the limit is
+    used, not merely kept."""
+    c = cluster_factory(tokens_policy(), gateways=2, workers=2, latency_ms=20)
+    duration_s = 3 * WINDOW_S
+    records: list[tuple[float, float, int]] = []  # (sent, answered, tokens used)
+    refused = 0
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=100)) as session:
+
+        async def client(n: int) -> None:
+            nonlocal refused
+            i = 0
+            end = time.monotonic() + duration_s
+            while time.monotonic() < end:
+                i += 1
+                words = " ".join(f"c{n}w{j}" for j in range(1 + (n + i) % 6))
+                max_tokens = (2, 8, 30)[(n + i) % 3]
+                sent = time.monotonic()
+                async with session.post(
+                    c.urls[n % 2] + "/v1/inference",
+                    json={"input": words, "parameters": {"max_tokens": max_tokens}},
+                    headers=METERED,
+                ) as r:
+                    body = await r.json()
+                    if r.status == 200:
+                        tokens = len(words.split()) + body["metadata"]["tokens_used"]
+                        assert tokens == used(words, max_tokens)
+                        records.append((sent, time.monotonic(), tokens))
+                    else:
+                        assert r.status == 429, body
+                        refused += 1
+                        await asyncio.sleep(0.02)
+
+        async def watch() -> None:
+            """The most the window's eleven buckets (every span of one window
+            overlaps at most eleven) held at once, reservations included."""
+            nonlocal most
+            store = redis.asyncio.Redis.from_url(c.redis_url)
+            try:
+                key = None
+                while key is None:
+                    found = [k async for k in store.scan_iter(match="*metered*tokens*")]
+                    key = found[0] if found else None
+                    await asyncio.sleep(0.01)
+                while not done.is_set():
+                    most = max(most, int(await store.hget(key, "s") or 0))
+                    await asyncio.sleep(0.002)
+            finally:
+                await store.aclose()
+
+        done, most = asyncio.Event(), 0
+        watching = asyncio.create_task(watch())
+        await asyncio.gather(*(client(n) for n in range(50)))
+        done.set()
+        await asyncio.wait_for(watching, 5)
+
+    assert refused > 0  # (the limit was reached)
+    worst = max(
+        sum(t for sent, answered, t in records if start <= sent and answered <= start + WINDOW_S)
+        for start, _, _ in records
+    )
+    total = sum(t for _, _, t in records)
+    use = total / (LIMIT * duration_s / WINDOW_S)
+    print(f"worst window {worst} of {LIMIT}, in Redis {most}; mean use of the limit {use:.0%}")
+    assert worst <= LIMIT
+    assert 0 < most <= LIMIT
+    assert use > 0.5
+
+
+def test_a_policy_with_a_token_limit_that_is_not_a_rate_is_refused(tmp_path: Path) -> None:
+    from infergate.policies import PolicyError, parse_policy
+
+    bad = key_entry("k", "paid", "k-secret", token_limits=["lots"])
+    with pytest.raises(PolicyError, match="token_limits"):
+        parse_policy(policy_yaml(extra_keys=(bad,)))
