@@ -52,6 +52,35 @@ def test_each_output_in_a_batch_of_mixed_lengths_equals_its_output_alone(
     assert len(set(alone)) > 1  # the model really does tell them apart
 
 
+def test_counting_never_touches_the_tokenizer_a_batch_is_encoded_with(
+    backend: TransformersBackend,
+) -> None:
+    """A worker counts and cuts outputs (``clip``) on its event loop while
+    the backend thread encodes the next batch: a tokenizer call sets its
+    Rust tokenizer's padding, so one shared tokenizer would unpad a batch
+    now and then (ValueError: unable to create tensor)."""
+    encoding = backend.tokenizer
+    calls = []
+    original = type(encoding).__call__
+
+    def counted(self: object, *args: object, **kwargs: object) -> object:
+        if self is encoding:
+            calls.append(args)
+        return original(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    type(encoding).__call__ = counted  # type: ignore[method-assign]
+    try:
+        cut, count = backend.clip("the quick brown fox", 2)
+        assert count == 2
+        assert "the quick brown fox".startswith(cut)
+        assert backend.clip("the quick brown fox", 0)[1] > 2
+        assert calls == []
+        backend.infer(["the quick brown fox"])
+        assert len(calls) == 1  # (the batch is still encoded by it)
+    finally:
+        type(encoding).__call__ = original  # type: ignore[method-assign]
+
+
 def test_a_full_batch_of_100(backend: TransformersBackend) -> None:
     assert len(backend.infer([f"input number {i}" for i in range(100)])) == 100
 

@@ -9,6 +9,7 @@ model call is raised as ``BackendError`` so the worker can isolate the input
 that caused it.
 """
 
+import copy
 import json
 import os
 from typing import Any
@@ -49,6 +50,10 @@ class TransformersBackend:
         self.tokenizer.padding_side = "left"
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
+        # Counting (``clip``, on the event loop) has a tokenizer of its own: a
+        # call sets the shared Rust tokenizer's padding, so one made while a
+        # batch is encoded in the backend thread unpads that batch.
+        self._counting = copy.deepcopy(self.tokenizer)
         dtype = torch.bfloat16 if self.device.startswith("cuda") else torch.float32
         model: Any = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **extra)
         self.model = model.to(self.device).eval()
@@ -75,9 +80,9 @@ class TransformersBackend:
 
     def clip(self, text: str, max_tokens: int) -> tuple[str, int]:
         """The output cut to ``max_tokens`` of the model's tokens, and its length in them."""
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = self._counting(text, add_special_tokens=False)["input_ids"]
         if 0 < max_tokens < len(ids):
-            return str(self.tokenizer.decode(ids[:max_tokens])), max_tokens
+            return str(self._counting.decode(ids[:max_tokens])), max_tokens
         return text, len(ids)
 
     def infer_sampled(self, inputs: list[str], temperatures: list[float]) -> list[str]:
