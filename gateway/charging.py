@@ -87,7 +87,7 @@ async def settle(lane: ModelLane, reservation: Reservation | None, used: int) ->
         return
     try:
         await lane.quota.settle(reservation, used)
-    except STORE_ERRORS as exc:
+    except Exception as exc:  # (whatever failed, what was reserved stays: never over)
         logs.limited(log, "request.settle_failed", level="warning", error=type(exc).__name__)
 
 

@@ -196,13 +196,13 @@ class GatewayQueue:
     async def settle(self, unused: Sequence[tuple[Counter, int, int]]) -> None:
         """Give back what reservations of hard bounds did not use: each
         (counter, Redis's clock as it was charged, tokens unused) to the
-        bucket it was charged in (``settle.lua``)."""
+        bucket it was charged in (``settle.lua``, gathered: settlements.py)."""
         names: list[str] = []
         args: list[int] = []
         for counter, charged_ms, back in unused:
             names.append(counter.key)
             args += (charged_ms * 10 // (counter.window_s * 1000), back)
-        await self.store.scripts.settle(names, args)
+        await self.store.settlements.give_back(names, args)
 
     def stored(self, envelope: wire.Envelope) -> tuple[bytes, Beside | None]:
         """The envelope as it is queued, and its input if it is kept beside it."""

@@ -22,6 +22,7 @@ from infergate.base.queue.admits import Admits
 from infergate.base.queue.blocking import Blocking
 from infergate.base.queue.pipelined import Pipelined
 from infergate.base.queue.scripts import Scripts
+from infergate.base.queue.settlements import Settlements
 from infergate.base.tiers import ROLES, TIERS
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
@@ -84,6 +85,9 @@ class Store:
         # A gateway's admits, gathered into calls (see admits.py).
         self.admits: Admits = (
             Admits(self.pipelined, self.scripts.admit) if shared is None else shared.admits
+        )
+        self.settlements: Settlements = (
+            Settlements(self.scripts.settle) if shared is None else shared.settlements
         )
         self._unreadable_seen: set[str] = set()
         # Redis refuses writes for want of memory (``maxmemory``): set by
