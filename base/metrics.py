@@ -73,6 +73,7 @@ REFUSAL_REASONS = (
     "no_worker",
     "redis",
     "redis_memory",
+    "direct_full",
     "draining",
 )
 DROP_REASONS = ("expired", "cancelled", "malformed")
@@ -193,6 +194,19 @@ class GatewayMetrics(PolicyWatching):
         self.redis_memory_high_water = Gauge(
             "infergate_redis_memory_high_water",
             "The policy's limits.redis_memory_high_water: free work is refused from it",
+            registry=registry,
+        )
+        self.direct_mode = Gauge(
+            "infergate_direct_mode",
+            "1 while this gateway serves the policy's direct.tiers itself, Redis being "
+            "unreachable (direct mode); 0 otherwise",
+            registry=registry,
+        )
+        self.direct_requests = Counter(
+            "infergate_direct_requests_total",
+            "Requests this gateway took in direct mode (served by the model's server without "
+            "Redis), by tier",
+            ["tier"],
             registry=registry,
         )
         self.keys_refused = Gauge(

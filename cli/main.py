@@ -159,6 +159,7 @@ def _live_policy(args: argparse.Namespace, required: bool) -> "LivePolicy":
 
 def _gateway(args: argparse.Namespace) -> int:
     import uvloop
+    from infergate.direct_calls import direct_call
     from infergate.gateway.limits import EdgeLimits
     from infergate.gateway.server import reuseport_socket, serve
     from infergate.gateway.service import Gateway, GatewaySettings
@@ -174,7 +175,9 @@ def _gateway(args: argparse.Namespace) -> int:
         return 2
     # Each edge limit has a flag of the same name.
     limits = EdgeLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EdgeLimits)})
-    gateway = Gateway(settings, _live_policy(args, required=True), limits.max_connections)
+    gateway = Gateway(
+        settings, _live_policy(args, required=True), limits.max_connections, direct_call
+    )
     with _side_port(args, gateway.registry, gateway.probes()):
         return uvloop.run(serve(gateway, sock, args.drain_timeout_s, limits, args.grpc_port))
 

@@ -107,13 +107,13 @@ def backend_for(
         print(f"{command}: {exc}", file=sys.stderr)
         return None
     try:
-        return _build(args, model, spec, options)
+        return build(args, model, spec, options)
     except (Unusable, ValueError) as exc:
         print(f"{command}: {spec.kind} backend: {exc}", file=sys.stderr)
         return None
 
 
-def _build(
+def build(
     args: argparse.Namespace, model: Model, spec: BackendSpec, options: dict[str, Any]
 ) -> "Backend":
     if spec.kind == "simulated":

@@ -220,6 +220,9 @@ class Readiness(msgspec.Struct):
     # while one is: a shard that is down refuses only its own keys).
     shards: int = 1
     shards_ready: int = 1
+    # Redis is unreachable and this gateway serves the policy's direct.tiers
+    # itself (direct mode): ready for them, 503 for the rest.
+    direct_mode: bool = False
 
 
 class WorkerStatus(msgspec.Struct):

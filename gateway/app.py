@@ -273,6 +273,7 @@ async def readyz(request: Request[Any, Any, Any]) -> Response[Readiness]:
         round(max(gw.memory.use), 4),
         len(shards),
         sum(gw.ready_on(i) for i in shards),
+        bool(gw.direct.on_shards),
     )
     return Response(body, status_code=HTTP_200_OK if ready else HTTP_503_SERVICE_UNAVAILABLE)
 

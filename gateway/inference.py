@@ -24,8 +24,15 @@ from infergate.gateway.api import (
     decode_inference_request,
 )
 from infergate.gateway.calls import Call, OnDisconnect
-from infergate.gateway.charging import charge_quota, check_reservation, over_share, settle
+from infergate.gateway.charging import (
+    charge_quota,
+    check_reservation,
+    over_share,
+    quota_refused,
+    settle,
+)
 from infergate.gateway.checks import check_capacity, check_input, check_parameters
+from infergate.gateway.direct import RETRY_DIRECT_MS, Batcher
 from infergate.gateway.errors import ApiError, error_from_result
 from infergate.gateway.models import ModelLane
 from infergate.gateway.prompt_lists import ListCharge
@@ -164,6 +171,11 @@ class Inference:
         self, call: Call, started: float, policy: Policy, key: KeyEntry
     ) -> tuple[InferenceResponse, dict[str, str]]:
         body, tier, lane = self.read_body(call.request or call.body, policy, key)
+        if not self.gw.ready_for_replies(lane.shard):  # (Redis away: direct mode, or 503)
+            batcher = self.gw.direct.serves(policy, key.tier, lane.name)
+            if batcher is not None:
+                result = await serve_directly(self.gw, lane, key, tier, body, batcher)
+                return respond(call, started, key, lane, result), {}
         params = body.parameters
         share = Share.of(policy, key, body.input, params, call.conversation)
         cached = None if share is None or share.digest is None else await self._cached(lane, share)
@@ -362,6 +374,65 @@ class Inference:
         if not queued:
             self.gw.count_refused(key, "key_share", lane, for_capacity=False)
             raise over_share(key, lane)
+
+
+async def serve_directly(
+    gw: Gateway,
+    lane: ModelLane,
+    key: KeyEntry,
+    tier: Tier,
+    body: InferenceRequest,
+    batcher: Batcher,
+) -> wire.Result:
+    """A request served in direct mode (``direct.py``): within the gateway's
+    cap and its own count of the key's quotas, by the model's server."""
+    if gw.direct.started(lane.shard):
+        gw.metrics.direct_mode.set(1)
+    policy = gw.policy.current.for_model(lane.name)
+    doc = policy.document
+    params = body.parameters
+    if params is not None and params.temperature:
+        raise ApiError(
+            "SERVICE_OVERLOADED",
+            "Redis is unreachable: this gateway serves greedy requests only meanwhile "
+            "(send parameters.temperature 0, or retry)",
+            RETRY_DIRECT_MS,
+        )
+    if gw.direct.held() >= doc.direct.max_requests:
+        gw.count_refused(key, "direct_full", lane, for_capacity=False)
+        raise ApiError(
+            "SERVICE_OVERLOADED",
+            "Redis is unreachable and this gateway holds all the requests it serves "
+            "itself meanwhile (direct.max_requests); retry",
+            RETRY_DIRECT_MS,
+        )
+    max_tokens = (params.max_tokens or 0) if params is not None else 0
+    tokens = 0
+    if lane.quota.limits_tokens(key, tier):  # (reserved whole: nothing is settled here)
+        max_tokens = reservations.output_bound(max_tokens, policy.models[lane.name])
+        tokens = reservations.input_bound(body.input) + max_tokens
+    refused = gw.direct.quota.charge(key, lane.quota.charges(key, tier, len(body.input), tokens))
+    if refused is not None:
+        raise quota_refused(
+            gw,
+            key,
+            lane,
+            f"rate limit {refused.what} exceeded for this key "
+            "(counted by this gateway alone while Redis is unreachable)",
+            gw.direct.quota.retry_after_ms(key, refused),
+        )
+    gw.metrics.direct_requests.labels(key.tier).inc()
+    deadline_ms = (
+        tier.deadline_ms if body.timeout_ms is None else min(tier.deadline_ms, body.timeout_ms)
+    )
+    return await batcher.infer(
+        body.input,
+        key.tier,
+        max_tokens,
+        clock.now_ms() + deadline_ms,
+        doc.workers.concurrency,
+        doc.batching.max_batch_size,
+    )
 
 
 def _reserve_tokens(request: Request, model: Model) -> None:

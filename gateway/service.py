@@ -28,6 +28,7 @@ from infergate.base.queue.store import Store
 from infergate.base.settings import ProcessSettings
 from infergate.base.tiers import TIERS
 from infergate.gateway.auth import Authenticator
+from infergate.gateway.direct import DirectMode, MakeCall
 from infergate.gateway.errors import ApiError, input_not_kept, redis_full, redis_unreachable
 from infergate.gateway.holds import Holds
 from infergate.gateway.jwks import KeySet
@@ -74,7 +75,10 @@ class Gateway:
         settings: GatewaySettings,
         policy: LivePolicy,
         max_connections: int = EdgeLimits.max_connections,
+        direct_call: MakeCall = lambda name, model: None,
     ) -> None:
+        """``direct_call``: the server a model's backend names, which this
+        gateway calls itself in direct mode (``direct.py``; none: it fails fast)."""
         self.settings = settings
         self.holds = Holds(max_connections)
         self.id = settings.process_id
@@ -109,6 +113,7 @@ class Gateway:
             self.metrics.redis_memory_use,
             self.metrics.redis_memory_high_water,
         )
+        self.direct = DirectMode(direct_call, self.id)
         self.draining = False
         self.key_set = KeySet(policy)
         self.authenticator = Authenticator(self.key_set)
@@ -179,6 +184,7 @@ class Gateway:
         await self.shares.flush(round(retention_days * 86_400))
 
     async def _refresh_reading(self) -> None:
+        self._end_direct_mode()
         readings = {}
         served = self.policy.current.models
         for lane in self.lanes:
@@ -204,6 +210,21 @@ class Gateway:
         waits = {t: lane.admission.estimate_wait_ms(policy, t) / 1000.0 for t in TIERS}
         return dataclasses.replace(reading, estimated_wait_s=waits)
 
+    def _end_direct_mode(self) -> None:
+        """Each shard in direct mode whose Redis answers again goes back to
+        the queue (its next requests are queued as before)."""
+        for shard in list(self.direct.on_shards):
+            if self.ready_for_replies(shard):
+                self.direct.ended(shard)
+        self.metrics.direct_mode.set(1 if self.direct.on_shards else 0)
+
+    def can_serve_directly(self) -> bool:
+        """Some tier may be served in direct mode, by some model's server."""
+        policy = self.policy.current
+        if not policy.document.direct.tiers:
+            return False
+        return any(self.direct.batcher(name, model) for name, model in policy.models.items())
+
     def ready_for_replies(self, shard: int) -> bool:
         """``shard``'s Redis answers, its fleet view is fresh, AND this gateway
         listens on its reply channel there: a request admitted while the
@@ -221,12 +242,14 @@ class Gateway:
     def ready(self) -> bool:
         """Takes requests now: on the fleet's clock, not draining, and on at
         least one shard ready for replies, with a worker alive and Redis not
-        out of memory (a shard that is down refuses only its own keys)."""
-        return (
-            clock.aligned()
-            and not self.draining
-            and any(self.ready_on(shard.index) for shard in self.shards)
-        )
+        out of memory (a shard that is down refuses only its own keys), or
+        with a shard's Redis unreachable, in direct mode."""
+        if not clock.aligned() or self.draining:
+            return False
+        if any(self.ready_on(shard.index) for shard in self.shards):
+            return True
+        away = any(not self.ready_for_replies(shard.index) for shard in self.shards)
+        return away and self.can_serve_directly()
 
     def store_failed(self, exc: BaseException, shard: int) -> ApiError:
         """The client's error for a call to ``shard``'s Redis that failed:

@@ -403,7 +403,23 @@ def _check_settings(doc: Document, at: Locator) -> list[Problem]:
                 "must be between 0.5 and 1 (1: off), e.g. 0.8",
             )
         )
+    out.extend(_check_direct(doc, at))
     out.extend(check_workers(doc.workers, ["workers"], at))
+    return out
+
+
+def _check_direct(doc: Document, at: Locator) -> list[Problem]:
+    out = []
+    for i, tier in enumerate(doc.direct.tiers):
+        if tier not in doc.tiers:
+            out.append(
+                at.problem(
+                    ["direct", "tiers", i],
+                    f"unknown tier {tier!r}; write one of {', '.join(doc.tiers)}",
+                )
+            )
+    if not 1 <= doc.direct.max_requests <= 10_000:
+        out.append(at.problem(["direct", "max_requests"], "must be 1-10000, e.g. 64"))
     return out
 
 

@@ -102,6 +102,17 @@ class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     redis_memory_high_water: float = 0.8
 
 
+class Direct(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    # Direct mode: while a gateway cannot reach Redis, it serves these tiers'
+    # requests itself, batched, when their model's backend is a server it can
+    # call (http:, kserve-v2:, openai:); every other request gets 503 as
+    # before. Empty: off.
+    tiers: list[str] = msgspec.field(default_factory=list)
+    # The most requests one gateway holds in direct mode at once (waiting
+    # or in a call); one more gets 503.
+    max_requests: int = 64
+
+
 class Workers(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # A backend call running past this is a hung worker (it exits, the batch is retried).
     hang_timeout_ms: int = 2_000
@@ -205,6 +216,7 @@ class Document(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     jobs: Jobs = msgspec.field(default_factory=Jobs)
     sharing: Sharing = msgspec.field(default_factory=Sharing)
     limits: Limits = msgspec.field(default_factory=Limits)
+    direct: Direct = msgspec.field(default_factory=Direct)
     workers: Workers = msgspec.field(default_factory=Workers)
     usage: Usage = msgspec.field(default_factory=Usage)
     # The models served (none: one, ``default``, run as the workers' flags
