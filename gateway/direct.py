@@ -13,8 +13,6 @@ be reached from a gateway: its requests fail fast, as before.
 """
 
 import asyncio
-import math
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,8 +24,6 @@ from infergate.gateway.errors import ApiError
 from infergate.gateway.quota import Charge
 from infergate.policies import KeyEntry, Policy
 from infergate.policies.schema import Model
-from limits.storage import MemoryStorage
-from limits.strategies import MovingWindowRateLimiter
 
 log = logs.get(__name__)
 
@@ -69,16 +65,19 @@ class Batcher:
         self.worker_id = worker_id
         self._waiting: list[deque[_Waiting]] = [deque() for _ in TIERS]
         self._in_flight = 0
+        self._held = 0  # requests waiting for their answer here
         self._calls: set[asyncio.Task[None]] = set()
 
     def held(self) -> int:
-        return sum(len(q) for q in self._waiting) + self._in_flight
+        return self._held
 
     async def infer(
         self, text: str, tier: str, max_tokens: int, deadline_ms: int, slots: int, max_batch: int
     ) -> wire.Result:
         waiting = _Waiting(text, max_tokens, deadline_ms, clock.now_ms())
-        self._waiting[TIERS.index(tier)].append(waiting)
+        queue = self._waiting[TIERS.index(tier)]
+        queue.append(waiting)
+        self._held += 1
         self._start_calls(slots, max_batch)
         remaining_s = max(0.0, (deadline_ms - clock.now_ms()) / 1000.0)
         try:
@@ -86,8 +85,11 @@ class Batcher:
         except TimeoutError:
             raise ApiError("TIMEOUT", "no result within the request's deadline") from None
         finally:
+            self._held -= 1
             if not waiting.answer.done():  # (its client left, or its deadline passed)
                 waiting.answer.cancel()
+                if waiting in queue:  # (not taken yet: it goes now, not when a slot frees)
+                    queue.remove(waiting)
 
     def _start_calls(self, slots: int, max_batch: int) -> None:
         while self._in_flight < slots and any(self._waiting):
@@ -165,27 +167,33 @@ def _server_failed() -> ApiError:
 
 
 class LocalQuota:
-    """A key's limits counted by this gateway alone (moving windows in its
-    memory) while it serves in direct mode."""
+    """A key's limits counted by this gateway alone while it serves in
+    direct mode: for each of its windows, ten buckets of a tenth of it in
+    this process's memory (a charge adds to one number, whatever its cost);
+    a request fits while the last ten buckets and it stay within the limit."""
 
     def __init__(self) -> None:
-        self._limiter = MovingWindowRateLimiter(MemoryStorage())
+        self._buckets: dict[tuple[str, str], dict[int, int]] = {}
 
-    def charge(self, key: KeyEntry, charges: list[Charge]) -> Charge | None:
-        """Charge every limit, or none: the first without room, if one is."""
+    def charge(self, key: KeyEntry, charges: list[Charge]) -> tuple[Charge, int] | None:
+        """Charge every limit, or none: the first without room and the ms
+        until it has, if one is."""
+        now_ms = clock.now_ms()
+        windows = []
         for c in charges:
+            window_ms = c.counter.window_s * 1000
+            current = now_ms * 10 // window_ms
+            buckets = self._buckets.setdefault((key.id, c.counter.key), {})
+            for old in [b for b in buckets if b <= current - 10]:
+                del buckets[old]
             cost = c.counter.cost
-            if cost > 0 and not self._limiter.test(c.item, key.id, c.kind, cost=cost):
-                return c
-        for c in charges:
-            if c.counter.cost > 0:
-                self._limiter.hit(c.item, key.id, c.kind, cost=c.counter.cost)
+            if cost > 0 and sum(buckets.values()) + cost > c.counter.amount:
+                oldest = min(buckets, default=current)
+                return c, max(1, (oldest + 10) * window_ms // 10 - now_ms)
+            windows.append((buckets, current, cost))
+        for buckets, current, cost in windows:
+            buckets[current] = buckets.get(current, 0) + cost
         return None
-
-    def retry_after_ms(self, key: KeyEntry, charge: Charge) -> int:
-        stats = self._limiter.get_window_stats(charge.item, key.id, charge.kind)
-        # (the limiter's clock is this host's: its windows live here alone)
-        return max(1, math.ceil((float(stats.reset_time) - time.time()) * 1000))
 
 
 class DirectMode:

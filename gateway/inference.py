@@ -411,15 +411,17 @@ async def serve_directly(
     if lane.quota.limits_tokens(key, tier):  # (reserved whole: nothing is settled here)
         max_tokens = reservations.output_bound(max_tokens, policy.models[lane.name])
         tokens = reservations.input_bound(body.input) + max_tokens
+        check_reservation(gw, lane, key, tier, len(body.input), tokens)
     refused = gw.direct.quota.charge(key, lane.quota.charges(key, tier, len(body.input), tokens))
     if refused is not None:
+        limit, retry_after_ms = refused
         raise quota_refused(
             gw,
             key,
             lane,
-            f"rate limit {refused.what} exceeded for this key "
+            f"rate limit {limit.what} exceeded for this key "
             "(counted by this gateway alone while Redis is unreachable)",
-            gw.direct.quota.retry_after_ms(key, refused),
+            retry_after_ms,
         )
     gw.metrics.direct_requests.labels(key.tier).inc()
     deadline_ms = (

@@ -23,7 +23,7 @@ from infergate.base.errors import STORE_ERRORS
 from infergate.gateway import reservations
 from infergate.gateway.api import InferenceResponse, JobAccepted, JobView, Parameters
 from infergate.gateway.calls import Call, OnDisconnect
-from infergate.gateway.charging import charge_quota
+from infergate.gateway.charging import charge_quota, check_reservation
 from infergate.gateway.checks import check_memory
 from infergate.gateway.errors import (
     ERRORS,
@@ -75,6 +75,7 @@ class Jobs:
         if lane.quota.limits_tokens(key, tier):  # (kept whole: nobody waits on its answer)
             max_tokens = reservations.output_bound(max_tokens, policy.models[lane.name])
             reserve = reservations.input_bound(body.input) + max_tokens
+            check_reservation(gw, lane, key, tier, len(body.input), reserve)
         quota = await charge_quota(gw, lane, key, tier, len(body.input), tokens=reserve)
         headers = quota.headers()
         now_ms = clock.now_ms()

@@ -104,10 +104,10 @@ class Reservation:
     tokens: int
 
     def unused(self, used: int) -> list[tuple[Counter, int, int]]:
-        """What goes back to each window once it used ``used`` tokens (the
-        reservation is the most it is charged)."""
-        back = self.tokens - min(max(used, 0), self.tokens)
-        return [(c, self.charged_ms, back) for c in self.counters] if back > 0 else []
+        """What goes back to each window once it used ``used`` tokens
+        (negative: what it used past its reservation, charged then)."""
+        back = self.tokens - max(used, 0)
+        return [(c, self.charged_ms, back) for c in self.counters] if back else []
 
 
 class Quota:

@@ -4,7 +4,9 @@ byte-fallback tokenizer's token is at least one byte of UTF-8; special
 tokens and a chat's template add a few), plus the most output tokens it may
 get: its max_tokens, or else its model's bound, which the worker then cuts
 its output to. What it did not use goes back once it is answered
-(``Quota.settle``), so a key's token limit is never overshot."""
+(``Quota.settle``), so a key's token limit is never overshot by what it
+admits; a request that used more than its bound (a model's own chat
+template adding a long system prompt) is charged the excess then."""
 
 from infergate.base import wire
 from infergate.policies.backends import generates_up_to
@@ -15,10 +17,14 @@ TEMPLATE_TOKENS = 16
 
 
 def input_bound(text: str, conversation: str | None = None) -> int:
-    """The most tokens the input can be (a conversation's JSON is longer
-    than the messages and roles its template renders)."""
-    rendered = conversation if conversation is not None else text
-    return len(rendered.encode("utf-8", "surrogatepass")) + TEMPLATE_TOKENS
+    """The most tokens the input can be: the text the model reads (a chat
+    as the policy's template renders it), or a chat's messages as JSON,
+    which is longer than what a model's own template renders of them,
+    whichever is longer."""
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if conversation is not None:
+        size = max(size, len(conversation.encode("utf-8", "surrogatepass")))
+    return size + TEMPLATE_TOKENS
 
 
 def output_bound(max_tokens: int, model: Model) -> int:

@@ -446,6 +446,10 @@ def body_bytes_for(max_input_chars: int) -> int:
     return 4 * max_input_chars + BODY_OVERHEAD_BYTES
 
 
+# A limit's window at most (its counters expire 1.1 windows after their last charge).
+MAX_WINDOW_S = 366 * 86_400
+
+
 def _check_rates(
     rates: list[str], here: list[str | int], at: Locator, single: bool = False
 ) -> list[Problem]:
@@ -459,6 +463,8 @@ def _check_rates(
             continue
         if single and len(parsed) != 1:
             out.append(at.problem(path, f"{rate!r} must be one rate, e.g. '200000/minute'"))
+        if any(item.get_expiry() > MAX_WINDOW_S for item in parsed):
+            out.append(at.problem(path, f"{rate!r} has a window over a year; use one within it"))
     return out
 
 

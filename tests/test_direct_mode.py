@@ -36,10 +36,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 LIMITED = key_entry("limited", "enterprise", "limited-secret", rate_limits=["2/minute"])
+METERED = key_entry("metered", "enterprise", "metered-secret", token_limits=["100/minute"])
 
 
 def direct_policy(url: str, **direct: object) -> str:
-    doc = policy(tiers={"paid": {"rate_limits": ["1000/minute"]}}, extra_keys=(LIMITED,))
+    doc = policy(tiers={"paid": {"rate_limits": ["1000/minute"]}}, extra_keys=(LIMITED, METERED))
     doc["models"] = {"default": {"backend": f"http:{url}/infer", "options": {"timeout_ms": 3000}}}
     doc["direct"] = {"tiers": ["enterprise"], **direct}
     return as_yaml(doc)
@@ -122,6 +123,14 @@ def test_past_its_cap_a_gateway_refuses_with_503(
             replies = [first.result(), *(f.result() for f in more)]
         # A key's limits are this gateway's own count meanwhile.
         limited = [c.infer("limited-secret", f"limited {i}") for i in range(3)]
+        never = c.infer("metered-secret", "x", parameters={"max_tokens": 500})
+        # A request that gave up (its deadline) leaves its place at once.
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            slow = pool.submit(c.infer, "enterprise", "__slow__ 4")
+            time.sleep(0.5)  # (pacing: the slow one is in its call)
+            gave_up = c.infer("enterprise", "short", timeout_ms=100)
+            next_one = pool.submit(c.infer, "enterprise", "after it")
+            later = [slow.result()[0], next_one.result()[0]]
     statuses = sorted(status for status, _, _ in replies)
     assert statuses == [200, 200, 503], replies
     refused = next(body for status, _, body in replies if status == 503)
@@ -130,6 +139,12 @@ def test_past_its_cap_a_gateway_refuses_with_503(
     _, headers, body = limited[2]
     assert "counted by this gateway alone" in body["error"]["message"]
     assert 1 <= int(headers["retry-after"]) <= 60
+    status, headers, body = never
+    assert status == 429
+    assert "can never be admitted" in body["error"]["message"]
+    assert "retry-after" not in headers
+    assert gave_up[0] == 504
+    assert later == [200, 200]
 
 
 def test_a_direct_tier_the_policy_does_not_have_is_refused() -> None:

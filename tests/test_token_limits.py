@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 import redis.asyncio
 
-from tests.helpers import auth, http, key_entry, policy_yaml
+from tests.helpers import as_yaml, auth, http, key_entry, policy, policy_yaml
 
 TEMPLATE_TOKENS = 16  # (gateway/reservations.py: what an input's bound adds)
 WINDOW_S = 2
@@ -198,3 +198,25 @@ def test_a_policy_with_a_token_limit_that_is_not_a_rate_is_refused(tmp_path: Pat
     bad = key_entry("k", "paid", "k-secret", token_limits=["lots"])
     with pytest.raises(PolicyError, match="token_limits"):
         parse_policy(policy_yaml(extra_keys=(bad,)))
+    # (a window past a year would overflow its counters' expiry)
+    long = key_entry("k", "paid", "k-secret", token_limits=["100000/1000000000 years"])
+    with pytest.raises(PolicyError, match="a window over a year"):
+        parse_policy(policy_yaml(extra_keys=(long,)))
+
+
+def test_a_chat_is_bounded_by_the_text_the_model_reads(cluster_factory) -> None:
+    """A chat rendered by the policy's template is longer than its messages'
+    JSON: its reservation bounds the rendered text, so answered chats never
+    use more than the limit (each of these uses some 904 tokens)."""
+    metered = key_entry("metered", "paid", "metered-secret", token_limits=["4000/2 seconds"])
+    doc = policy(extra_keys=(metered,))
+    template = {"prefix": "a " * 900, "message": "{role}: {content}\n", "suffix": "assistant:"}
+    doc["openai"] = {"chat_template": template}
+    c = cluster_factory(as_yaml(doc), latency_ms=10)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    started = time.monotonic()
+    replies = [http("POST", c.urls[0] + "/v1/chat/completions", chat, METERED) for _ in range(6)]
+    assert time.monotonic() - started < WINDOW_S  # (all within one window)
+    used_tokens = [body["usage"]["total_tokens"] for status, _, body in replies if status == 200]
+    assert [status for status, _, _ in replies][-1] == 429
+    assert 0 < sum(used_tokens) <= 4000, used_tokens

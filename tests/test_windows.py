@@ -64,10 +64,13 @@ class Window:
         current = now * 10 // self.window_ms
         if bucket >= current - 10 and bucket in self.buckets:
             # (never more than it or the window holds: refunds, charges of
-            # minus the cost, can leave either below what was reserved)
-            given = min(back, self.buckets[bucket], self._sum(current - 10, current))
-            if given > 0:
-                self.buckets[bucket] -= given
+            # minus the cost, can leave either below what was reserved; a
+            # negative give-back is an excess, charged whole)
+            given = back
+            if back > 0:
+                given = min(back, self.buckets[bucket], self._sum(current - 10, current))
+                given = max(given, 0)
+            self.buckets[bucket] -= given
 
     def held(self, now: int) -> dict[int, int]:
         """What Redis must hold: every bucket of the eleven charged in."""
@@ -94,7 +97,7 @@ STEPS = st.lists(
         # ms since the last request: mostly within a bucket (1 s), at times past many
         st.one_of(st.integers(0, 400), st.integers(0, 400), st.integers(0, 12_000)),
         st.lists(st.integers(-2, 6), min_size=3, max_size=3),  # each limit's cost
-        st.integers(0, 6),  # given back to the oldest reservation not settled
+        st.integers(-3, 6),  # given back to the oldest reservation not settled (<0: an excess)
     ),
     min_size=1,
     max_size=60,
@@ -134,8 +137,9 @@ def test_the_windows_keep_the_reference_model(
             reserved.append((now * 10 // token_window.window_ms, costs[HARD]))
         if back and reserved:
             bucket, tokens = reserved.pop(0)
-            settle(keys=[keys[HARD]], args=[bucket, min(back, tokens)])
-            token_window.settle(now, bucket, min(back, tokens))
+            back = min(back, tokens)
+            settle(keys=[keys[HARD]], args=[bucket, back])
+            token_window.settle(now, bucket, back)
         for key, w in zip(keys, windows, strict=True):
             stored = {
                 int(k): int(v) for k, v in client.hgetall(key).items() if k not in (b"l", b"s")
