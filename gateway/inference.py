@@ -171,7 +171,8 @@ class Inference:
         self, call: Call, started: float, policy: Policy, key: KeyEntry
     ) -> tuple[InferenceResponse, dict[str, str]]:
         body, tier, lane = self.read_body(call.request or call.body, policy, key)
-        if not self.gw.ready_for_replies(lane.shard):  # (Redis away: direct mode, or 503)
+        direct = policy.document.direct.tiers  # (Redis away: direct mode, or 503 below)
+        if direct and key.tier in direct and not self.gw.ready_for_replies(lane.shard):
             batcher = self.gw.direct.serves(policy, key.tier, lane.name)
             if batcher is not None:
                 result = await serve_directly(self.gw, lane, key, tier, body, batcher)
