@@ -5,7 +5,9 @@ back to the queue by itself, and nothing is left over in Redis. Real
 processes, a real server, a real Redis killed and started again."""
 
 import concurrent.futures
+import json
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,10 +20,10 @@ from infergate.redis_server import RedisServer
 from tests.helpers import (
     Cluster,
     as_yaml,
-    assert_redis_clean,
     http,
     key_entry,
     policy,
+    redis_clean,
     wait_for,
 )
 from tests.upstreams import Server, batch_server
@@ -65,6 +67,16 @@ def _load(c: Cluster, seconds: float, start: int) -> list[tuple[str, int, str]]:
         return [f.result() for f in futures]
 
 
+def _calls(server: Server) -> int:
+    with urllib.request.urlopen(server.url + "/calls", timeout=5) as resp:
+        return int(json.loads(resp.read())["calls"])
+
+
+def _in_a_call(server: Server, before: int) -> None:
+    """Until the server has taken a call past the ``before`` it had."""
+    wait_for(lambda: _calls(server) > before, 5, "the server to take the call")
+
+
 def _served_by(c: Cluster, tier: str) -> str | None:
     status, _, body = c.infer(tier, f"probe {time.monotonic()}")
     return body.get("served_by") if status == 200 else None
@@ -88,7 +100,7 @@ def test_redis_stopped_under_load_keeps_the_direct_tiers_served(
         assert http("GET", c.urls[0] + "/readyz")[2]["direct_mode"] is False
         log = c.gateways[0].output()
         client = redis.Redis.from_url(own_redis.url)
-        wait_for(lambda: _clean(client), 15, "Redis clean")
+        wait_for(lambda: redis_clean(client), 15, "Redis clean")
         client.close()
     by_tier = Counter((tier, status, said) for tier, status, said in during)
     assert {k: n for k, n in by_tier.items() if k[0] == "enterprise"} == {
@@ -100,14 +112,6 @@ def test_redis_stopped_under_load_keeps_the_direct_tiers_served(
     assert log.count("direct_mode.ended") == 1
 
 
-def _clean(client: redis.Redis) -> bool:
-    try:
-        assert_redis_clean(client)
-    except AssertionError:
-        return False
-    return True
-
-
 def test_past_its_cap_a_gateway_refuses_with_503(
     tmp_path: Path, own_redis: RedisServer, server: Server
 ) -> None:
@@ -117,8 +121,9 @@ def test_past_its_cap_a_gateway_refuses_with_503(
         own_redis.kill()
         wait_for(lambda: _served_by(c, "enterprise") == "direct", 15, "direct mode")
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            calls = _calls(server)
             first = pool.submit(c.infer, "enterprise", "__slow__ 1")
-            time.sleep(0.5)  # (pacing: the first is in its 1.5 s call)
+            _in_a_call(server, calls)  # (the first is in its 1.5 s call)
             more = [pool.submit(c.infer, "enterprise", f"__slow__ {i}") for i in (2, 3)]
             replies = [first.result(), *(f.result() for f in more)]
         # A key's limits are this gateway's own count meanwhile.
@@ -126,8 +131,9 @@ def test_past_its_cap_a_gateway_refuses_with_503(
         never = c.infer("metered-secret", "x", parameters={"max_tokens": 500})
         # A request that gave up (its deadline) leaves its place at once.
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            calls = _calls(server)
             slow = pool.submit(c.infer, "enterprise", "__slow__ 4")
-            time.sleep(0.5)  # (pacing: the slow one is in its call)
+            _in_a_call(server, calls)
             gave_up = c.infer("enterprise", "short", timeout_ms=100)
             next_one = pool.submit(c.infer, "enterprise", "after it")
             later = [slow.result()[0], next_one.result()[0]]

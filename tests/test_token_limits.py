@@ -7,6 +7,7 @@ import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -40,28 +41,24 @@ def tokens_policy(limit: str = f"{LIMIT}/{WINDOW_S} seconds") -> str:
 METERED = {"Authorization": "Bearer metered-secret"}
 
 
+def metered(url: str, text: str, max_tokens: int) -> tuple[int, dict[str, str], Any]:
+    """A request of the metered key."""
+    body = {"input": text, "parameters": {"max_tokens": max_tokens}}
+    return http("POST", url + "/v1/inference", body, METERED)
+
+
 def test_a_request_is_charged_what_it_used_and_told_what_is_left(cluster_factory) -> None:
     """The first request reserves its bound and gives back the rest as it is
     answered: the second's headers count what the first used, exactly."""
     c = cluster_factory(tokens_policy("5000/hour"), latency_ms=10)
     first, second = "one two three", "four five"
-    status, headers, body = http(
-        "POST",
-        c.urls[0] + "/v1/inference",
-        {"input": first, "parameters": {"max_tokens": 50}},
-        METERED,
-    )
+    status, headers, body = metered(c.urls[0], first, 50)
     assert status == 200, body
     assert headers["x-ratelimit-limit-tokens"] == "5000"
     # (before it is answered: its whole reservation)
     assert int(headers["x-ratelimit-remaining-tokens"]) == 5000 - reserves(first, 50)
     assert body["metadata"]["tokens_used"] == len(first.split()) + SIM_WORDS
-    status, headers, body = http(
-        "POST",
-        c.urls[0] + "/v1/inference",
-        {"input": second, "parameters": {"max_tokens": 2}},
-        METERED,
-    )
+    status, headers, body = metered(c.urls[0], second, 2)
     assert status == 200, body
     assert body["metadata"]["tokens_used"] == 2  # (cut at its max_tokens)
     left = 5000 - used(first, 50) - reserves(second, 2)
@@ -78,12 +75,7 @@ def test_a_request_that_does_not_fit_gets_429_and_one_that_never_can_no_retry(
     cluster_factory,
 ) -> None:
     c = cluster_factory(tokens_policy("100/hour"), latency_ms=300)
-    status, headers, body = http(
-        "POST",
-        c.urls[0] + "/v1/inference",
-        {"input": "x", "parameters": {"max_tokens": 500}},
-        METERED,
-    )
+    status, headers, body = metered(c.urls[0], "x", 500)
     assert status == 429, body
     assert "retry-after" not in headers  # (no wait makes room for it)
     assert "can never be admitted" in body["error"]["message"]
@@ -92,12 +84,7 @@ def test_a_request_that_does_not_fit_gets_429_and_one_that_never_can_no_retry(
     with ThreadPoolExecutor(5) as pool:
         replies = list(
             pool.map(
-                lambda i: http(
-                    "POST",
-                    c.urls[0] + "/v1/inference",
-                    {"input": f"w{i}", "parameters": {"max_tokens": 20}},
-                    METERED,
-                ),
+                lambda i: metered(c.urls[0], f"w{i}", 20),
                 range(5),
             )
         )
@@ -108,12 +95,7 @@ def test_a_request_that_does_not_fit_gets_429_and_one_that_never_can_no_retry(
             assert "tokens" in body["error"]["message"]
             assert headers["x-ratelimit-limit-tokens"] == "100"
             assert int(headers["retry-after"]) >= 1
-    status, headers, body = http(
-        "POST",
-        c.urls[0] + "/v1/inference",
-        {"input": "w5", "parameters": {"max_tokens": 20}},
-        METERED,
-    )
+    status, headers, body = metered(c.urls[0], "w5", 20)
     assert status == 200, body
     assert int(headers["x-ratelimit-remaining-tokens"]) == 100 - 2 * 3 - 38
 
@@ -162,11 +144,12 @@ async def test_two_gateways_and_fifty_clients_never_overshoot_the_limit(
             nonlocal most
             store = redis.asyncio.Redis.from_url(c.redis_url)
             try:
-                key = None
-                while key is None:
+                key, give_up = None, time.monotonic() + 10
+                while key is None and time.monotonic() < give_up:
                     found = [k async for k in store.scan_iter(match="*metered*tokens*")]
                     key = found[0] if found else None
                     await asyncio.sleep(0.01)
+                assert key is not None, "no token window in Redis"
                 while not done.is_set():
                     most = max(most, int(await store.hget(key, "s") or 0))
                     await asyncio.sleep(0.002)
