@@ -101,6 +101,11 @@ class Keys:
     def job(self, job_id: str) -> str:
         return self.job_prefix + job_id
 
+    def give_back(self, gateway_id: str, request_id: str) -> str:
+        """A withdrawn request's reservation, for the take that drops it
+        (``give_back.lua``)."""
+        return self.prefix + "give-back:" + gateway_id + ":" + request_id
+
     def input(self, gateway_id: str, request_id: str) -> str:
         """A long input, kept beside its envelope (``queue/inputs.py``);
         request ids are random per gateway."""

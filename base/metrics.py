@@ -70,6 +70,7 @@ REFUSAL_REASONS = (
     "capacity",
     "key_share",
     "quota",
+    "budget",
     "no_worker",
     "redis",
     "redis_memory",
@@ -200,6 +201,13 @@ class GatewayMetrics(PolicyWatching):
             "infergate_direct_mode",
             "1 while this gateway serves the policy's direct.tiers itself, Redis being "
             "unreachable (direct mode); 0 otherwise",
+            registry=registry,
+        )
+        self.budget_keys = Gauge(
+            "infergate_budget_keys",
+            "Keys this gateway charged that have used at least `mark` of a budget in its "
+            "current period (1: refused for it, 429 BUDGET_EXCEEDED)",
+            ["mark"],
             registry=registry,
         )
         self.direct_requests = Counter(

@@ -1,5 +1,6 @@
-"""``infergate usage``: what each key used (GET /v1/admin/usage), as a
-table, CSV (for billing) or the endpoint's JSON.
+"""``infergate usage``: what each key used (GET /v1/admin/usage), or with
+``--budgets`` each key's budgets spent and left (GET /v1/admin/budgets), as
+a table, CSV (for billing) or the endpoint's JSON.
 
 Reads a gateway's endpoint with an admin key (``--admin-key``, or the
 ``INFERGATE_ADMIN_KEY`` environment variable, so the secret stays out of the
@@ -34,6 +35,16 @@ COLUMNS = (
     ("refused", "REFUSED"),
 )
 PERIOD = ("period", "PERIOD")
+BUDGET_COLUMNS = (
+    ("key_id", "KEY"),
+    ("tier", "TIER"),
+    ("unit", "UNIT"),
+    ("period", "PERIOD"),
+    ("budget", "BUDGET"),
+    ("spent", "SPENT"),
+    ("left", "LEFT"),
+    ("ends", "ENDS"),
+)
 FORMATS = ("table", "csv", "json")
 
 
@@ -61,6 +72,11 @@ def add_parser(sub: Any) -> None:
     usage.add_argument(
         "--format", default="table", choices=FORMATS, help="table, csv, or the endpoint's JSON"
     )
+    usage.add_argument(
+        "--budgets",
+        action="store_true",
+        help="each key's budgets in their current periods: spent and left",
+    )
     # (the flag before --format: the same as --format json)
     usage.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
 
@@ -73,9 +89,10 @@ def run(args: Any) -> int:
             file=sys.stderr,
         )
         return 2
-    query = {"sort": args.sort, "by": args.by}
+    query = {} if args.budgets else {"sort": args.sort, "by": args.by}
     query |= {k: v for k, v in (("key_id", args.key_id), ("since", args.since)) if v}
-    url = args.url.rstrip("/") + "/v1/admin/usage?" + urllib.parse.urlencode(query)
+    path = "/v1/admin/budgets?" if args.budgets else "/v1/admin/usage?"
+    url = args.url.rstrip("/") + path + urllib.parse.urlencode(query)
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {secret}"})
     # (a redirect is not followed: it would carry the admin key to wherever it points)
     opener = urllib.request.build_opener(_NoRedirect)
@@ -101,6 +118,11 @@ def run(args: Any) -> int:
     periodic = args.by != "all"
     if args.json or args.format == "json":
         print(json.dumps(report, indent=2))
+    elif args.budgets:
+        rows = report["keys"]
+        title = f"budgets at {report.get('at')}"
+        text = _csv(BUDGET_COLUMNS, rows) if args.format == "csv" else None
+        print(text or _table(title, BUDGET_COLUMNS, rows, 4, "(no key has a budget)"))
     elif args.format == "csv":
         print(as_csv(report, periodic))
     else:
@@ -128,11 +150,24 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
 
 def table(report: dict[str, Any], periodic: bool = False) -> str:
     columns = (PERIOD, *COLUMNS) if periodic else COLUMNS
-    rows = [[_cell(row.get(field)) for field, _ in columns] for row in report.get("keys", [])]
+    title = f"usage from {report.get('since')} to {report.get('until')}"
+    left = 3 if periodic else 2  # (the names left-aligned, the numbers right)
+    return _table(title, columns, report.get("keys", []), left, "(no usage in that time)")
+
+
+def _table(
+    title: str,
+    columns: tuple[tuple[str, str], ...],
+    report_rows: list[dict[str, Any]],
+    left: int,
+    empty: str,
+) -> str:
+    """A title, then the columns' heads and a line a row: the first
+    ``left`` columns left-aligned, the rest right."""
+    rows = [[_cell(row.get(field)) for field, _ in columns] for row in report_rows]
     heads = [head for _, head in columns]
     widths = [max(len(c) for c in col) for col in zip(heads, *rows, strict=False)]
-    left = 3 if columns[0] == PERIOD else 2  # (the names left-aligned, the numbers right)
-    lines = [f"usage from {report.get('since')} to {report.get('until')}"]
+    lines = [title]
     for cells in [heads, *rows]:
         lines.append(
             "  ".join(
@@ -141,7 +176,7 @@ def table(report: dict[str, Any], periodic: bool = False) -> str:
             ).rstrip()
         )
     if not rows:
-        lines.append("(no usage in that time)")
+        lines.append(empty)
     return "\n".join(lines)
 
 
@@ -150,10 +185,14 @@ def as_csv(report: dict[str, Any], periodic: bool = False) -> str:
     ``periodic``); numbers as they are, and a text that a spreadsheet would
     run as a formula quoted with a ' first."""
     columns = (PERIOD, *COLUMNS) if periodic else COLUMNS
+    return _csv(columns, report.get("keys", []))
+
+
+def _csv(columns: tuple[tuple[str, str], ...], rows: list[dict[str, Any]]) -> str:
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow([field for field, _ in columns])
-    for row in report.get("keys", []):
+    for row in rows:
         writer.writerow([_csv_cell(row.get(field)) for field, _ in columns])
     return out.getvalue().rstrip("\n")
 

@@ -9,6 +9,7 @@ from infergate.base.queue.usage import By as UsageBy
 from infergate.base.queue.usage import Order as UsageOrder
 from infergate.gateway.api import (
     AdminPolicy,
+    BudgetReport,
     DeadLetters,
     DeadLettersPurged,
     ReloadResult,
@@ -136,6 +137,21 @@ async def admin_usage(
     model: MODEL = None,
 ) -> UsageReport:
     return await _operators(request).usage(key_id, since, sort, model, by)
+
+
+@get(
+    "/v1/admin/budgets",
+    summary="Each key's budgets in their current periods: spent and left",
+    description="Spent counts the answered requests' use and the reservations of those in "
+    "flight; a period ends on Redis's clock (UTC).",
+    responses=ADMIN_ERRORS,
+    security=[{"bearer": []}],
+)
+async def admin_budgets(
+    request: Request[Any, Any, Any],
+    key_id: Annotated[str | None, Parameter(max_length=256, description="one key only")] = None,
+) -> BudgetReport:
+    return await _operators(request).budgets(key_id)
 
 
 @get(

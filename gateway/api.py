@@ -299,5 +299,25 @@ class UsageReport(msgspec.Struct):
     keys: list[KeyUsage]
 
 
+class KeyBudget(msgspec.Struct):
+    """One budget of one key in its current period: what it allows, what is
+    spent (answered requests' use, and the reservations of those in flight),
+    and what is left."""
+
+    key_id: str
+    tier: str
+    unit: str  # "tokens" or "gpu_seconds"
+    budget: int | float
+    spent: int | float
+    left: int | float
+    period: str
+    ends: str  # when the period ends (ISO 8601, UTC)
+
+
+class BudgetReport(msgspec.Struct):
+    at: str
+    keys: list[KeyBudget]
+
+
 class DeadLettersPurged(msgspec.Struct):
     purged: int

@@ -10,6 +10,7 @@ import msgspec
 from infergate.base import logs
 from infergate.base.metrics import NO_TIER
 from infergate.gateway.admin_routes import (
+    admin_budgets,
     admin_only,
     admin_policy,
     admin_usage,
@@ -83,7 +84,11 @@ INFERENCE_ERRORS = {
         ),
         ("MODEL_NOT_FOUND", "MODEL_NOT_FOUND: the policy serves no model of that name"),
         ("PAYLOAD_TOO_LARGE", "PAYLOAD_TOO_LARGE: the body is over the byte limit"),
-        ("RATE_LIMITED", "RATE_LIMITED: the key's quota is spent (Retry-After)"),
+        (
+            "RATE_LIMITED",
+            "RATE_LIMITED: the key's quota is spent (Retry-After); "
+            "BUDGET_EXCEEDED: its budget for the period is (no retry until it ends)",
+        ),
         ("INFERENCE_FAILED", "INFERENCE_FAILED: the backend failed on this input"),
         (
             "SERVICE_OVERLOADED",
@@ -351,6 +356,7 @@ def create_app(gateway: Gateway, inference: Inference) -> Litestar:
                     status,
                     admin_policy,
                     admin_usage,
+                    admin_budgets,
                     reload_policy,
                     dead_letters,
                     purge_dead_letters,

@@ -1,6 +1,7 @@
 """Charging a request to its key's quotas, and queueing it in the same
-step (``Quota.charge``), with what a client gets when a limit or its key's
-share of its tier says no: 429 with the x-ratelimit-* headers, or 503."""
+step (``Quota.charge``), with what a client gets when a limit, a budget or
+its key's share of its tier says no: 429 with the x-ratelimit-* headers,
+429 BUDGET_EXCEEDED (no retry), or 503."""
 
 from infergate.base import logs
 from infergate.base.errors import STORE_ERRORS
@@ -25,8 +26,10 @@ async def charge_quota(
     beside: Beside | None = None,
     allowance: float = 0.0,
     tokens: int = 0,
+    gpu_us: int = 0,
 ) -> QuotaResult:
-    """Charge the key's limits, ``tokens`` reserved of its token limits (and
+    """Charge the key's limits, ``tokens`` and ``gpu_us`` reserved of its
+    token limits and budgets (and
     queue ``envelope`` on ``queue_on``, with its long input ``beside`` it, in
     the same step, if the key holds less than its share of the tier's
     ``allowance``); returns what was charged (its x-ratelimit-* headers, its
@@ -42,14 +45,19 @@ async def charge_quota(
             allowance,
             gw.shares.recent_weight(key.tier, model=lane.label) if allowance else 0.0,
             tokens,
+            gpu_us,
         )
     except STORE_ERRORS as exc:
         raise store_refused(gw, key, lane, exc) from exc
     headers = quota.headers()
+    if quota.budget_use is not None:
+        gw.budgets.seen(key.id, *quota.budget_use)
     if quota.over_share:
         # (not demand the fleet should grow for: one key over its share)
         gw.count_refused(key, "key_share", lane, for_capacity=False)
         raise over_share(key, lane)
+    if quota.over_budget:
+        raise budget_spent(gw, key, lane, str(quota.refused_by), quota.retry_after_ms, headers)
     if not quota.allowed:
         raise quota_refused(
             gw,
@@ -63,30 +71,41 @@ async def charge_quota(
 
 
 def check_reservation(
-    gw: Gateway, lane: ModelLane, key: KeyEntry, tier: Tier, input_chars: int, tokens: int
+    gw: Gateway,
+    lane: ModelLane,
+    key: KeyEntry,
+    tier: Tier,
+    input_chars: int,
+    tokens: int,
+    gpu_us: int = 0,
 ) -> None:
     """429, not worth a retry, for a request whose reservation of ``tokens``
-    is over a token limit even in an empty window."""
-    over = lane.quota.over_as_a_whole(key, tier, [input_chars], tokens)
+    (or ``gpu_us``) is over a token limit or budget even when it is empty."""
+    over = lane.quota.over_as_a_whole(key, tier, [input_chars], tokens, gpu_us)
     if over is not None:
+        reserves = f"{tokens} tokens (its input's bound and its max_tokens)"
+        if gpu_us:
+            reserves += f", {gpu_us / 1e6:g} GPU seconds (a whole batch's)"
         raise quota_refused(
             gw,
             key,
             lane,
-            f"this request reserves {tokens} tokens (its input's bound and its max_tokens), "
-            f"over the key's limit of {over} as a whole: it can never be admitted; "
-            "ask for fewer max_tokens",
+            f"this request reserves {reserves}, over the key's {over} as a whole: "
+            "it can never be admitted; ask for fewer max_tokens",
             retryable=False,
         )
 
 
-async def settle(lane: ModelLane, reservation: Reservation | None, used: int) -> None:
-    """Give back what a request's token reservation did not use, once it
-    used ``used`` (Redis away: kept, so the limit is never overshot)."""
+async def settle(
+    lane: ModelLane, reservation: Reservation | None, tokens: int, gpu_us: int
+) -> None:
+    """Give back what a request's reservation did not use, once it used
+    ``tokens`` and ``gpu_us`` (Redis away: kept, so no limit or budget is
+    ever overshot)."""
     if reservation is None:
         return
     try:
-        await lane.quota.settle(reservation, used)
+        await lane.quota.settle(reservation, tokens, gpu_us)
     except Exception as exc:  # (whatever failed, what was reserved stays: never over)
         logs.limited(log, "request.settle_failed", level="warning", error=type(exc).__name__)
 
@@ -111,6 +130,27 @@ def quota_refused(
     """A key's limits say no: counted, and the 429 its client gets."""
     gw.count_refused(key, "quota", lane, for_capacity=False)
     return ApiError("RATE_LIMITED", message, retry_after_ms, headers, retryable=retryable)
+
+
+def budget_spent(
+    gw: Gateway,
+    key: KeyEntry,
+    lane: ModelLane,
+    budget: str,
+    until_ms: int | None,
+    headers: dict[str, str],
+) -> ApiError:
+    """A key's budget has no room for the request: counted, and a 429 no
+    retry helps until the period ends (``Retry-After``: then)."""
+    gw.count_refused(key, "budget", lane, for_capacity=False)
+    return ApiError(
+        "BUDGET_EXCEEDED",
+        f"this key's {budget} has no room left for this request; "
+        "it starts again when the period ends (UTC)",
+        until_ms,
+        headers,
+        retryable=False,
+    )
 
 
 def over_share(key: KeyEntry, lane: ModelLane) -> ApiError:

@@ -23,6 +23,7 @@ ERRORS: dict[str, tuple[int, str]] = {
     "PAYLOAD_TOO_LARGE": (413, "invalid_request_error"),
     "UNSUPPORTED_MEDIA_TYPE": (415, "invalid_request_error"),
     "RATE_LIMITED": (429, "rate_limit_error"),
+    "BUDGET_EXCEEDED": (429, "insufficient_quota"),
     "HEADERS_TOO_LARGE": (431, "invalid_request_error"),
     "INFERENCE_FAILED": (500, "server_error"),
     "INTERNAL": (500, "server_error"),

@@ -28,11 +28,10 @@ from infergate.gateway.charging import (
     charge_quota,
     check_reservation,
     over_share,
-    quota_refused,
     settle,
 )
 from infergate.gateway.checks import check_capacity, check_input, check_parameters
-from infergate.gateway.direct import RETRY_DIRECT_MS, Batcher
+from infergate.gateway.direct_serving import serve_directly
 from infergate.gateway.errors import ApiError, error_from_result
 from infergate.gateway.models import ModelLane
 from infergate.gateway.prompt_lists import ListCharge
@@ -72,10 +71,12 @@ class Request:
     quota_headers: dict[str, str] | None = None
     charged: "ListCharge | None" = None
     conversation: str | None = None
-    # Its token limits' reservation: what it reserves, the bound on its
-    # input within it, and what was charged (given back in part once answered).
+    # Its token limits' and budgets' reservation: the tokens it reserves,
+    # the bound on its input within them, the GPU time (µs) it reserves,
+    # and what was charged (given back in part once answered).
     reserve: int = 0
     input_bound: int = 0
+    reserve_gpu_us: int = 0
     reservation: Reservation | None = None
 
 
@@ -181,17 +182,7 @@ class Inference:
         share = Share.of(policy, key, body.input, params, call.conversation)
         cached = None if share is None or share.digest is None else await self._cached(lane, share)
         if cached is not None:
-            if call.charged is not None:  # (one of a list: charged with it)
-                call.charged.use(call.request_id)
-                headers = call.charged.headers
-            else:
-                tokens = 0  # (a cached answer's: its input's bound and the answer's, used)
-                if lane.quota.limits_tokens(key, tier):
-                    tokens = reservations.input_bound(body.input, call.conversation) + cached.tokens
-                charged = await charge_quota(
-                    self.gw, lane, key, tier, len(body.input), tokens=tokens
-                )
-                headers = charged.headers()
+            headers = await _charge_cached(self.gw, call, lane, key, tier, body.input, cached)
             self.gw.metrics.cache_hits.labels(key.tier).inc()
             return respond(call, started, key, lane, cached), headers
         await lane.fleet.fresh()
@@ -207,20 +198,18 @@ class Inference:
             request.temperature = params.temperature or 0.0
         request.count_input = call.count_input
         request.conversation = call.conversation
-        if lane.quota.limits_tokens(key, tier):
-            _reserve_tokens(request, policy.models[lane.name])
-            if call.charged is None:  # (a list is checked as a whole)
-                check_reservation(self.gw, lane, key, tier, len(request.text), request.reserve)
+        _reserve(self.gw, request, policy.models[lane.name], whole=call.charged is None)
         if call.charged is not None:  # (one of a list: charged with it, not again)
             request.quota_headers, request.charged = call.charged.headers, call.charged
         try:
             result = await self._collapsed_or_run(request, call.on_disconnect)
         except ApiError as exc:
             exc.headers.update(request.quota_headers or {})
-            if exc.code == "INFERENCE_FAILED":  # (its input failed: no tokens used)
-                await settle(lane, request.reservation, 0)
+            if exc.code == "INFERENCE_FAILED":  # (its input failed: nothing used)
+                await settle(lane, request.reservation, 0, 0)
             raise
-        await settle(lane, request.reservation, reservations.used(result, request.input_bound))
+        used = reservations.used(result, request.input_bound)
+        await settle(lane, request.reservation, used, reservations.gpu_used(result))
         return respond(call, started, key, lane, result), request.quota_headers or {}
 
     async def _cached(self, lane: ModelLane, share: "Share | None") -> wire.Result | None:
@@ -302,6 +291,7 @@ class Inference:
                 beside,
                 request.allowance,
                 request.reserve,
+                request.reserve_gpu_us,
             )
             request.quota_headers, request.reservation = quota.headers(), quota.reservation
         except ApiError:
@@ -340,8 +330,14 @@ class Inference:
             except asyncio.CancelledError:  # (its admit may still be on its way: withdrawn)
                 await cancel(request.lane.queue, envelope)
                 raise
+            reserved = request.reservation.unused(0, 0) if request.reservation else ()
             result = await wait_for_reply(
-                request.lane.queue, future, envelope, self._remaining_s(request), on_disconnect
+                request.lane.queue,
+                future,
+                envelope,
+                self._remaining_s(request),
+                on_disconnect,
+                reserved,
             )
         finally:
             self.gw.replies.forget(request_id)
@@ -377,74 +373,42 @@ class Inference:
             raise over_share(key, lane)
 
 
-async def serve_directly(
+async def _charge_cached(
     gw: Gateway,
+    call: Call,
     lane: ModelLane,
     key: KeyEntry,
     tier: Tier,
-    body: InferenceRequest,
-    batcher: Batcher,
-) -> wire.Result:
-    """A request served in direct mode (``direct.py``): within the gateway's
-    cap and its own count of the key's quotas, by the model's server."""
-    if gw.direct.started(lane.shard):
-        gw.metrics.direct_mode.set(1)
-    policy = gw.policy.current.for_model(lane.name)
-    doc = policy.document
-    params = body.parameters
-    if params is not None and params.temperature:
-        raise ApiError(
-            "SERVICE_OVERLOADED",
-            "Redis is unreachable: this gateway serves greedy requests only meanwhile "
-            "(send parameters.temperature 0, or retry)",
-            RETRY_DIRECT_MS,
-        )
-    if gw.direct.held() >= doc.direct.max_requests:
-        gw.count_refused(key, "direct_full", lane, for_capacity=False)
-        raise ApiError(
-            "SERVICE_OVERLOADED",
-            "Redis is unreachable and this gateway holds all the requests it serves "
-            "itself meanwhile (direct.max_requests); retry",
-            RETRY_DIRECT_MS,
-        )
-    max_tokens = (params.max_tokens or 0) if params is not None else 0
+    text: str,
+    cached: wire.Result,
+) -> dict[str, str]:
+    """A cached answer's charge (what it used: its input's bound and the
+    answer's tokens, no GPU time), or its share of its list's; its headers."""
+    if call.charged is not None:  # (one of a list: charged with it)
+        call.charged.use(call.request_id)
+        return call.charged.headers
     tokens = 0
-    if lane.quota.limits_tokens(key, tier):  # (reserved whole: nothing is settled here)
-        max_tokens = reservations.output_bound(max_tokens, policy.models[lane.name])
-        tokens = reservations.input_bound(body.input) + max_tokens
-        check_reservation(gw, lane, key, tier, len(body.input), tokens)
-    refused = gw.direct.quota.charge(key, lane.quota.charges(key, tier, len(body.input), tokens))
-    if refused is not None:
-        limit, retry_after_ms = refused
-        raise quota_refused(
-            gw,
-            key,
-            lane,
-            f"rate limit {limit.what} exceeded for this key "
-            "(counted by this gateway alone while Redis is unreachable)",
-            retry_after_ms,
-        )
-    gw.metrics.direct_requests.labels(key.tier).inc()
-    deadline_ms = (
-        tier.deadline_ms if body.timeout_ms is None else min(tier.deadline_ms, body.timeout_ms)
-    )
-    return await batcher.infer(
-        body.input,
-        key.tier,
-        max_tokens,
-        clock.now_ms() + deadline_ms,
-        doc.workers.concurrency,
-        doc.batching.max_batch_size,
-    )
+    if lane.quota.reserves_tokens(key, tier):
+        tokens = reservations.input_bound(text, call.conversation) + cached.tokens
+    return (await charge_quota(gw, lane, key, tier, len(text), tokens=tokens)).headers()
 
 
-def _reserve_tokens(request: Request, model: Model) -> None:
-    """What the request reserves of its key's token limits; the worker cuts
-    its output to what was reserved for it, and counts its input."""
-    request.input_bound = reservations.input_bound(request.text, request.conversation)
-    request.max_tokens = reservations.output_bound(request.max_tokens, model)
-    request.reserve = request.input_bound + request.max_tokens
-    request.count_input = True
+def _reserve(gw: Gateway, request: Request, model: Model, whole: bool) -> None:
+    """What the request reserves of its key's token limits and budgets (the
+    worker cuts its output to what was reserved for it, and counts its
+    input), 429 if that can never fit (``whole``: not one of a list, which
+    is checked as a whole)."""
+    lane, key, tier = request.lane, request.key, request.tier
+    if lane.quota.reserves_tokens(key, tier):
+        request.input_bound = reservations.input_bound(request.text, request.conversation)
+        request.max_tokens = reservations.output_bound(request.max_tokens, model)
+        request.reserve = request.input_bound + request.max_tokens
+        request.count_input = True
+    if lane.quota.reserves_gpu(key, tier):
+        request.reserve_gpu_us = reservations.gpu_bound(lane.fleet.slowest_batch_ms)
+    if whole and (request.reserve or request.reserve_gpu_us):
+        size = len(request.text)
+        check_reservation(gw, lane, key, tier, size, request.reserve, request.reserve_gpu_us)
 
 
 def _failed(exc: ApiError) -> wire.Result:

@@ -71,12 +71,18 @@ class Jobs:
         check_memory(gw, shard.index, key, None)
         body, tier, lane = self.inference.read_body(call.body, policy, key)
         params = body.parameters or Parameters()
-        max_tokens, reserve = params.max_tokens or 0, 0
-        if lane.quota.limits_tokens(key, tier):  # (kept whole: nobody waits on its answer)
+        max_tokens, reserve, gpu_us = params.max_tokens or 0, 0, 0
+        # (its reservation kept whole: nobody waits on its answer to settle it)
+        if lane.quota.reserves_tokens(key, tier):
             max_tokens = reservations.output_bound(max_tokens, policy.models[lane.name])
             reserve = reservations.input_bound(body.input) + max_tokens
-            check_reservation(gw, lane, key, tier, len(body.input), reserve)
-        quota = await charge_quota(gw, lane, key, tier, len(body.input), tokens=reserve)
+        if lane.quota.reserves_gpu(key, tier):
+            gpu_us = reservations.gpu_bound(lane.fleet.slowest_batch_ms)
+        if reserve or gpu_us:
+            check_reservation(gw, lane, key, tier, len(body.input), reserve, gpu_us)
+        quota = await charge_quota(
+            gw, lane, key, tier, len(body.input), tokens=reserve, gpu_us=gpu_us
+        )
         headers = quota.headers()
         now_ms = clock.now_ms()
         deadline_ms = tier.job_deadline_ms
@@ -102,7 +108,7 @@ class Jobs:
             )
             if not accepted:
                 await shard.quota.refund(key, tier, len(body.input))
-                await shard.quota.settle(quota.reservation, 0)
+                await shard.quota.settle(quota.reservation, 0, 0)
                 headers = _refunded(headers)
         except STORE_ERRORS as exc:
             raise gw.store_failed(exc, shard.index) from exc

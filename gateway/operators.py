@@ -6,21 +6,24 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from infergate.base import clock, logs
+from infergate.base import clock, logs, periods
 from infergate.base.errors import STORE_ERRORS
 from infergate.base.fleet import worker_capacity_rps
 from infergate.base.queue import usage
 from infergate.base.tiers import TIERS
 from infergate.gateway.api import (
     AdminPolicy,
+    BudgetReport,
     DeadLetters,
     DeadLettersPurged,
+    KeyBudget,
     ReloadResult,
     StatusResponse,
     UsageReport,
     WorkerStatus,
 )
 from infergate.gateway.errors import ApiError, redis_unreachable
+from infergate.gateway.quota import budget_of
 from infergate.gateway.service import Gateway
 from infergate.policies import KeyEntry
 
@@ -116,6 +119,32 @@ class Operators:
             raise redis_unreachable() from exc  # (a read: which shard failed changes nothing)
         rows.sort(key=lambda r: (r.period or "", -getattr(r, sort), r.key_id))
         return UsageReport(_iso(since_ms), _iso(now_ms), rows)
+
+    async def budgets(self, key_id: str | None = None) -> BudgetReport:
+        """Every budgeted key's budgets (or ``key_id``'s) in their current
+        periods, read from their shards: spent and left."""
+        policy = self.gw.policy.current
+        now_ms = clock.now_ms()
+        rows: list[KeyBudget] = []
+        for key in policy.document.keys:
+            budget = budget_of(key, policy.tiers[key.tier])
+            if budget is None or (key_id is not None and key.id != key_id):
+                continue
+            shard = self.gw.shard_of(key.id)
+            charges = shard.quota.budget_charges(key.id, budget)
+            try:
+                spent = await shard.queue.spent([c.counter for c in charges], now_ms)
+            except STORE_ERRORS as exc:
+                raise redis_unreachable() from exc
+            ends = _iso(periods.ends_ms(now_ms, budget.period))
+            for charge, used in zip(charges, spent, strict=True):
+                amount, left = charge.counter.amount, max(0, charge.counter.amount - used)
+                if charge.kind == "gpu_budget":  # (counted in microseconds)
+                    row = ("gpu_seconds", amount / 1e6, used / 1e6, left / 1e6)
+                else:
+                    row = ("tokens", amount, used, left)
+                rows.append(KeyBudget(key.id, key.tier, *row, budget.period, ends))
+        return BudgetReport(_iso(now_ms), rows)
 
     async def status(self, model: str | None = None, shard: int = 0) -> StatusResponse:
         lane = self.gw.lanes.named(self.gw.policy.current, model, shard)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from infergate.base import logs
 from infergate.base.errors import STORE_ERRORS
 from infergate.gateway import reservations
-from infergate.gateway.charging import quota_refused, store_refused
+from infergate.gateway.charging import budget_spent, quota_refused, store_refused
 from infergate.gateway.models import ModelLane
 from infergate.gateway.service import Gateway
 from infergate.policies import KeyEntry, Tier
@@ -45,14 +45,16 @@ async def charge(
 ) -> ListCharge:
     """Charge the key's quotas for every prompt (``inputs`` by request id)
     at once; 429 if they have no room for all of them, charging nothing.
-    Their token reservation is kept whole (``reservations.py``)."""
+    Their reservation is kept whole (``reservations.py``)."""
     chars = [len(text) for text in inputs.values()]
-    tokens = 0
-    if lane.quota.limits_tokens(key, tier):
+    tokens = gpu_us = 0
+    if lane.quota.reserves_tokens(key, tier):
         model = gw.policy.current.models[lane.name]
         out = reservations.output_bound(max_tokens, model)
         tokens = sum(reservations.input_bound(text) + out for text in inputs.values())
-    over = lane.quota.over_as_a_whole(key, tier, chars, tokens)
+    if lane.quota.reserves_gpu(key, tier):
+        gpu_us = reservations.gpu_bound(lane.fleet.slowest_batch_ms) * len(chars)
+    over = lane.quota.over_as_a_whole(key, tier, chars, tokens, gpu_us)
     if over is not None:
         raise quota_refused(
             gw,
@@ -63,10 +65,14 @@ async def charge(
             retryable=False,
         )
     try:
-        result = await lane.quota.charge_list(key, tier, chars, tokens)
+        result = await lane.quota.charge_list(key, tier, chars, tokens, gpu_us)
     except STORE_ERRORS as exc:
         raise store_refused(gw, key, lane, exc) from exc
     headers = result.headers()
+    if result.budget_use is not None:
+        gw.budgets.seen(key.id, *result.budget_use)
+    if result.over_budget:
+        raise budget_spent(gw, key, lane, str(result.refused_by), result.retry_after_ms, headers)
     if not result.allowed:
         raise quota_refused(
             gw,

@@ -1,6 +1,7 @@
 """Per-key quotas: sliding windows counted in Redis (``admit.lua``: ten
 buckets a window, never more than 110 % of a limit in any window-long span),
-so every gateway process shares one count.
+and budgets over calendar periods (``budget.lua``), so every gateway process
+shares one count.
 
 ``limits`` parses the policy's rates and names each window's counter; the
 counting is ``admit.lua``, which charges a request to all of its limits and
@@ -19,7 +20,7 @@ from typing import NamedTuple
 
 from infergate.base.queue.gateway import Admitted, Counter, GatewayQueue, Place
 from infergate.base.queue.inputs import Beside
-from infergate.policies import KeyEntry, Tier
+from infergate.policies import Budget, KeyEntry, Tier
 from limits import RateLimitItem, parse_many
 
 # Keys remembered as refused lately (when full, those whose refusal has
@@ -42,12 +43,19 @@ def parse_rates(rates: tuple[str, ...]) -> tuple[RateLimitItem, ...]:
 # Each kind of limit: its window's name, and what a refusal calls its unit.
 _NAMES = {"requests": "requests", "cost": "chars", "tokens": "tokens"}
 _WHAT = {"requests": "requests", "cost": "input characters", "tokens": "tokens"}
+# The kinds a request reserves, settled by the tokens it used (the rest: by
+# its share of its batch's GPU time, "gpu_budget"); the budgets, refused
+# until their period ends.
+BY_TOKENS = ("tokens", "token_budget")
+BUDGETS = ("token_budget", "gpu_budget")
 
 
 class Charge(NamedTuple):
-    item: RateLimitItem
+    item: RateLimitItem | None  # (a budget has none)
     counter: Counter
-    kind: str  # "requests", "cost" (input characters) or "tokens" (a reservation)
+    # "requests", "cost" (input characters), "tokens" (a reservation), or a
+    # budget's: "token_budget", "gpu_budget" (microseconds reserved)
+    kind: str
     what: str  # how a refusal names it
 
 
@@ -63,6 +71,11 @@ class QuotaResult:
     retry_after_ms: int | None = None
     # Refused (and charged nothing): its key holds its share of the tier already.
     over_share: bool = False
+    # Refused by a budget: nothing is admitted until its period ends.
+    over_budget: bool = False
+    # The most used of its budgets (1: refused for one) and when its period
+    # ends (Redis's clock, epoch ms), if it has one (``budgets.py``).
+    budget_use: tuple[float, int] | None = None
     # The token limit closest to running out (the x-ratelimit-*-tokens headers),
     # and, admitted, the tokens it reserved (given back by ``Quota.settle``).
     tokens: "TokenWindow | None" = None
@@ -96,18 +109,24 @@ class TokenWindow(NamedTuple):
 
 @dataclass(frozen=True)
 class Reservation:
-    """Tokens an admitted request reserved in each of its token windows, as
-    Redis's clock read when it charged them (their bucket)."""
+    """What an admitted request reserved (each counter's cost): tokens in its
+    token windows and token budget, GPU microseconds in its GPU budget, as
+    Redis's clock read when it charged them (their bucket or period)."""
 
-    counters: tuple[Counter, ...]
+    by_tokens: tuple[Counter, ...]
+    by_gpu: tuple[Counter, ...]
     charged_ms: int
-    tokens: int
 
-    def unused(self, used: int) -> list[tuple[Counter, int, int]]:
-        """What goes back to each window once it used ``used`` tokens
-        (negative: what it used past its reservation, charged then)."""
-        back = self.tokens - max(used, 0)
-        return [(c, self.charged_ms, back) for c in self.counters] if back else []
+    def unused(self, tokens: int, gpu_us: int) -> list[tuple[Counter, int, int]]:
+        """What goes back to each counter once the request used ``tokens``
+        and ``gpu_us`` (negative: what it used past its reservation,
+        charged then)."""
+        return [
+            (c, self.charged_ms, c.cost - max(used, 0))
+            for counters, used in ((self.by_tokens, tokens), (self.by_gpu, gpu_us))
+            for c in counters
+            if c.cost != max(used, 0)
+        ]
 
 
 class Quota:
@@ -118,21 +137,38 @@ class Quota:
         self._refused_until: dict[str, float] = {}
         self._pruned_at = -float("inf")
 
-    def charges(self, key: KeyEntry, tier: Tier, input_chars: int, tokens: int = 0) -> list[Charge]:
+    def charges(
+        self, key: KeyEntry, tier: Tier, input_chars: int, tokens: int = 0, gpu_us: int = 0
+    ) -> list[Charge]:
         """The request's charge to each of its key's limits: one request,
-        ``input_chars``, and ``tokens`` reserved (``reservations.py``)."""
+        ``input_chars``, ``tokens`` reserved (``reservations.py``), and
+        ``gpu_us`` reserved of its GPU budget."""
         rates = key.rate_limits if key.rate_limits is not None else tier.rate_limits
         token_rates = key.token_limits if key.token_limits is not None else tier.token_limits
-        windows = self._windows(key.id, tuple(rates), tier.cost_limit, tuple(token_rates))
-        return [
-            w if w.kind == "requests" else _costing(w, input_chars if w.kind == "cost" else tokens)
-            for w in windows
-        ]
+        windows = self._windows(
+            key.id, tuple(rates), tier.cost_limit, tuple(token_rates), budget_of(key, tier)
+        )
+        costs = {
+            "cost": input_chars,
+            "tokens": tokens,
+            "token_budget": tokens,
+            "gpu_budget": gpu_us,
+        }
+        return [w if w.kind == "requests" else _costing(w, costs[w.kind]) for w in windows]
 
     @staticmethod
-    def limits_tokens(key: KeyEntry, tier: Tier) -> bool:
-        """Whether the key's requests reserve tokens (it has token limits)."""
+    def reserves_tokens(key: KeyEntry, tier: Tier) -> bool:
+        """Whether the key's requests reserve tokens (token limits, a token budget)."""
+        budget = budget_of(key, tier)
+        if budget is not None and budget.tokens is not None:
+            return True
         return bool(key.token_limits if key.token_limits is not None else tier.token_limits)
+
+    @staticmethod
+    def reserves_gpu(key: KeyEntry, tier: Tier) -> bool:
+        """Whether the key's requests reserve GPU time (a GPU budget)."""
+        budget = budget_of(key, tier)
+        return budget is not None and budget.gpu_seconds is not None
 
     @lru_cache(maxsize=4096)  # noqa: B019 (one Quota per process, for its life)
     def _windows(
@@ -141,15 +177,38 @@ class Quota:
         rates: tuple[str, ...],
         cost_limit: str | None,
         token_rates: tuple[str, ...] = (),
+        budget: Budget | None = None,
     ) -> list[Charge]:
         """A key's limits, named once: only the cost of a cost or token
-        limit changes per request."""
+        limit, or of a budget, changes per request."""
         out = [self._charge(item, key_id, "requests", 1) for item in parse_rates(rates)]
         if cost_limit:
             out += [self._charge(item, key_id, "cost", 0) for item in parse_rates((cost_limit,))]
         out += [self._charge(item, key_id, "tokens", 0) for item in parse_rates(token_rates)]
+        if budget is not None:
+            out += self.budget_charges(key_id, budget)
         # A limit written twice is one window (admit.lua reads each window once).
         return list({c.counter.key: c for c in out}.values())
+
+    def budget_charges(self, key_id: str, budget: Budget) -> list[Charge]:
+        """A budget's counters (its amount is not in their name: a budget
+        raised within a period keeps what was spent in it)."""
+        out = []
+        period = budget.period
+        if budget.tokens is not None:
+            name = self.queue.counter_key(f"budget/{key_id}/tokens/{period}")
+            counter = Counter(name, 0, budget.tokens, 0, True, period)
+            out.append(
+                Charge(
+                    None, counter, "token_budget", f"budget of {budget.tokens} tokens a {period}"
+                )
+            )
+        if budget.gpu_seconds is not None:
+            name = self.queue.counter_key(f"budget/{key_id}/gpu_us/{period}")
+            counter = Counter(name, 0, round(budget.gpu_seconds * 1e6), 0, True, period)
+            what = f"budget of {budget.gpu_seconds:g} GPU seconds a {period}"
+            out.append(Charge(None, counter, "gpu_budget", what))
+        return out
 
     def _charge(self, item: RateLimitItem, key_id: str, kind: str, cost: int) -> Charge:
         name = item.key_for(key_id, _NAMES[kind])
@@ -169,15 +228,16 @@ class Quota:
         allowance: float = 0.0,
         recent_weight: float = 0.0,
         tokens: int = 0,
+        gpu_us: int = 0,
     ) -> QuotaResult:
         """Charge the request to its key's limits; with ``queue_on`` (a tier),
         queue ``envelope`` there too (and store its long input ``beside`` it),
         in the same step, if it was admitted: its key's limits have room, and
         the key holds less than its weight's share of ``allowance`` (or hand
         it straight to an idle worker: ``GatewayQueue.admit``). ``recent_weight``:
-        the weights of the tier's keys admitted lately (``Place``); ``tokens``:
-        what it reserves of its token limits."""
-        charges = self.charges(key, tier, input_chars, tokens)
+        the weights of the tier's keys admitted lately (``Place``); ``tokens``
+        and ``gpu_us``: what it reserves of its token limits and budgets."""
+        charges = self.charges(key, tier, input_chars, tokens, gpu_us)
         if not charges and queue_on is None:
             return QuotaResult(True)
         place = Place(key.id, max(1, input_chars), key.weight, allowance, recent_weight)
@@ -221,31 +281,32 @@ class Quota:
         charges = self._for_many(self.charges(key, tier, input_chars), requests)
         await self.queue.admit([c.counter._replace(cost=-c.counter.cost) for c in charges])
 
-    async def settle(self, reservation: "Reservation | None", used: int) -> None:
-        """Give back to its token windows what a reservation did not use."""
-        if reservation is not None and (unused := reservation.unused(used)):
+    async def settle(self, reservation: "Reservation | None", tokens: int, gpu_us: int) -> None:
+        """Give back to its counters what a reservation did not use, once its
+        request used ``tokens`` and ``gpu_us``."""
+        if reservation is not None and (unused := reservation.unused(tokens, gpu_us)):
             await self.queue.settle(unused)
 
     async def charge_list(
-        self, key: KeyEntry, tier: Tier, input_chars: list[int], tokens: int = 0
+        self, key: KeyEntry, tier: Tier, input_chars: list[int], tokens: int = 0, gpu_us: int = 0
     ) -> QuotaResult:
         """Charge ``len(input_chars)`` requests at once, in one step: all of
-        them, or none if any limit lacks room for all (``tokens``: what they
-        reserve together)."""
+        them, or none if any limit lacks room for all (``tokens``, ``gpu_us``:
+        what they reserve together)."""
         charges = self._for_many(
-            self.charges(key, tier, sum(input_chars), tokens), len(input_chars)
+            self.charges(key, tier, sum(input_chars), tokens, gpu_us), len(input_chars)
         )
         if not charges:
             return QuotaResult(True)
         return _result(charges, await self.queue.admit([c.counter for c in charges]))
 
     def over_as_a_whole(
-        self, key: KeyEntry, tier: Tier, input_chars: list[int], tokens: int = 0
+        self, key: KeyEntry, tier: Tier, input_chars: list[int], tokens: int = 0, gpu_us: int = 0
     ) -> str | None:
         """The limit that ``input_chars`` (requests at once, reserving
-        ``tokens``) are over even in an empty window, if one is: no wait
-        makes room for them."""
-        for c in self.charges(key, tier, sum(input_chars), tokens):
+        ``tokens`` and ``gpu_us``) are over even in an empty window or
+        period, if one is: no wait makes room for them."""
+        for c in self.charges(key, tier, sum(input_chars), tokens, gpu_us):
             need = len(input_chars) if c.kind == "requests" else c.counter.cost
             if need > c.counter.amount:
                 return str(c.what)
@@ -262,32 +323,52 @@ class Quota:
         ]
 
 
+def budget_of(key: KeyEntry, tier: Tier) -> Budget | None:
+    """The key's budget: its own, or else its tier's."""
+    return key.budget if key.budget is not None else tier.budget
+
+
 def _costing(charge: Charge, cost: int) -> Charge:
     """A cost limit's charge for this request's cost (built directly: a
     namedtuple's ``_replace`` costs more than the rest of the charge)."""
-    key, _, amount, window_s, hard = charge.counter
-    return Charge(charge.item, Counter(key, cost, amount, window_s, hard), charge.kind, charge.what)
+    key, _, amount, window_s, hard, period = charge.counter
+    counter = Counter(key, cost, amount, window_s, hard, period)
+    return Charge(charge.item, counter, charge.kind, charge.what)
 
 
 def _result(charges: list[Charge], admitted: Admitted) -> QuotaResult:
     """The headers' limits (the request and token limits closest to running
-    out), the tokens reserved, and the first limit that refused, if one did."""
+    out), what was reserved, and the first limit that refused, if one did."""
     result = _requests_result(charges, admitted)
-    if not charges or charges[-1].kind != "tokens":  # (token limits come last)
+    if not charges or charges[-1].kind in ("requests", "cost"):  # (reserving ones come last)
         return result
-    tokens = [
+    windows = [
         (c, count, ttl_ms)
         for c, count, ttl_ms in zip(charges, admitted.counts, admitted.ttls_ms, strict=True)
         if c.kind == "tokens"
     ]
-    charge, count, ttl_ms = min(tokens, key=lambda w: w[0].item.amount - w[1])
-    amount = charge.item.amount
-    window = TokenWindow(amount, max(0, amount - count), _left_s(charge, ttl_ms))
+    tokens = None
+    if windows:
+        charge, count, ttl_ms = min(windows, key=lambda w: w[0].counter.amount - w[1])
+        amount = charge.counter.amount
+        tokens = TokenWindow(amount, max(0, amount - count), _left_s(charge, ttl_ms))
+    budgets = [
+        (count / c.counter.amount, admitted.now_ms + ttl_ms)
+        for c, count, ttl_ms in zip(charges, admitted.counts, admitted.ttls_ms, strict=True)
+        if c.kind in BUDGETS
+    ]
+    budget_use = max(budgets) if budgets else None
+    if budget_use is not None and result.over_budget:
+        budget_use = (1.0, budget_use[1])
     reservation = None
-    if admitted.admitted and charge.counter.cost > 0:
-        counters = tuple(c.counter for c, _, _ in tokens)
-        reservation = Reservation(counters, admitted.now_ms, charge.counter.cost)
-    return dataclasses.replace(result, tokens=window, reservation=reservation)
+    if admitted.admitted:
+        by_tokens = tuple(c.counter for c in charges if c.kind in BY_TOKENS and c.counter.cost > 0)
+        by_gpu = tuple(c.counter for c in charges if c.kind == "gpu_budget" and c.counter.cost > 0)
+        if by_tokens or by_gpu:
+            reservation = Reservation(by_tokens, by_gpu, admitted.now_ms)
+    return dataclasses.replace(
+        result, tokens=tokens, reservation=reservation, budget_use=budget_use
+    )
 
 
 def _requests_result(charges: list[Charge], admitted: Admitted) -> QuotaResult:
@@ -297,7 +378,7 @@ def _requests_result(charges: list[Charge], admitted: Admitted) -> QuotaResult:
     # come first): no search.
     one_request_limit = len(charges) == 1 or (len(charges) > 1 and charges[1].kind != "requests")
     if admitted.admitted and one_request_limit and charges[0].kind == "requests":
-        amount = charges[0].item.amount
+        amount = charges[0].counter.amount
         left_s = _left_s(charges[0], admitted.ttls_ms[0])
         return QuotaResult(True, amount, max(0, amount - admitted.counts[0]), left_s)
     windows = list(zip(charges, admitted.counts, admitted.ttls_ms, strict=True))
@@ -305,8 +386,8 @@ def _requests_result(charges: list[Charge], admitted: Admitted) -> QuotaResult:
     reset_s = None
     requests = [w for w in windows if w[0].kind == "requests"]
     if requests:
-        charge, count, ttl_ms = min(requests, key=lambda w: w[0].item.amount - w[1])
-        limit, remaining = charge.item.amount, max(0, charge.item.amount - count)
+        charge, count, ttl_ms = min(requests, key=lambda w: w[0].counter.amount - w[1])
+        limit, remaining = charge.counter.amount, max(0, charge.counter.amount - count)
         reset_s = _left_s(charge, ttl_ms)
     if admitted.admitted:
         return QuotaResult(True, limit, remaining, reset_s)
@@ -318,6 +399,7 @@ def _requests_result(charges: list[Charge], admitted: Admitted) -> QuotaResult:
         reset_s,
         refused_by=charge.what,
         retry_after_ms=max(1, math.ceil(_left_s(charge, ttl_ms) * 1000)),
+        over_budget=charge.kind in BUDGETS,
     )
 
 

@@ -8,6 +8,7 @@ the three together.
 import contextlib
 import dataclasses
 from dataclasses import dataclass
+from functools import partial
 
 from infergate.base import clock, logs, tracing
 from infergate.base.errors import STORE_ERRORS, UNAVAILABLE, input_not_stored, out_of_memory
@@ -28,6 +29,7 @@ from infergate.base.queue.store import Store
 from infergate.base.settings import ProcessSettings
 from infergate.base.tiers import TIERS
 from infergate.gateway.auth import Authenticator
+from infergate.gateway.budgets import MARKS, BudgetWatch
 from infergate.gateway.direct import DirectMode, MakeCall
 from infergate.gateway.errors import ApiError, input_not_kept, redis_full, redis_unreachable
 from infergate.gateway.holds import Holds
@@ -114,6 +116,11 @@ class Gateway:
             self.metrics.redis_memory_high_water,
         )
         self.direct = DirectMode(direct_call, self.id)
+        self.budgets = BudgetWatch()
+        for mark in MARKS:
+            self.metrics.budget_keys.labels(f"{mark:g}").set_function(
+                partial(self.budgets.keys_at, mark)
+            )
         self.draining = False
         self.key_set = KeySet(policy)
         self.authenticator = Authenticator(self.key_set)

@@ -140,7 +140,8 @@ class Answers:
         size = len(live) + len(lost)
         results = self.lost_results(batch, lost, started_ms, size) if lost else []
         tokens: list[tuple[int, int]] = []
-        for env in live:
+        gpu = shares(infer_ms * 1000, len(live))
+        for env, gpu_us in zip(live, gpu, strict=True):
             # Reported as served by the model, whichever copy ran: the keys of a
             # batch must not learn from served_by that another sent the same input.
             outcome = outcome_of[slot_key(env)]
@@ -156,6 +157,7 @@ class Answers:
                 started_ms,
                 infer_ms,
                 input_tokens if env.count_input else 0,  # (where its envelope asks)
+                gpu_us,
             )
             results.append((wire.destination(env), result))
             if (
@@ -169,7 +171,7 @@ class Answers:
                     )
                 )
         answer.replies = group_by_gateway(results)
-        answer.usage = charges(live, infer_ms, tokens)
+        answer.usage = charges(live, gpu, tokens)
         # (the batch leaves processing with its answer: none of them runs again)
         answer.inputs_done = inputs.input_keys(self.keys, batch.envelopes)
         self.tally.batch_served(len(live))
@@ -247,13 +249,12 @@ class Answers:
 
 
 def charges(
-    live: list[wire.Envelope], infer_ms: int, tokens: list[tuple[int, int]]
+    live: list[wire.Envelope], gpu: list[int], tokens: list[tuple[int, int]]
 ) -> list[Charge]:
     """Each key's share of a call that ran ``live``: its requests, their input
-    characters, the call's time split evenly over them, and their input and
-    output ``tokens``."""
+    characters, their ``gpu`` shares of the call's time (``shares``: split
+    evenly over them), and their input and output ``tokens``."""
     per_key: dict[tuple[str, str], list[int]] = {}
-    gpu = shares(infer_ms * 1000, len(live))
     for env, gpu_us, (tokens_in, tokens_out) in zip(live, gpu, tokens, strict=True):
         chars = env.input_chars or len(env.input or "")
         counts = per_key.setdefault((env.key_id, env.tier), [0, 0, 0, 0, 0, 0])
@@ -274,6 +275,7 @@ def _result(
     started_ms: int,
     infer_ms: int,
     input_tokens: int,
+    gpu_us: int,
 ) -> wire.Result:
     common = dict(
         id=env.id,
@@ -282,6 +284,7 @@ def _result(
         worker=worker_id,
         queue_ms=max(0, started_ms - env.enqueued_ms),
         infer_ms=infer_ms,
+        gpu_us=gpu_us,
     )
     if isinstance(outcome, BackendError):
         # (an upstream that did not answer: no input is at fault, retry)

@@ -6,10 +6,11 @@
 
 from infergate.policies.errors import PolicyError, Problem
 from infergate.policies.loader import load_policy, parse_policy
-from infergate.policies.schema import Batching, Capacity, KeyEntry, Policy, Tier
+from infergate.policies.schema import Batching, Budget, Capacity, KeyEntry, Policy, Tier
 
 __all__ = [
     "Batching",
+    "Budget",
     "Capacity",
     "KeyEntry",
     "Policy",

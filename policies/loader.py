@@ -22,6 +22,7 @@ from infergate.policies.models import check_batching, check_models, check_worker
 from infergate.policies.schema import (
     Autoscale,
     Batching,
+    Budget,
     Capacity,
     Document,
     Jobs,
@@ -292,6 +293,7 @@ def _check_tier(name: str, tier: Tier, at: Locator) -> list[Problem]:
     if tier.cost_limit is not None:
         out.extend(_check_rates([tier.cost_limit], [*here, "cost_limit"], at, single=True))
     out.extend(_check_rates(tier.token_limits, [*here, "token_limits"], at))
+    out.extend(_check_budget(tier.budget, [*here, "budget"], at))
     if not 0.0 <= tier.min_batch_share <= 1.0:
         out.append(at.problem([*here, "min_batch_share"], "must be between 0 and 1, e.g. 0.1"))
     if not 1_000 <= tier.job_deadline_ms <= 7 * 86_400_000:
@@ -346,6 +348,7 @@ def _check_keys(doc: Document, at: Locator) -> list[Problem]:
             out.extend(_check_rates(key.rate_limits, [*here, "rate_limits"], at))
         if key.token_limits is not None:
             out.extend(_check_rates(key.token_limits, [*here, "token_limits"], at))
+        out.extend(_check_budget(key.budget, [*here, "budget"], at))
         if not 0.01 <= key.weight <= 1000:  # (NaN fails too)
             out.append(
                 at.problem([*here, "weight"], "must be between 0.01 and 1000, e.g. 1 (the default)")
@@ -448,6 +451,24 @@ def body_bytes_for(max_input_chars: int) -> int:
 
 # A limit's window at most (its counters expire 1.1 windows after their last charge).
 MAX_WINDOW_S = 366 * 86_400
+# A budget's most: GPU time (a thousand GPUs' year) and tokens.
+MAX_BUDGET_GPU_S = 1000 * 366 * 86_400
+MAX_BUDGET_TOKENS = 10**15
+
+
+def _check_budget(budget: Budget | None, path: list[str | int], at: Locator) -> list[Problem]:
+    if budget is None:
+        return []
+    out: list[Problem] = []
+    if budget.gpu_seconds is None and budget.tokens is None:
+        out.append(at.problem(path, "give gpu_seconds, tokens or both, e.g. {gpu_seconds: 36000}"))
+    if budget.gpu_seconds is not None and not 0.001 <= budget.gpu_seconds <= MAX_BUDGET_GPU_S:
+        out.append(
+            at.problem([*path, "gpu_seconds"], f"must be 0.001 to {MAX_BUDGET_GPU_S}, e.g. 36000")
+        )
+    if budget.tokens is not None and not 1 <= budget.tokens <= MAX_BUDGET_TOKENS:
+        out.append(at.problem([*path, "tokens"], f"must be 1 to {MAX_BUDGET_TOKENS}, e.g. 5000000"))
+    return out
 
 
 def _check_rates(

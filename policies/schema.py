@@ -1,9 +1,20 @@
 """The policy's typed sections. Field names and defaults here are the
 document's; ``policies/example.yaml`` shows and explains every one."""
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
+
+
+class Budget(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    # What one key may use each period (UTC, on Redis's clock; a week starts
+    # on Monday): GPU time (its requests' measured shares of their batches),
+    # tokens (input plus output), or both. Reserved as a request is admitted,
+    # the unused part given back as it is answered; at the cap, 429
+    # BUDGET_EXCEEDED until the period ends.
+    gpu_seconds: float | None = None
+    tokens: int | None = None
+    period: Literal["day", "week", "month"] = "month"
 
 
 class Tier(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -22,6 +33,8 @@ class Tier(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # ["100000/minute"]: reserved as a request is admitted, the unused part
     # given back as it is answered; a hard bound across every gateway.
     token_limits: list[str] = msgspec.field(default_factory=list)
+    # Each of its keys' budget (a key's own overrides it).
+    budget: Budget | None = None
     # The share of every batch reserved for this tier when it has work (0-1).
     min_batch_share: float = 0.0
     # An asynchronous job (POST /v1/jobs) not started by then is 'expired'.
@@ -35,9 +48,10 @@ class KeyEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     sha256: str
     disabled: bool = False
     admin: bool = False
-    # Overrides the tier's rate limits (token limits) for this key when given.
+    # Overrides the tier's rate limits (token limits, budget) for this key when given.
     rate_limits: list[str] | None = None
     token_limits: list[str] | None = None
+    budget: Budget | None = None
     # Its share of its tier against the tier's other keys with requests
     # waiting (fair queuing), relative to theirs: 2 gets twice a 1's share.
     weight: float = 1.0

@@ -20,7 +20,7 @@ from infergate.base import wire
 from infergate.base.keys import Keys
 from infergate.base.queue import usage
 from infergate.base.queue.store import Store
-from infergate.base.queue.usage import Charge
+from infergate.base.queue.usage import Charge, shares
 from infergate.gpu.answers import Answers, charges
 from infergate.gpu.backend import BackendError, Counted
 from infergate.gpu.backends.simulated import SimulatedBackend
@@ -320,7 +320,7 @@ def test_tokens_a_server_did_not_count_are_counted_by_the_worker() -> None:
     assert answers._input_tokens(env, neither) == 3
     assert answers._clipped(Counted("", tokens=0), 0) == ("", 0)
     assert answers._input_tokens(env, BackendError("failed")) == 0
-    [charge] = charges([env, env], 10, [(3, 2), (0, 0)])
+    [charge] = charges([env, env], shares(10_000, 2), [(3, 2), (0, 0)])
     assert charge == Charge("k", "paid", 2, 32, 10_000, 0, 3, 2)
 
 

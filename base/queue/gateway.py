@@ -6,7 +6,7 @@ import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, NamedTuple
 
-from infergate.base import clock, wire
+from infergate.base import clock, periods, wire
 from infergate.base.errors import STORE_ERRORS
 from infergate.base.queue import dead_letters, inputs
 from infergate.base.queue.forming import new_batch_id
@@ -28,6 +28,9 @@ class Counter(NamedTuple):
     # A hard bound (tokens): no window-long span is charged more than
     # ``amount``; otherwise a tenth more may fall in one (window.lua).
     hard: bool = False
+    # A budget's calendar period ("day", "week", "month": base/periods.py)
+    # instead of a sliding window (budget.lua); always a hard bound.
+    period: str = ""
 
     @property
     def most(self) -> int:
@@ -65,6 +68,19 @@ class Admitted(NamedTuple):
     over_share: bool = False  # refused: its key already holds its share of the tier
     refused_by: int = -1  # the first counter without room (its index), if any
     now_ms: int = 0  # Redis's clock as it charged (the buckets charged: ``settle``)
+
+
+# How long past its deadline a withdrawn request's reservation waits for a
+# take to drop the request (after that, it is kept: never over).
+RESERVED_KEPT_MS = 300_000
+
+
+def _bucket(counter: Counter, charged_ms: int) -> int:
+    """The bucket (a window's tenth, a budget's period) a charge at
+    ``charged_ms`` (Redis's clock) went into."""
+    if counter.period:
+        return periods.index_at(charged_ms, counter.period)
+    return charged_ms * 10 // (counter.window_s * 1000)
 
 
 # admit_request.lua's verdicts: the first field of its reply.
@@ -160,7 +176,7 @@ class GatewayQueue:
         names = [c.key for c in counters]
         args: list[str | int | float | bytes] = [len(counters), envelope]
         for c in counters:
-            args += (c.cost, c.amount, c.most, c.window_s)
+            args += (c.cost, c.amount, c.most, c.period or c.window_s)
         stored_first = None
         if tier is not None:
             names += (keys.fair_queue(tier), keys.doorbell, keys.fair_state(tier))
@@ -195,14 +211,26 @@ class GatewayQueue:
 
     async def settle(self, unused: Sequence[tuple[Counter, int, int]]) -> None:
         """Give back what reservations of hard bounds did not use: each
-        (counter, Redis's clock as it was charged, tokens unused) to the
+        (counter, Redis's clock as it was charged, what is unused) to the
         bucket it was charged in (``settle.lua``, gathered: settlements.py)."""
         names: list[str] = []
         args: list[int] = []
         for counter, charged_ms, back in unused:
             names.append(counter.key)
-            args += (charged_ms * 10 // (counter.window_s * 1000), back)
+            args += (_bucket(counter, charged_ms), back)
         await self.store.settlements.give_back(names, args)
+
+    async def spent(self, budgets: Sequence[Counter], now_ms: int) -> list[int]:
+        """What each budget counts in the period ``now_ms`` falls in
+        (``budget.lua``: a count of an earlier period, or none, is 0)."""
+        pipe = self.store.redis.pipeline(transaction=False)
+        for counter in budgets:
+            pipe.hmget(counter.key, "l", "s")
+        out = []
+        for counter, (last, total) in zip(budgets, await pipe.execute(), strict=True):
+            current = str(periods.index_at(now_ms, counter.period)).encode()
+            out.append(int(total) if last == current and total and total.isdigit() else 0)
+        return out
 
     def stored(self, envelope: wire.Envelope) -> tuple[bytes, Beside | None]:
         """The envelope as it is queued, and its input if it is kept beside it."""
@@ -273,10 +301,41 @@ class GatewayQueue:
         _, token = await pipe.execute()
         return bytes(token or b"")
 
-    async def cancel(self, request_id: str, until_ms: int) -> None:
+    async def cancel(
+        self, request_id: str, until_ms: int, reserved: Sequence[tuple[Counter, int, int]] = ()
+    ) -> None:
         """Mark a queued request as abandoned; ``take`` drops it (and its
-        long input, if it has one)."""
-        await self.store.redis.zadd(self.keys.cancelled, {request_id: until_ms})
+        long input, if it has one), and gives back what it ``reserved``
+        (``leave_reserved``), if it has not run."""
+        if not reserved:
+            await self.store.redis.zadd(self.keys.cancelled, {request_id: until_ms})
+            return
+        pipe = self.store.redis.pipeline(transaction=True)
+        self._leave_reserved(pipe, request_id, until_ms, reserved)
+        pipe.zadd(self.keys.cancelled, {request_id: until_ms})
+        await pipe.execute()
+
+    async def leave_reserved(
+        self, request_id: str, until_ms: int, reserved: Sequence[tuple[Counter, int, int]]
+    ) -> None:
+        """A request given up on (past its deadline, withdrawn): what it
+        reserved (each counter, Redis's clock as charged, the amount) is left
+        beside it, for the ``take`` that drops it unrun to give back
+        (``give_back.lua``); one that ran keeps it all (never over)."""
+        pipe = self.store.redis.pipeline(transaction=False)
+        self._leave_reserved(pipe, request_id, until_ms, reserved)
+        await pipe.execute()
+
+    def _leave_reserved(
+        self,
+        pipe: Any,
+        request_id: str,
+        until_ms: int,
+        reserved: Sequence[tuple[Counter, int, int]],
+    ) -> None:
+        text = " ".join(f"{c.key} {_bucket(c, charged_ms)} {n}" for c, charged_ms, n in reserved)
+        keep_ms = max(until_ms - clock.now_ms(), 0) + RESERVED_KEPT_MS
+        pipe.set(self.keys.give_back(self.gateway_id, request_id), text, px=keep_ms)
 
     async def cancel_all(self, request_ids: Sequence[str], until_ms: int) -> None:
         """``cancel`` for several requests, in one command."""

@@ -15,8 +15,17 @@ from redis.exceptions import NoScriptError
 # each file one concern: the scripts that read the published batching rule
 # read it one way, those that hand a batch to an idle worker choose it one
 # way, and every take forms a batch one way.
-_TAKE = ("numbers", "rule", "frame", "take_envelope", "take_pop", "take_form")
-_ADMIT = ("numbers", "rule", "idle_worker", "frame", "window", "fair_tag", "hand_straight")
+_TAKE = ("numbers", "rule", "frame", "give_back", "take_envelope", "take_pop", "take_form")
+_ADMIT = (
+    "numbers",
+    "rule",
+    "idle_worker",
+    "frame",
+    "budget",
+    "window",
+    "fair_tag",
+    "hand_straight",
+)
 LIBRARIES = {
     "take_dispatch": _TAKE,
     "take_worker": _TAKE,
@@ -24,7 +33,7 @@ LIBRARIES = {
     "take_withdrawn": _TAKE,
     "admit": (*_ADMIT, "admit_request"),
     "retry": ("idle_worker",),
-    "settle": ("numbers",),
+    "settle": ("numbers", "give_back"),
 }
 
 

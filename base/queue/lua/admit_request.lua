@@ -12,7 +12,8 @@
 --   KEYS[n+4] the input's key, when one is kept beside
 -- ARGV[1] n  ARGV[2] the envelope (when queued)
 -- ARGV[4i-1..4i+2] limit i's cost, amount, most in its eleven buckets (its
---   amount and a tenth, or for a hard bound its amount), and window (s)
+--   amount and a tenth, or for a hard bound its amount), and window (s), or
+--   a budget's period (budget.lua)
 -- ARGV[4n+3] 0 input in the envelope, 1 kept beside, 2 kept beside but held
 --   back (the gateway expects a refusal: admitted, it is answered 3, nothing
 --   done, and the gateway sends it again with its input)
@@ -20,7 +21,7 @@
 --   (0: no share check), the weights the gateway admitted in the last second
 -- ARGV[4n+9..4n+13] (to hand it straight) batch id, former, now (epoch ms),
 --   the model's key prefix, its tiers (space-separated, highest first)
--- Needs window.lua, fair_tag.lua, hand_straight.lua. Put before admit.lua.
+-- Needs budget.lua, window.lua, fair_tag.lua, hand_straight.lua. Put before admit.lua.
 local function parsed(KEYS, ARGV)
   -- the request's arguments by name (its limits: limit_of, read when used;
   -- its hand-off: straight_of, only when tried)
@@ -35,10 +36,12 @@ local function parsed(KEYS, ARGV)
 end
 
 local function limit_of(r, i)
-  -- limit i's window key, cost, amount, most in eleven buckets and window (ms)
+  -- limit i's window key, cost, amount, most in eleven buckets and window
+  -- (ms; a budget's period: 'day', 'week' or 'month', budget.lua)
   local args, a = r.args, 4 * i - 1
+  local window_s = tonumber(args[a + 3])
   return r.keys[i], tonumber(args[a]), tonumber(args[a + 1]), tonumber(args[a + 2]),
-    tonumber(args[a + 3]) * 1000
+    window_s and window_s * 1000 or args[a + 3]
 end
 
 local function straight_of(r)
@@ -50,7 +53,9 @@ end
 
 local function reset_ms(w, now)
   -- until the window is as it was before any charge: the current bucket
-  -- leaves the last ten (the x-ratelimit-reset-requests header)
+  -- leaves the last ten (the x-ratelimit-reset-requests header); a
+  -- budget's, until its period ends
+  if w.budget then return w.ends - now end
   return math.ceil((w.current + 10) * w.window_ms / 10) - now
 end
 
@@ -60,17 +65,24 @@ local function checked_limits(windows, r, reply)
   -- first limit without room
   local now, charged, room_all, refused_by = windows.now, {}, true, 0
   for i = 1, r.n do
-    local key, cost, amount, allowed, window_ms = limit_of(r, i)
-    local w = windows.get(key, window_ms)
+    local key, cost, amount, allowed, span = limit_of(r, i)
+    local w = windows.get(key, span)
     charged[i] = w
     reply[2 * i + 2] = w.eleven - w.oldest
-    reply[2 * i + 3] = w.eleven ~= 0 and reset_ms(w, now) or -2
+    reply[2 * i + 3] = (w.eleven ~= 0 or w.budget) and reset_ms(w, now) or -2
     if cost > 0 then
-      local fits, wait = window_room(key, w, cost, amount, allowed, now)
+      local fits, wait
+      if w.budget then
+        fits, wait = budget_room(w, cost, amount, now)
+      else
+        fits, wait = window_room(key, w, cost, amount, allowed, now)
+      end
       if not fits then
         room_all = false
         if refused_by == 0 then refused_by = i end
-        reply[2 * i + 3] = wait >= 0 and wait or window_ms
+        -- (never: a window's length, a budget's period's end)
+        if wait < 0 then wait = w.budget and reset_ms(w, now) or span end
+        reply[2 * i + 3] = wait
       end
     end
   end

@@ -3,7 +3,8 @@
 -- unreadable (not JSON, or without a numeric deadline_ms, a string id and
 -- gateway, and a string input or, for a long input kept beside the queue, a
 -- null input and a string input_key): it never reaches a worker, and its
--- long input is deleted with it. A job taken is marked 'running', one dropped
+-- long input is deleted with it, and a reservation its gateway left beside
+-- it given back (give_back.lua). A job taken is marked 'running', one dropped
 -- 'expired'; either way its key's queued count goes down. `t` is the take
 -- (take_pop.lua: new_take). Put before take_pop.lua (scripts.py).
 local function left_queue(t, env, status)
@@ -92,10 +93,12 @@ local function consider(t, raw)
     t.expired = t.expired + 1
     left_queue(t, env, 'expired')
     drop_input(t, env)
+    give_back_dropped(t, env)
   elseif t.check_cancelled and redis.call('ZSCORE', t.cancelled_set, env.id) then
     t.cancelled = t.cancelled + 1
     redis.call('ZREM', t.cancelled_set, env.id)
     drop_input(t, env)
+    give_back_dropped(t, env)
   else
     t.taken[#t.taken + 1] = raw
     if env.job == true then

@@ -8,7 +8,7 @@
 -- 110 % of the limit, a burst gets the limit, and a client that keeps to its
 -- rate is never refused. A hard bound (tokens) holds the eleven buckets
 -- within the limit itself: no span of one window is charged more than it. A hash that is not one of counts starts over, empty.
--- Needs numbers.lua. Put before admit.lua (scripts.py).
+-- Needs numbers.lua, budget.lua. Put before admit.lua (scripts.py).
 local function window_expiry(window_ms)
   -- (a charge in bucket b leaves the window at (b + 11) tenths: 1.1
   -- windows from the start of b at most)
@@ -17,8 +17,8 @@ end
 
 local function empty_window(current, window_ms)
   -- a window with nothing charged (new, or started over)
-  return {current = current, window_ms = window_ms, eleven = 0, oldest = 0, held = 0,
-    new = true, dirty = false}
+  return {current = current, window_ms = window_ms, span = window_ms, eleven = 0, oldest = 0,
+    held = 0, new = true, dirty = false}
 end
 
 local function write_window(key, w)
@@ -75,8 +75,8 @@ local function read_window(key, current, window_ms)
     redis.call('DEL', key)
     return empty_window(current, window_ms)
   end
-  local w = {current = current, window_ms = window_ms, eleven = sum, oldest = oldest,
-    held = held, new = false, dirty = false}
+  local w = {current = current, window_ms = window_ms, span = window_ms, eleven = sum,
+    oldest = oldest, held = held, new = false, dirty = false}
   if last == current then return w end
   w.eleven = moved_on(key, w, last)
   if w.eleven == nil then
@@ -116,23 +116,32 @@ local function window_charge(w, cost)
   w.eleven, w.held, w.dirty = w.eleven + cost, w.held + cost, true
 end
 
+local function write_any(key, w)
+  if w.budget then write_budget(key, w) else write_window(key, w) end
+end
+
 local function windows_at(now)
-  -- the windows one call charges at `now`, each read once and written once
-  -- (one of the same name and another length, which a policy edit could
-  -- send, is written back and read again)
+  -- the windows one call charges at `now` (a window's length in ms, or a
+  -- budget's period: budget.lua), each read once and written once (one of
+  -- the same name and another length, which a policy edit could send, is
+  -- written back and read again)
   local known = {}
   local windows = {now = now}
-  function windows.get(key, window_ms)
+  function windows.get(key, span)
     local w = known[key]
-    if w and w.window_ms == window_ms then return w end
-    if w and w.dirty then write_window(key, w) end
-    w = read_window(key, math.floor(now * 10 / window_ms), window_ms)
+    if w and w.span == span then return w end
+    if w and w.dirty then write_any(key, w) end
+    if type(span) == 'string' then
+      w = read_budget(key, span, now)
+    else
+      w = read_window(key, math.floor(now * 10 / span), span)
+    end
     known[key] = w
     return w
   end
   function windows.write_all()
     for key, w in pairs(known) do
-      if w.dirty then write_window(key, w) end
+      if w.dirty then write_any(key, w) end
     end
   end
   return windows

@@ -1,0 +1,84 @@
+-- budget: a key's budget over a calendar period on Redis's clock (UTC: a
+-- day, a week from Monday, or a month), kept as window.lua keeps a window
+-- (the period's index its one bucket, 's' their sum, 'l' the index), so
+-- settle.lua gives back to it as to a window. A hard bound: nothing is
+-- admitted past it, and a new period starts from nothing.
+-- Needs numbers.lua. Put before window.lua (scripts.py).
+local DAY_MS = 86400000
+
+local function days_from_civil(y, m, d)
+  -- days since 1970-01-01 of a date (the proleptic Gregorian calendar)
+  if m <= 2 then y = y - 1 end
+  local era = math.floor(y / 400)
+  local yoe = y - era * 400
+  local mp = m > 2 and m - 3 or m + 9
+  local doy = math.floor((153 * mp + 2) / 5) + d - 1
+  local doe = yoe * 365 + math.floor(yoe / 4) - math.floor(yoe / 100) + doy
+  return era * 146097 + doe - 719468
+end
+
+local function month_of(day)
+  -- the year and month (1-12) of a day since 1970-01-01
+  local z = day + 719468
+  local era = math.floor(z / 146097)
+  local doe = z - era * 146097
+  local yoe = math.floor((doe - math.floor(doe / 1460) + math.floor(doe / 36524)
+    - math.floor(doe / 146096)) / 365)
+  local doy = doe - (365 * yoe + math.floor(yoe / 4) - math.floor(yoe / 100))
+  local mp = math.floor((5 * doy + 2) / 153)
+  local m = mp < 10 and mp + 3 or mp - 9
+  return yoe + era * 400 + (m <= 2 and 1 or 0), m
+end
+
+local function period_at(now, period)
+  -- the index of the period `now` (epoch ms) falls in, and when it ends
+  -- (base/periods.py counts them the same way)
+  local day = math.floor(now / DAY_MS)
+  if period == 'day' then return day, (day + 1) * DAY_MS end
+  if period == 'week' then
+    local week = math.floor((day + 3) / 7)  -- (1970-01-01 was a Thursday)
+    return week, (week * 7 + 4) * DAY_MS
+  end
+  local y, m = month_of(day)
+  local next_y, next_m = y, m + 1
+  if m == 12 then next_y, next_m = y + 1, 1 end
+  return y * 12 + m - 1, days_from_civil(next_y, next_m, 1) * DAY_MS
+end
+
+local function read_budget(key, period, now)
+  -- the budget's count in the current period (a call's copy, as
+  -- window.lua's read_window returns a window's): a hash of another
+  -- period, or not one of counts, starts over
+  local current, ends = period_at(now, period)
+  local w = {current = current, span = period, ends = ends, budget = true, eleven = 0,
+    oldest = 0, held = 0, new = true, dirty = false}
+  local raw = redis.pcall('HMGET', key, 'l', 's')
+  if type(raw) ~= 'table' or raw.err then
+    redis.call('DEL', key)
+    return w
+  end
+  local last, sum = count(raw[1] or ''), count(raw[2] or '')
+  if last == current and sum ~= nil then
+    w.eleven, w.held, w.new = sum, sum, false
+  elseif raw[1] or raw[2] then
+    redis.call('DEL', key)
+  end
+  return w
+end
+
+local function write_budget(key, w)
+  -- what a call charged to a budget, written once; kept a minute past its
+  -- period (a late give-back finds it; the next period's first charge
+  -- starts over)
+  local bucket = tostring(w.current)
+  redis.call('HSET', key, bucket, w.held, 's', w.eleven, 'l', bucket)
+  if w.new then redis.call('PEXPIREAT', key, w.ends + 60000) end
+end
+
+local function budget_room(w, cost, amount, now)
+  -- whether a charge of `cost` fits; if not, the ms until the period ends
+  -- (-1: never, more than the whole budget)
+  if w.eleven + cost <= amount then return true, 0 end
+  if cost > amount then return false, -1 end
+  return false, w.ends - now
+end

@@ -1,0 +1,35 @@
+-- give_back: what a reservation of a hard bound (tokens, a budget) did not
+-- use, given back to the bucket it was charged in (window.lua, budget.lua),
+-- so no window counts less than its requests used; a bucket gone (out of
+-- every window) has nothing left to give back to. At most what the bucket
+-- holds. Negative for a request that used more than it reserved: the
+-- excess is charged to the same bucket.
+-- Needs numbers.lua. Put before settle.lua and the takes (scripts.py).
+local function give_back(key, bucket, back)
+  local raw = redis.pcall('HMGET', key, bucket, 's')
+  if back == 0 or type(raw) ~= 'table' or raw.err or not raw[1] or not raw[2] then return end
+  local held, sum = count(raw[1]), count(raw[2])
+  if held == nil or sum == nil then return end
+  -- (a give-back never adds: a bucket or window left below it by refunds
+  -- gives back only down to nothing)
+  local x = back > 0 and math.max(math.min(back, held, sum), 0) or back
+  if x ~= 0 then redis.call('HSET', key, bucket, held - x, 's', sum - x) end
+end
+
+local function give_back_dropped(t, env)
+  -- A request dropped before it ran (expired, cancelled) whose gateway
+  -- left its reservation beside it (queue/gateway.py's withdraw: 'key
+  -- bucket amount' each) gets all of it back, once. Only a quota's key,
+  -- and only a give-back (Redis's contents are not trusted).
+  local name = t.prefix .. 'give-back:' .. env.gateway .. ':' .. env.id
+  local raw = redis.pcall('GET', name)
+  if type(raw) ~= 'string' then return end
+  redis.call('DEL', name)
+  local quota = string.match(t.prefix, '^{[^}]*}:') .. 'quota:'
+  for key, bucket, back in string.gmatch(raw, '(%S+) (%S+) (%S+)') do
+    local amount = count(back)
+    if amount and amount > 0 and string.sub(key, 1, #quota) == quota then
+      give_back(key, bucket, amount)
+    end
+  end
+end

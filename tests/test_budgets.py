@@ -1,0 +1,347 @@
+"""Budgets (policy ``budget``): what a key may use each calendar period, in
+tokens and in GPU time, reserved as a request is admitted and settled as it
+is answered, so a key stops within one request's reservation of its budget
+and what it spent is what the workers measured. Real processes on a real
+Redis; the periods' calendar against the Lua that counts them."""
+
+import asyncio
+import os
+import re
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import httpx
+import openai
+import pytest
+import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from infergate.base import periods
+from infergate.base.queue import scripts
+
+from tests.helpers import SECRETS, auth, http, key_entry, policy_yaml
+
+TEMPLATE_TOKENS = 16  # (gateway/reservations.py: what an input's bound adds)
+SIM_WORDS = 1  # (the simulated backend's answer: its input after one word)
+BUDGETED = {"Authorization": "Bearer budgeted-secret"}
+HARNESS = Path(__file__).parent / "lua" / "period_at.lua"
+
+
+def budget_policy(**budget: Any) -> str:
+    budgeted = key_entry("budgeted", "paid", "budgeted-secret", budget=budget)
+    return policy_yaml(extra_keys=(budgeted,))
+
+
+def budgeted_request(url: str, text: str, max_tokens: int = 0) -> tuple[int, dict[str, str], Any]:
+    body: dict[str, Any] = {"input": text}
+    if max_tokens:
+        body["parameters"] = {"max_tokens": max_tokens}
+    return http("POST", url + "/v1/inference", body, BUDGETED)
+
+
+def spent(redis_url: str, unit: str, period: str) -> int:
+    """What the key's budget counts now (its period's sum)."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        [name] = list(client.scan_iter(match=f"*budget/budgeted/{unit}/{period}"))
+        return int(client.hget(name, "s") or 0)
+    finally:
+        client.close()
+
+
+def usage_gpu_us(redis_url: str) -> int:
+    """The GPU time the workers charged the key in the usage record."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        total = 0
+        for name in client.scan_iter(match="*usage*"):
+            if client.type(name) == b"hash":
+                total += int(client.hget(name, "paid\nbudgeted\ngpu_us") or 0)
+        return total
+    finally:
+        client.close()
+
+
+def until_midnight_s() -> float:
+    now = time.time()
+    return periods.ends_ms(int(now * 1000), "day") / 1000 - now
+
+
+def test_a_token_budget_stops_the_key_within_one_reservation(cluster_factory) -> None:
+    """Each request reserves 42 or 43 tokens and uses 7: the key is served until
+    what is left is under one reservation, then refused with 429
+    BUDGET_EXCEEDED until the day ends; what Redis counts is what was used."""
+    c = cluster_factory(budget_policy(tokens=300, period="day"), latency_ms=10, metrics=True)
+    served, used = 0, 0
+    for i in range(60):
+        status, headers, body = budgeted_request(c.urls[0], f"a{i} b c", 20)
+        if status != 200:
+            break
+        served += 1
+        used += 3 + body["metadata"]["tokens_used"]
+    assert status == 429, body
+    assert body["error"]["code"] == "BUDGET_EXCEEDED"
+    assert "budget of 300 tokens a day" in body["error"]["message"]
+    assert abs(int(headers["retry-after"]) - until_midnight_s()) < 5
+    reservation = len(f"a{served} b c") + TEMPLATE_TOKENS + 20  # (the refused one's)
+    assert used == served * 7
+    assert 300 - reservation < used <= 300
+    assert spent(c.redis_url, "tokens", "day") == used
+    # The key's other limits are not what refused it; other keys go on.
+    status, _, _ = http("POST", c.urls[0] + "/v1/inference", {"input": "x y"}, auth("paid"))
+    assert status == 200
+    # Operators see it spent, and the alert series counts it at both marks.
+    status, _, report = http("GET", c.urls[0] + "/v1/admin/budgets", None, auth("admin"))
+    assert status == 200, report
+    [row] = report["keys"]
+    assert (row["key_id"], row["unit"], row["period"]) == ("budgeted", "tokens", "day")
+    assert (row["budget"], row["spent"], row["left"]) == (300, used, 300 - used)
+    env = {**os.environ, "INFERGATE_ADMIN_KEY": SECRETS["admin"]}
+    out = subprocess.run(
+        [sys.executable, "-m", "infergate", "usage", "--budgets", "--url", c.urls[0]],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 0, out.stderr
+    assert re.search(rf"budgeted +paid +tokens +day +300 +{used} +{300 - used} ", out.stdout)
+    [port] = [p for name, p in (c.metrics_ports or {}).items() if name.startswith("gateway")]
+    metrics = http("GET", f"http://127.0.0.1:{port}/metrics")[2]
+    text = metrics.decode() if isinstance(metrics, bytes) else str(metrics)
+    assert 'infergate_budget_keys{mark="0.8"} 1.0' in text
+    assert 'infergate_budget_keys{mark="1"} 1.0' in text
+
+
+async def test_a_gpu_budget_stops_concurrent_clients_and_counts_what_the_workers_measured(
+    cluster_factory,
+) -> None:
+    """Two gateways, 20 clients at once, a 0.6 GPU-second budget on 40 ms
+    batches: every request reserves a whole batch and gives back all but its
+    share once answered. The key stops within one reservation of the
+    budget, its count in Redis is the usage record's GPU time to the
+    microsecond, and no admit ever left Redis over the budget."""
+    budget_us = 600_000
+    c = cluster_factory(
+        budget_policy(gpu_seconds=budget_us / 1e6, period="week"), gateways=2, latency_ms=40
+    )
+    statuses: list[int] = []
+    most = 0
+
+    async def watch(done: asyncio.Event) -> None:
+        nonlocal most
+        client = redis.asyncio.Redis.from_url(c.redis_url)
+        try:
+            while not done.is_set():
+                async for name in client.scan_iter(match="*budget/budgeted/gpu_us/week"):
+                    most = max(most, int(await client.hget(name, "s") or 0))
+                await asyncio.sleep(0.003)
+        finally:
+            await client.aclose()
+
+    async with aiohttp.ClientSession() as session:
+
+        async def client(n: int) -> None:
+            for i in range(200):
+                async with session.post(
+                    c.urls[n % 2] + "/v1/inference", json={"input": f"c{n} r{i}"}, headers=BUDGETED
+                ) as r:
+                    body = await r.json()
+                    statuses.append(r.status)
+                    if r.status != 200:
+                        assert r.status == 429, body
+                        assert body["error"]["code"] == "BUDGET_EXCEEDED", body
+                        return
+
+        done = asyncio.Event()
+        watching = asyncio.create_task(watch(done))
+        await asyncio.gather(*(client(n) for n in range(20)))
+        done.set()
+        await asyncio.wait_for(watching, 5)
+    # What in-flight reservations gave back after the clients were refused:
+    # used one request at a time until it is under one reservation.
+    for i in range(100):
+        status, _, body = budgeted_request(c.urls[0], f"last {i}")
+        if status != 200:
+            break
+    assert body["error"]["code"] == "BUDGET_EXCEEDED"
+    settled = spent(c.redis_url, "gpu_us", "week")
+    served = statuses.count(200)
+    print(f"served {served}, spent {settled} of {budget_us} µs, Redis held {most} at most")
+    assert served > 20
+    assert settled == usage_gpu_us(c.redis_url)
+    # (a reservation: the slowest batch measured, some 40-60 ms on a busy machine)
+    assert budget_us - 150_000 < settled <= budget_us + 20_000
+    assert most <= budget_us + 20_000
+
+
+def test_the_openai_client_makes_one_call_for_a_spent_budget(cluster_factory) -> None:
+    """BUDGET_EXCEEDED carries x-should-retry: false, so the openai client
+    (which retries a 429 twice by default) asks once."""
+    c = cluster_factory(budget_policy(tokens=100, period="month"), latency_ms=10)
+    calls: list[str] = []
+    transport = httpx.Client(event_hooks={"request": [lambda r: calls.append(r.url.path)]})
+    client = openai.OpenAI(
+        base_url=c.urls[0] + "/v1", api_key="budgeted-secret", http_client=transport
+    )
+    # (reserves 2 + 16 + 80 of 100 and uses 3: 97 left, under the next's 98)
+    first = client.completions.create(model="default", prompt="hi", max_tokens=80)
+    assert first.choices[0].text
+    calls.clear()
+    with pytest.raises(openai.RateLimitError) as refused:
+        client.completions.create(model="default", prompt="ho", max_tokens=80)
+    assert calls == ["/v1/completions"]
+    assert refused.value.response.headers["x-should-retry"] == "false"
+    assert refused.value.code == "budget_exceeded"
+    assert refused.value.type == "insufficient_quota"
+    transport.close()
+
+
+# The periods' edges: month ends (a leap February among them), a year's end,
+# and the week's (Monday, UTC).
+EDGES = [
+    datetime(2024, 2, 29, 23, 59, 59, 999000, tzinfo=UTC),
+    datetime(2024, 3, 1, tzinfo=UTC),
+    datetime(2026, 12, 31, 23, 59, 59, 999000, tzinfo=UTC),
+    datetime(2027, 1, 1, tzinfo=UTC),
+    datetime(2026, 11, 30, tzinfo=UTC),  # (a Monday)
+    datetime(2100, 3, 1, tzinfo=UTC),
+    datetime(1970, 1, 1, tzinfo=UTC),
+]
+
+
+@pytest.fixture
+def period_at(module_redis):
+    client = redis.Redis.from_url(module_redis.url)
+    script = client.register_script(scripts.libraries("admit") + "\n" + HARNESS.read_text())
+    yield lambda ms, period: tuple(script(args=[ms, period]))
+    client.close()
+
+
+def test_the_periods_edges_agree_with_the_calendar(period_at) -> None:
+    for edge in EDGES:
+        ms = round(edge.timestamp() * 1000)
+        for period in ("day", "week", "month"):
+            assert period_at(ms, period) == (
+                periods.index_at(ms, period),
+                periods.ends_ms(ms, period),
+            )
+        ends = datetime.fromtimestamp(periods.ends_ms(ms, "month") / 1000, UTC)
+        assert (ends.day, ends.hour, ends.minute) == (1, 0, 0)
+        assert ends > edge
+        week_ends = datetime.fromtimestamp(periods.ends_ms(ms, "week") / 1000, UTC)
+        assert week_ends.weekday() == 0
+        assert edge < week_ends <= edge + timedelta(days=7)
+
+
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(ms=st.integers(0, 2**42), period=st.sampled_from(["day", "week", "month"]))
+def test_the_lua_counts_periods_as_python_does(period_at, ms: int, period: str) -> None:
+    index, ends = period_at(ms, period)
+    assert (index, ends) == (periods.index_at(ms, period), periods.ends_ms(ms, period))
+    assert ms < ends
+    assert periods.index_at(ends, period) == index + 1
+    assert periods.index_at(ends - 1, period) == index
+
+
+def test_a_budget_raised_within_its_period_keeps_what_was_spent() -> None:
+    """A budget's counter is named by key, unit and period, not amount."""
+    from infergate.gateway.quota import Quota
+    from infergate.policies import Budget
+
+    class Queue:
+        def counter_key(self, name: str) -> str:
+            return name
+
+    quota = Quota(Queue())  # type: ignore[arg-type]
+    small = quota.budget_charges("k", Budget(gpu_seconds=1, tokens=10))
+    large = quota.budget_charges("k", Budget(gpu_seconds=5, tokens=99))
+    assert [c.counter.key for c in small] == [c.counter.key for c in large]
+    daily = quota.budget_charges("k", Budget(tokens=10, period="day"))
+    assert daily[0].counter.key != small[0].counter.key
+
+
+@pytest.mark.parametrize(
+    ("budget", "error"),
+    [
+        ({}, "give gpu_seconds, tokens or both"),
+        ({"tokens": 0}, "tokens: must be 1 to"),
+        ({"gpu_seconds": -1}, "gpu_seconds: must be 0.001 to"),
+        ({"gpu_seconds": float("nan")}, "gpu_seconds: must be 0.001 to"),
+        ({"tokens": 5, "period": "year"}, "period"),
+        ({"tokens": 5, "spend": 3}, "spend"),
+    ],
+)
+def test_a_budget_that_means_nothing_is_refused(budget: dict[str, Any], error: str) -> None:
+    from infergate.policies import PolicyError, parse_policy
+
+    with pytest.raises(PolicyError, match=error):
+        parse_policy(budget_policy(**budget))
+
+
+async def test_a_request_dropped_unrun_gives_back_all_it_reserved(cluster_factory) -> None:
+    """One worker busy for 1.5 s; meanwhile one request of the key times
+    out in the queue and another's client leaves. The take that drops them
+    unrun gives back their reservations, so the token window and the
+    budget count nothing; a request that ran keeps its charge."""
+    budgeted = key_entry(
+        "budgeted",
+        "paid",
+        "budgeted-secret",
+        token_limits=["1000/hour"],
+        budget={"tokens": 1000, "period": "day"},
+    )
+    c = cluster_factory(policy_yaml(extra_keys=(budgeted,)), latency_ms=1500)
+    client = redis.asyncio.Redis.from_url(c.redis_url)
+    try:
+        await requests_dropped_unrun(c, client)
+    finally:
+        await client.aclose()
+
+
+async def requests_dropped_unrun(c: Any, client: Any) -> None:
+
+    async def counted() -> list[int]:
+        names = [n async for n in client.scan_iter(match="*quota:*budgeted*")]
+        assert len(names) == 2  # (the token limit's window, and the budget)
+        return [int(await client.hget(n, "s") or 0) for n in names]
+
+    async with aiohttp.ClientSession() as session:
+        busy = asyncio.create_task(
+            session.post(c.urls[0] + "/v1/inference", json={"input": "busy"}, headers=auth("paid"))
+        )
+        await asyncio.sleep(0.3)  # (the worker has taken it)
+        timed_out = session.post(
+            c.urls[0] + "/v1/inference",
+            json={"input": "late", "timeout_ms": 300, "parameters": {"max_tokens": 10}},
+            headers=BUDGETED,
+        )
+        async with timed_out as r:
+            assert r.status == 504, await r.text()
+        with pytest.raises(asyncio.TimeoutError):
+            async with session.post(
+                c.urls[0] + "/v1/inference",
+                json={"input": "gone", "parameters": {"max_tokens": 10}},
+                headers=BUDGETED,
+                timeout=aiohttp.ClientTimeout(total=0.3),
+            ):
+                pass
+        assert all(n > 0 for n in await counted())  # (both reserved, not yet given back)
+        async with await busy as r:
+            assert r.status == 200
+    for _ in range(200):  # (10 s at most: the next take drops them)
+        if not any(await counted()):
+            break
+        await asyncio.sleep(0.05)
+    assert await counted() == [0, 0]
+    status, _, body = budgeted_request(c.urls[0], "ran", 10)
+    assert status == 200, body
+    ran = 1 + (1 + SIM_WORDS)  # (its input's word, and its answer's two)
+    assert await counted() == [ran, ran]
