@@ -208,8 +208,9 @@ class Inference:
             if exc.code == "INFERENCE_FAILED":  # (its input failed: nothing used)
                 await settle(lane, request.reservation, 0, 0)
             raise
-        used = reservations.used(result, request.input_bound)
-        await settle(lane, request.reservation, used, reservations.gpu_used(result))
+        used, gpu_us = reservations.used(result, request.input_bound), reservations.gpu_used(result)
+        lane.quota.costs.answered(key.id, len(request.text), gpu_us)
+        await settle(lane, request.reservation, used, gpu_us)
         return respond(call, started, key, lane, result), request.quota_headers or {}
 
     async def _cached(self, lane: ModelLane, share: "Share | None") -> wire.Result | None:

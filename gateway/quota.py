@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 from infergate.base.queue.gateway import Admitted, Counter, GatewayQueue, Place
 from infergate.base.queue.inputs import Beside
+from infergate.gateway.costs import CostModel
 from infergate.policies import Budget, KeyEntry, Tier
 from limits import RateLimitItem, parse_many
 
@@ -136,6 +137,8 @@ class Quota:
         # refused again: its long inputs are held back meanwhile.
         self._refused_until: dict[str, float] = {}
         self._pruned_at = -float("inf")
+        # What each key's requests cost the GPU (its place in the fair queue).
+        self.costs = CostModel()
 
     def charges(
         self, key: KeyEntry, tier: Tier, input_chars: int, tokens: int = 0, gpu_us: int = 0
@@ -240,7 +243,8 @@ class Quota:
         charges = self.charges(key, tier, input_chars, tokens, gpu_us)
         if not charges and queue_on is None:
             return QuotaResult(True)
-        place = Place(key.id, max(1, input_chars), key.weight, allowance, recent_weight)
+        cost = self.costs.expected(key.id, input_chars)
+        place = Place(key.id, cost, key.weight, allowance, recent_weight)
         hold = beside is not None and self._refused_lately(key.id)
         admitted = await self.queue.admit(
             [c.counter for c in charges], queue_on, envelope, True, beside, place, hold

@@ -14,7 +14,7 @@ from infergate.base.keys import Keys
 from infergate.base.metrics import WorkerMetrics
 from infergate.base.queue import inputs
 from infergate.base.queue.replies import failure_replies, group_by_gateway
-from infergate.base.queue.usage import Charge, shares
+from infergate.base.queue.usage import Charge, weighted_shares
 from infergate.base.queue.worker import KeptAnswer
 from infergate.gpu.backend import Backend, BackendError, Counted, UpstreamError
 from infergate.gpu.backend_thread import slot_key
@@ -140,14 +140,18 @@ class Answers:
         size = len(live) + len(lost)
         results = self.lost_results(batch, lost, started_ms, size) if lost else []
         tokens: list[tuple[int, int]] = []
-        gpu = shares(infer_ms * 1000, len(live))
-        for env, gpu_us in zip(live, gpu, strict=True):
-            # Reported as served by the model, whichever copy ran: the keys of a
-            # batch must not learn from served_by that another sent the same input.
+        outcomes = []
+        for env in live:
             outcome = outcome_of[slot_key(env)]
             clipped = self._clipped(outcome, env.max_tokens)
             input_tokens = self._input_tokens(env, outcome)
             tokens.append((input_tokens, 0 if isinstance(clipped, BackendError) else clipped[1]))
+            outcomes.append((clipped, input_tokens))
+        # (each request's share of the call: by its tokens, one more each)
+        gpu = weighted_shares(infer_ms * 1000, [1 + i + o for i, o in tokens])
+        for env, (clipped, input_tokens), gpu_us in zip(live, outcomes, gpu, strict=True):
+            # Reported as served by the model, whichever copy ran: the keys of a
+            # batch must not learn from served_by that another sent the same input.
             result = _result(
                 env,
                 clipped,
@@ -252,8 +256,8 @@ def charges(
     live: list[wire.Envelope], gpu: list[int], tokens: list[tuple[int, int]]
 ) -> list[Charge]:
     """Each key's share of a call that ran ``live``: its requests, their input
-    characters, their ``gpu`` shares of the call's time (``shares``: split
-    evenly over them), and their input and output ``tokens``."""
+    characters, their ``gpu`` shares of the call's time (``weighted_shares``),
+    and their input and output ``tokens``."""
     per_key: dict[tuple[str, str], list[int]] = {}
     for env, gpu_us, (tokens_in, tokens_out) in zip(live, gpu, tokens, strict=True):
         chars = env.input_chars or len(env.input or "")

@@ -37,8 +37,9 @@ class Reference:
     """Start-time fair queuing as take_*.lua and admit.lua keep it: a request's
     start tag is the later of the tier's virtual time and its key's last
     finish tag; requests leave in (tag, bytes) order; the virtual time is the
-    tag of the last one taken; a key with nothing waiting is forgotten, and so
-    is the tier once nothing of it waits."""
+    tag of the last one taken; a key with nothing waiting is forgotten (its
+    finish tag once the virtual time has reached it), and so is the tier
+    once nothing of it waits."""
 
     virtual: float = 0.0
     finish: dict[str, float] = field(default_factory=dict)
@@ -64,7 +65,9 @@ class Reference:
             for _, _, key in taken:
                 self.waiting[key] -= 1
                 if self.waiting[key] == 0:
-                    del self.waiting[key], self.finish[key]
+                    del self.waiting[key]
+                    if self.finish.get(key, 0.0) <= self.virtual:
+                        self.finish.pop(key, None)
         return [data for _, data, _ in taken]
 
 

@@ -1,8 +1,9 @@
 """Usage per key: what each key's answered requests cost, kept per hour.
 
 A worker charges every request of a batch it ran its share of the batch's
-measured backend time (the call's time split evenly over the requests that
-ran in it, in microseconds, so the shares add up to the call), with its input
+measured backend time (the call's time split over the requests that ran in
+it by their tokens, input and output, one more each, in microseconds, so
+the shares add up to the call), with its input
 characters and its input and output tokens (the model's), in the transaction
 that answers the batch (``WorkerQueue``).
 One hash per hour, ``usage:{hour}``, with fields ``{tier}\\n{key}\\n{what}``
@@ -65,6 +66,19 @@ def shares(total_us: int, count: int) -> list[int]:
         return []
     each, extra = divmod(max(total_us, 0), count)
     return [each + (1 if i < extra else 0) for i in range(count)]
+
+
+def weighted_shares(total_us: int, weights: list[int]) -> list[int]:
+    """``total_us`` split in proportion to ``weights`` (each at least 0), in
+    whole microseconds that add up to it; evenly if they are all 0."""
+    whole = sum(max(w, 0) for w in weights)
+    if whole <= 0:
+        return shares(total_us, len(weights))
+    total = max(total_us, 0)
+    out = [total * max(w, 0) // whole for w in weights]
+    for i in range(total - sum(out)):
+        out[i % len(out)] += 1
+    return out
 
 
 def charge_commands(

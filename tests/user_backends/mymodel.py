@@ -1,6 +1,7 @@
 """A team's own model, as a user would write one, for the ``python:``
 backend's tests: a batch function, an async one, and a class built with
-the policy's options. Markers in an input break the contract on purpose:
+the policy's options, and a model whose answers may be long (``talker``).
+Markers in an input break the contract on purpose:
 ``__raise__`` raises, ``__count__`` answers one output too few,
 ``__type__`` answers a number, ``__hang__`` never returns."""
 
@@ -24,6 +25,20 @@ def batchstring(inputs: list[str]) -> list[str]:
         outputs.pop()
     if any("__type__" in s for s in inputs):
         outputs[0] = 42
+    return outputs
+
+
+def talker(inputs: list[str]) -> list[str]:
+    """A model whose answers may be long: "say N ..." answers N words (any
+    other input, its own words), and a call takes 0.5 ms for each word it
+    reads and writes, as a model's prefill and decode do, and 10 ms more."""
+    _check(inputs)
+    outputs = []
+    for s in inputs:
+        words = s.split()
+        asked = len(words) > 1 and words[0] == "say" and words[1].isdigit()
+        outputs.append(" ".join(["word"] * min(int(words[1]), 1000)) if asked else s)
+    time.sleep(0.01 + 0.0005 * sum(len(s.split()) for s in inputs + outputs))
     return outputs
 
 

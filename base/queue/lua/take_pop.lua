@@ -4,7 +4,8 @@
 -- requeue's list (queue:{tier}, also an earlier version's) first, then the
 -- fair queue (fq:{tier}) in start-tag order, whose virtual time becomes the
 -- tag of the last one taken; a key's fair state goes once it has nothing
--- waiting, and the tier's once nothing of it waits. Jobs come after every
+-- waiting (its finish tag only once the virtual time has reached it), and
+-- the tier's once nothing of it waits. Jobs come after every
 -- synchronous request, by tier: they fill what synchronous work leaves, and
 -- make a batch of their own only while `headroom` other workers are idle,
 -- or once no synchronous batch was handed off for quiet_ms. A queue read
@@ -55,19 +56,22 @@ local function pop_from(t, queue, limit)
   return got
 end
 
-local function left_fair_queue(state, left)
+local function left_fair_queue(state, left, v)
   -- the keys whose requests left a tier's fair queue: their waiting counts
-  -- down; a key with none left leaves the tier's active weight (a planted
-  -- value that is no finite number counts as none)
+  -- down; a key with none left leaves the tier's active weight, and its
+  -- finish tag goes unless it is past the virtual time `v` (it was served
+  -- ahead of its share: forgotten, its next request would start at `v`,
+  -- ahead again; a planted value that is no finite number counts as none)
   for key, gone in pairs(left) do
     local name = 'n:' .. key
     local waiting = (finite(redis.call('HGET', state, name)) or 0) - gone
     if waiting > 0 then
       redis.call('HSET', state, name, waiting)
     else
-      local weight = finite(redis.call('HGET', state, 'w:' .. key)) or 0
-      local total = finite(redis.call('HGET', state, 'w')) or 0
-      redis.call('HDEL', state, name, 'w:' .. key, 'f:' .. key)
+      local fields = redis.call('HMGET', state, 'w:' .. key, 'w', 'f:' .. key)
+      local weight, total = finite(fields[1]) or 0, finite(fields[2]) or 0
+      redis.call('HDEL', state, name, 'w:' .. key)
+      if (finite(fields[3]) or 0) <= v then redis.call('HDEL', state, 'f:' .. key) end
       redis.call('HSET', state, 'w', math.max(total - weight, 0))
     end
   end
@@ -104,7 +108,7 @@ local function pop_fair(t, i, limit)
     redis.call('DEL', state)  -- nothing waits: the tier's virtual time starts over
   else
     redis.call('HSET', state, 'v', tag)
-    left_fair_queue(state, left)
+    left_fair_queue(state, left, tonumber(tag))
   end
 end
 
