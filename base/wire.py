@@ -115,8 +115,10 @@ class Result(msgspec.Struct, frozen=True, omit_defaults=True):
     tokens: int = 0
     # The input's, when its envelope asked (``count_input``).
     input_tokens: int = 0
-    # Its share of the backend call's time (usage, a GPU budget's settling).
+    # Its share of the backend call's time (usage, a GPU budget's settling),
+    # by its tokens; and the call's tokens (input and output, one more each).
     gpu_us: int = 0
+    call_tokens: int = 0
 
 
 def new_job_id() -> str:

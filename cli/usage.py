@@ -119,7 +119,7 @@ def run(args: Any) -> int:
     if args.json or args.format == "json":
         print(json.dumps(report, indent=2))
     elif args.budgets:
-        rows = report["keys"]
+        rows = report["keys"] if args.format == "csv" else [_to_ms(row) for row in report["keys"]]
         title = f"budgets at {report.get('at')}"
         text = _csv(BUDGET_COLUMNS, rows) if args.format == "csv" else None
         print(text or _table(title, BUDGET_COLUMNS, rows, 4, "(no key has a budget)"))
@@ -195,6 +195,14 @@ def _csv(columns: tuple[tuple[str, str], ...], rows: list[dict[str, Any]]) -> st
     for row in rows:
         writer.writerow([_csv_cell(row.get(field)) for field, _ in columns])
     return out.getvalue().rstrip("\n")
+
+
+def _to_ms(row: dict[str, Any]) -> dict[str, Any]:
+    """A budget's row for the table: GPU seconds to the millisecond."""
+    if row.get("unit") != "gpu_seconds":
+        return row
+    seconds = {k: row[k] for k in ("budget", "spent", "left") if isinstance(row.get(k), float)}
+    return {**row, **{k: f"{v:,.3f}" for k, v in seconds.items()}}
 
 
 def _csv_cell(value: Any) -> str:

@@ -6,9 +6,10 @@ its key's share of its tier says no: 429 with the x-ratelimit-* headers,
 from infergate.base import logs
 from infergate.base.errors import STORE_ERRORS
 from infergate.base.queue.inputs import Beside
+from infergate.gateway import reservations
 from infergate.gateway.errors import ApiError
 from infergate.gateway.models import ModelLane
-from infergate.gateway.quota import QuotaResult, Reservation
+from infergate.gateway.quota import BUDGETS, QuotaResult, Reservation
 from infergate.gateway.service import Gateway
 from infergate.policies import KeyEntry, Tier
 
@@ -82,18 +83,25 @@ def check_reservation(
     """429, not worth a retry, for a request whose reservation of ``tokens``
     (or ``gpu_us``) is over a token limit or budget even when it is empty."""
     over = lane.quota.over_as_a_whole(key, tier, [input_chars], tokens, gpu_us)
-    if over is not None:
-        reserves = f"{tokens} tokens (its input's bound and its max_tokens)"
-        if gpu_us:
-            reserves += f", {gpu_us / 1e6:g} GPU seconds (a whole batch's)"
-        raise quota_refused(
-            gw,
-            key,
-            lane,
-            f"this request reserves {reserves}, over the key's {over} as a whole: "
-            "it can never be admitted; ask for fewer max_tokens",
-            retryable=False,
-        )
+    if over is None:
+        return
+    reserves = f"{tokens} tokens (its input's bound and its max_tokens)"
+    if gpu_us:
+        reserves += f" and {gpu_us / 1e6:g} GPU seconds (for those tokens)"
+    message = (
+        f"this request reserves {reserves}, over the key's {over.named} as a whole: "
+        "it can never be admitted; ask for fewer max_tokens, or send a shorter input"
+    )
+    if over.kind in BUDGETS:
+        gw.count_refused(key, "budget", lane, for_capacity=False)
+        raise ApiError("BUDGET_EXCEEDED", message, retryable=False)
+    raise quota_refused(gw, key, lane, message, retryable=False)
+
+
+def gpu_reservation(lane: ModelLane, tokens: int) -> int:
+    """What a request of at most ``tokens`` tokens reserves of a GPU budget
+    (``reservations.gpu_bound``), from its model's measurements."""
+    return reservations.gpu_bound(tokens, lane.quota.costs.call_line(), lane.fleet.slowest_batch_ms)
 
 
 async def settle(

@@ -18,16 +18,27 @@ MOST_FACTOR = 64.0
 
 
 class CostModel:
-    """One model's measured cost per input character, and each key's."""
+    """One model's measured cost per input character, and each key's; and
+    its cost per token (what a GPU budget reserves, ``reservations.py``)."""
 
     def __init__(self) -> None:
         self._keys: dict[str, list[float]] = {}  # key id: [GPU µs, characters], decaying
         self._model = [0.0, 0.0]
+        # A call's time against its tokens (input and output, one more each):
+        # decaying sums of 1, x, y, x², xy, for a least-squares line.
+        self._calls = [0.0] * 5
 
-    def answered(self, key_id: str, chars: int, gpu_us: int) -> None:
-        """A request of the key's with ``chars`` input characters used ``gpu_us``."""
+    def answered(
+        self, key_id: str, chars: int, gpu_us: int, call_tokens: int = 0, call_us: int = 0
+    ) -> None:
+        """A request of the key's with ``chars`` input characters used
+        ``gpu_us``, in a call of ``call_tokens`` that took ``call_us``."""
         if gpu_us <= 0:
             return  # (a cached or joined answer: the GPU did not run it)
+        if call_tokens > 0 and call_us > 0:
+            x, y, calls = float(call_tokens), float(call_us), self._calls
+            for i, value in enumerate((1.0, x, y, x * x, x * y)):
+                calls[i] = calls[i] * MODEL_MEMORY + value
         sums = self._keys.get(key_id)
         if sums is None:
             if len(self._keys) >= MOST_KEYS:
@@ -36,6 +47,21 @@ class CostModel:
         for held, memory in ((sums, KEY_MEMORY), (self._model, MODEL_MEMORY)):
             held[0] = held[0] * memory + gpu_us
             held[1] = held[1] * memory + chars + 1
+
+    def call_line(self) -> tuple[float, float] | None:
+        """A call's time (µs) as its fixed part and its part per token,
+        fitted to the calls measured; with calls all of one size, all of it
+        per token (a bound for larger calls); None before any call."""
+        n, sx, sy, sxx, sxy = self._calls
+        if n <= 0 or sx <= 0:
+            return None
+        spread = n * sxx - sx * sx
+        if spread <= 1e-9 * n * sxx:
+            return 0.0, sy / sx
+        per_token = (n * sxy - sx * sy) / spread
+        if per_token <= 0:
+            return 0.0, sy / sx
+        return max((sy - per_token * sx) / n, 0.0), per_token
 
     def expected(self, key_id: str, chars: int) -> int:
         """The fair queue's cost of a request of ``chars`` input characters."""

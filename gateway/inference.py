@@ -27,6 +27,7 @@ from infergate.gateway.calls import Call, OnDisconnect
 from infergate.gateway.charging import (
     charge_quota,
     check_reservation,
+    gpu_reservation,
     over_share,
     settle,
 )
@@ -201,6 +202,7 @@ class Inference:
         _reserve(self.gw, request, policy.models[lane.name], whole=call.charged is None)
         if call.charged is not None:  # (one of a list: charged with it, not again)
             request.quota_headers, request.charged = call.charged.headers, call.charged
+            request.reservation = call.charged.reservation_of(call.request_id)
         try:
             result = await self._collapsed_or_run(request, call.on_disconnect)
         except ApiError as exc:
@@ -209,7 +211,9 @@ class Inference:
                 await settle(lane, request.reservation, 0, 0)
             raise
         used, gpu_us = reservations.used(result, request.input_bound), reservations.gpu_used(result)
-        lane.quota.costs.answered(key.id, len(request.text), gpu_us)
+        lane.quota.costs.answered(
+            key.id, len(request.text), gpu_us, result.call_tokens, result.infer_ms * 1000
+        )
         await settle(lane, request.reservation, used, gpu_us)
         return respond(call, started, key, lane, result), request.quota_headers or {}
 
@@ -400,13 +404,14 @@ def _reserve(gw: Gateway, request: Request, model: Model, whole: bool) -> None:
     input), 429 if that can never fit (``whole``: not one of a list, which
     is checked as a whole)."""
     lane, key, tier = request.lane, request.key, request.tier
-    if lane.quota.reserves_tokens(key, tier):
+    gpu = lane.quota.reserves_gpu(key, tier)
+    if lane.quota.reserves_tokens(key, tier) or gpu:
         request.input_bound = reservations.input_bound(request.text, request.conversation)
         request.max_tokens = reservations.output_bound(request.max_tokens, model)
         request.reserve = request.input_bound + request.max_tokens
         request.count_input = True
-    if lane.quota.reserves_gpu(key, tier):
-        request.reserve_gpu_us = reservations.gpu_bound(lane.fleet.slowest_batch_ms)
+    if gpu:
+        request.reserve_gpu_us = gpu_reservation(lane, request.reserve)
     if whole and (request.reserve or request.reserve_gpu_us):
         size = len(request.text)
         check_reservation(gw, lane, key, tier, size, request.reserve, request.reserve_gpu_us)

@@ -23,7 +23,7 @@ from infergate.base.errors import STORE_ERRORS
 from infergate.gateway import reservations
 from infergate.gateway.api import InferenceResponse, JobAccepted, JobView, Parameters
 from infergate.gateway.calls import Call, OnDisconnect
-from infergate.gateway.charging import charge_quota, check_reservation
+from infergate.gateway.charging import charge_quota, check_reservation, gpu_reservation
 from infergate.gateway.checks import check_memory
 from infergate.gateway.errors import (
     ERRORS,
@@ -73,11 +73,12 @@ class Jobs:
         params = body.parameters or Parameters()
         max_tokens, reserve, gpu_us = params.max_tokens or 0, 0, 0
         # (its reservation kept whole: nobody waits on its answer to settle it)
-        if lane.quota.reserves_tokens(key, tier):
+        gpu = lane.quota.reserves_gpu(key, tier)
+        if lane.quota.reserves_tokens(key, tier) or gpu:
             max_tokens = reservations.output_bound(max_tokens, policy.models[lane.name])
             reserve = reservations.input_bound(body.input) + max_tokens
-        if lane.quota.reserves_gpu(key, tier):
-            gpu_us = reservations.gpu_bound(lane.fleet.slowest_batch_ms)
+        if gpu:
+            gpu_us = gpu_reservation(lane, reserve)
         if reserve or gpu_us:
             check_reservation(gw, lane, key, tier, len(body.input), reserve, gpu_us)
         quota = await charge_quota(

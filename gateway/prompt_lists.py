@@ -14,8 +14,14 @@ from dataclasses import dataclass, field
 from infergate.base import logs
 from infergate.base.errors import STORE_ERRORS
 from infergate.gateway import reservations
-from infergate.gateway.charging import budget_spent, quota_refused, store_refused
+from infergate.gateway.charging import (
+    budget_spent,
+    gpu_reservation,
+    quota_refused,
+    store_refused,
+)
 from infergate.gateway.models import ModelLane
+from infergate.gateway.quota import Reservation
 from infergate.gateway.service import Gateway
 from infergate.policies import KeyEntry, Tier
 
@@ -30,9 +36,25 @@ class ListCharge:
     # Each prompt's input characters, by request id, until it queues (or is
     # served without queueing): what a failed list gives back.
     unused: dict[str, int] = field(default_factory=dict)
+    # What the list reserved, and each prompt's part of it (tokens, GPU µs):
+    # each prompt settles its own part as it is answered.
+    reservation: Reservation | None = None
+    parts: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def use(self, request_id: str) -> None:
         self.unused.pop(request_id, None)
+
+    def reservation_of(self, request_id: str) -> Reservation | None:
+        """The part of the list's reservation that is one prompt's."""
+        whole, part = self.reservation, self.parts.get(request_id)
+        if whole is None or part is None:
+            return None
+        tokens, gpu_us = part
+        return Reservation(
+            tuple(c._replace(cost=tokens) for c in whole.by_tokens),
+            tuple(c._replace(cost=gpu_us) for c in whole.by_gpu),
+            whole.charged_ms,
+        )
 
 
 async def charge(
@@ -45,22 +67,26 @@ async def charge(
 ) -> ListCharge:
     """Charge the key's quotas for every prompt (``inputs`` by request id)
     at once; 429 if they have no room for all of them, charging nothing.
-    Their reservation is kept whole (``reservations.py``)."""
+    Each prompt's part of their reservation (``reservations.py``) is settled
+    as it is answered."""
     chars = [len(text) for text in inputs.values()]
-    tokens = gpu_us = 0
-    if lane.quota.reserves_tokens(key, tier):
+    parts = {}
+    gpu = lane.quota.reserves_gpu(key, tier)
+    if lane.quota.reserves_tokens(key, tier) or gpu:
         model = gw.policy.current.models[lane.name]
         out = reservations.output_bound(max_tokens, model)
-        tokens = sum(reservations.input_bound(text) + out for text in inputs.values())
-    if lane.quota.reserves_gpu(key, tier):
-        gpu_us = reservations.gpu_bound(lane.fleet.slowest_batch_ms) * len(chars)
+        for request_id, text in inputs.items():
+            bound = reservations.input_bound(text) + out
+            parts[request_id] = (bound, gpu_reservation(lane, bound) if gpu else 0)
+    tokens = sum(part[0] for part in parts.values())
+    gpu_us = sum(part[1] for part in parts.values())
     over = lane.quota.over_as_a_whole(key, tier, chars, tokens, gpu_us)
     if over is not None:
         raise quota_refused(
             gw,
             key,
             lane,
-            f"this list of {len(chars)} prompts is over the key's limit of {over} as a whole: "
+            f"this list of {len(chars)} prompts is over the key's {over.named} as a whole: "
             "it can never be admitted at once; send fewer prompts a call",
             retryable=False,
         )
@@ -82,7 +108,8 @@ async def charge(
             result.retry_after_ms,
             headers,
         )
-    return ListCharge(headers, {request_id: len(text) for request_id, text in inputs.items()})
+    unused = {request_id: len(text) for request_id, text in inputs.items()}
+    return ListCharge(headers, unused, result.reservation, parts)
 
 
 async def withdraw(

@@ -59,6 +59,11 @@ class Charge(NamedTuple):
     kind: str
     what: str  # how a refusal names it
 
+    @property
+    def named(self) -> str:
+        """The limit, as a message names it after "the key's"."""
+        return self.what if self.kind in BUDGETS else f"limit of {self.what}"
+
 
 @dataclass(frozen=True)
 class QuotaResult:
@@ -306,14 +311,14 @@ class Quota:
 
     def over_as_a_whole(
         self, key: KeyEntry, tier: Tier, input_chars: list[int], tokens: int = 0, gpu_us: int = 0
-    ) -> str | None:
+    ) -> Charge | None:
         """The limit that ``input_chars`` (requests at once, reserving
         ``tokens`` and ``gpu_us``) are over even in an empty window or
         period, if one is: no wait makes room for them."""
         for c in self.charges(key, tier, sum(input_chars), tokens, gpu_us):
             need = len(input_chars) if c.kind == "requests" else c.counter.cost
             if need > c.counter.amount:
-                return str(c.what)
+                return c
         return None
 
     @staticmethod

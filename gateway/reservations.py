@@ -4,11 +4,12 @@ input's tokens bounded from above (a byte-level or byte-fallback
 tokenizer's token is at least one byte of UTF-8; special tokens and a
 chat's template add a few), plus the most output tokens it may get: its
 max_tokens, or else its model's bound, which the worker then cuts its
-output to. GPU time: a whole batch's. What it did not use goes back once
-it is answered (``Quota.settle``), so a key's token limit or budget is
-never overshot by what it admits; a request that used more than its bound
-(a model's own chat template adding a long system prompt, a batch slower
-than the slowest yet) is charged the excess then."""
+output to. GPU time: for those tokens, at the model's measured time per
+token, with a margin. What it did not use goes back once it is answered
+(``Quota.settle``), so a key's token limit or budget is never overshot by
+what it admits; a request that used more than its bound (a model's own
+chat template adding a long system prompt, a call slower than measured)
+is charged the excess then."""
 
 from infergate.base import wire
 from infergate.policies.backends import generates_up_to
@@ -18,6 +19,8 @@ from infergate.policies.schema import Model
 TEMPLATE_TOKENS = 16
 # A batch's time before any worker measured one (the fleet's default).
 GPU_UNMEASURED_MS = 100.0
+# A GPU reservation's margin over what a call of it alone is measured to take.
+GPU_MARGIN = 1.5
 
 
 def input_bound(text: str, conversation: str | None = None) -> int:
@@ -44,12 +47,18 @@ def used(result: wire.Result, bound: int) -> int:
     return (result.input_tokens or bound) + result.tokens
 
 
-def gpu_bound(slowest_batch_ms: float) -> int:
-    """The most GPU time (µs) a request may use: a whole batch's, as the
-    slowest serving worker measured one (it may run alone), or a tenth of
-    a second before any did; a request that used more is charged the
-    excess when it is answered."""
-    return round((slowest_batch_ms if slowest_batch_ms > 0 else GPU_UNMEASURED_MS) * 1000)
+def gpu_bound(tokens: int, call_line: tuple[float, float] | None, slowest_batch_ms: float) -> int:
+    """The GPU time (µs) a request of at most ``tokens`` tokens (input and
+    output) reserves: what a call of it alone would take, by the line fitted
+    to the calls measured (its fixed part and its part per token; a call's
+    time is shared by tokens, so in any call its share is less), with a
+    margin; before any call was measured, a whole batch's, the slowest's
+    (a tenth of a second before one is). A request that used more is
+    charged the excess when it is answered."""
+    if call_line is None:
+        return round((slowest_batch_ms if slowest_batch_ms > 0 else GPU_UNMEASURED_MS) * 1000)
+    fixed_us, per_token_us = call_line
+    return round(GPU_MARGIN * (fixed_us + per_token_us * (tokens + 1)))
 
 
 def gpu_used(result: wire.Result) -> int:

@@ -148,7 +148,8 @@ class Answers:
             tokens.append((input_tokens, 0 if isinstance(clipped, BackendError) else clipped[1]))
             outcomes.append((clipped, input_tokens))
         # (each request's share of the call: by its tokens, one more each)
-        gpu = weighted_shares(infer_ms * 1000, [1 + i + o for i, o in tokens])
+        weights = [1 + i + o for i, o in tokens]
+        gpu, call_tokens = weighted_shares(infer_ms * 1000, weights), sum(weights)
         for env, (clipped, input_tokens), gpu_us in zip(live, outcomes, gpu, strict=True):
             # Reported as served by the model, whichever copy ran: the keys of a
             # batch must not learn from served_by that another sent the same input.
@@ -162,6 +163,7 @@ class Answers:
                 infer_ms,
                 input_tokens if env.count_input else 0,  # (where its envelope asks)
                 gpu_us,
+                call_tokens,
             )
             results.append((wire.destination(env), result))
             if (
@@ -280,6 +282,7 @@ def _result(
     infer_ms: int,
     input_tokens: int,
     gpu_us: int,
+    call_tokens: int,
 ) -> wire.Result:
     common = dict(
         id=env.id,
@@ -289,6 +292,7 @@ def _result(
         queue_ms=max(0, started_ms - env.enqueued_ms),
         infer_ms=infer_ms,
         gpu_us=gpu_us,
+        call_tokens=call_tokens,
     )
     if isinstance(outcome, BackendError):
         # (an upstream that did not answer: no input is at fault, retry)

@@ -122,8 +122,9 @@ async def test_a_gpu_budget_stops_concurrent_clients_and_counts_what_the_workers
     cluster_factory,
 ) -> None:
     """Two gateways, 20 clients at once, a 0.6 GPU-second budget on 40 ms
-    batches: every request reserves a whole batch and gives back all but its
-    share once answered. The key stops within one reservation of the
+    batches: every request reserves a batch of one's time and twice the
+    measured time of its tokens, and gives back all but its share once
+    answered. The key stops within one reservation of the
     budget, its count in Redis is the usage record's GPU time to the
     microsecond, and no admit ever left Redis over the budget."""
     budget_us = 600_000
@@ -148,8 +149,9 @@ async def test_a_gpu_budget_stops_concurrent_clients_and_counts_what_the_workers
 
         async def client(n: int) -> None:
             for i in range(200):
+                body = {"input": f"c{n} r{i}", "parameters": {"max_tokens": 4}}
                 async with session.post(
-                    c.urls[n % 2] + "/v1/inference", json={"input": f"c{n} r{i}"}, headers=BUDGETED
+                    c.urls[n % 2] + "/v1/inference", json=body, headers=BUDGETED
                 ) as r:
                     body = await r.json()
                     statuses.append(r.status)
@@ -166,7 +168,7 @@ async def test_a_gpu_budget_stops_concurrent_clients_and_counts_what_the_workers
     # What in-flight reservations gave back after the clients were refused:
     # used one request at a time until it is under one reservation.
     for i in range(100):
-        status, _, body = budgeted_request(c.urls[0], f"last {i}")
+        status, _, body = budgeted_request(c.urls[0], f"last {i}", 4)
         if status != 200:
             break
     assert body["error"]["code"] == "BUDGET_EXCEEDED"
@@ -178,6 +180,44 @@ async def test_a_gpu_budget_stops_concurrent_clients_and_counts_what_the_workers
     # (a reservation: the slowest batch measured, some 40-60 ms on a busy machine)
     assert budget_us - 150_000 < settled <= budget_us + 20_000
     assert most <= budget_us + 20_000
+
+
+async def test_long_inputs_after_short_ones_do_not_overshoot_a_gpu_budget(cluster_factory) -> None:
+    """Another key's short requests first (the measured rate a token is
+    theirs), then 30 long ones of the budgeted key at once, on a model whose
+    time grows with what it reads and writes: each reserves for its own
+    tokens, so the budget holds (a reservation of a whole batch's time, as
+    measured on the short ones, let such a burst spend 11x a budget)."""
+    budget_us = 2_000_000
+    c = cluster_factory(
+        budget_policy(gpu_seconds=budget_us / 1e6, period="day"),
+        latency_ms=20,
+        worker_args=["--sim-ms-per-kchar", "40"],
+    )
+    long = " ".join(["word"] * 390)  # (within the paid tier's 2000 characters)
+    async with aiohttp.ClientSession() as session:
+
+        async def short(i: int) -> None:
+            body = {"input": f"s{i}", "parameters": {"max_tokens": 4}}
+            headers = auth("paid")
+            async with session.post(c.urls[0] + "/v1/inference", json=body, headers=headers) as r:
+                assert r.status == 200
+
+        for burst in (1, 3, 8, 2, 12, 5):  # (calls of several sizes: the line is fitted)
+            await asyncio.gather(*(short(burst * 100 + i) for i in range(burst)))
+
+        async def one(i: int) -> int:
+            body = {"input": f"{i} {long}", "parameters": {"max_tokens": 4}}
+            async with session.post(c.urls[0] + "/v1/inference", json=body, headers=BUDGETED) as r:
+                await r.read()
+                return r.status
+
+        statuses = await asyncio.gather(*(one(i) for i in range(30)))
+    settled = spent(c.redis_url, "gpu_us", "day")
+    print(f"statuses {sorted(statuses)}, spent {settled} of {budget_us} µs")
+    assert 200 in statuses
+    assert settled == usage_gpu_us(c.redis_url)
+    assert settled <= budget_us * 1.1
 
 
 def test_the_openai_client_makes_one_call_for_a_spent_budget(cluster_factory) -> None:
@@ -345,3 +385,16 @@ async def requests_dropped_unrun(c: Any, client: Any) -> None:
     assert status == 200, body
     ran = 1 + (1 + SIM_WORDS)  # (its input's word, and its answer's two)
     assert await counted() == [ran, ran]
+
+
+def test_each_prompt_of_a_list_settles_its_own_part(cluster_factory) -> None:
+    """A list of prompts reserves for all of them in one step; each gives
+    back what it did not use as it is answered, so the budget counts what
+    the list used (it kept the whole reservation before: some 7x)."""
+    c = cluster_factory(budget_policy(tokens=10_000, period="day"), latency_ms=10)
+    prompts = [f"p{i} a b" for i in range(16)]
+    body = {"model": "default", "prompt": prompts, "max_tokens": 2}
+    status, _, answer = http("POST", c.urls[0] + "/v1/completions", body, BUDGETED)
+    assert status == 200, answer
+    assert len(answer["choices"]) == 16
+    assert spent(c.redis_url, "tokens", "day") == answer["usage"]["total_tokens"]
