@@ -81,6 +81,11 @@ class Keys:
         # record per job, the queued count per key, and the channel that says
         # which jobs just finished (for long polls on any gateway).
         self.job_queues = tuple(self.job_queue(t) for t in TIERS)
+        # ...fair-queued as a tier's requests are (``jfq:``, ``jfair:``):
+        # ``jobs:{tier}`` (a list) is taken first, a requeue's front, and what
+        # a gateway of an earlier version queued.
+        self.job_fair_queues = tuple(self.job_fair_queue(t) for t in TIERS)
+        self.job_fair_states = tuple(self.job_fair_state(t) for t in TIERS)
         self.job_prefix = self.root + "job:"
         self.jobs_queued = self.root + "jobs-queued"
         self.jobs_done = self.root + "jobs-done"
@@ -97,6 +102,12 @@ class Keys:
 
     def job_queue(self, tier: str) -> str:
         return self.prefix + "jobs:" + tier
+
+    def job_fair_queue(self, tier: str) -> str:
+        return self.prefix + "jfq:" + tier
+
+    def job_fair_state(self, tier: str) -> str:
+        return self.prefix + "jfair:" + tier
 
     def job(self, job_id: str) -> str:
         return self.job_prefix + job_id

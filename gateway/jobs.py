@@ -20,6 +20,7 @@ from collections import defaultdict
 import msgspec
 from infergate.base import clock, logs, wire
 from infergate.base.errors import STORE_ERRORS
+from infergate.base.queue.gateway import Place
 from infergate.gateway import reservations
 from infergate.gateway.api import InferenceResponse, JobAccepted, JobView, Parameters
 from infergate.gateway.calls import Call, OnDisconnect
@@ -104,8 +105,12 @@ class Jobs:
         )
         jobs = policy.document.jobs
         try:
+            cost = lane.quota.costs.expected(key.id, len(body.input))
             accepted = await lane.queue.enqueue_job(
-                envelope, jobs.max_queued_per_key, round(jobs.result_ttl_s * 1000)
+                envelope,
+                jobs.max_queued_per_key,
+                round(jobs.result_ttl_s * 1000),
+                Place(key.id, cost, key.weight),
             )
             if not accepted:
                 await shard.quota.refund(key, tier, len(body.input))

@@ -355,3 +355,25 @@ async def test_a_fair_queue_of_another_type_blinds_nothing_and_stops_nothing(
     await store.redis.rpush(fq, "junk")
     assert (await gateway.admit([], "paid", envelope(2, "a"), place=Place("a", 5, 1, 10))).admitted
     assert await take_ids(store, 10) == ["a:r0002"]
+
+
+async def test_jobs_wait_in_their_keys_fair_order(store: Store) -> None:
+    """A tier's jobs are fair-queued as its requests are: a key's five jobs
+    sent behind another's hundred go in the first batch, behind none of
+    them (they queued in a list, first come first served, before)."""
+    gateway = GatewayQueue(store, "gw")
+
+    def job(n: int, key: str) -> wire.Envelope:
+        now = clock.now_ms()
+        return wire.Envelope(f"j{n:04}", "gw", "paid", key, f"in{n}", now, now + 60_000, job=True)
+
+    for i in range(100):
+        assert await gateway.enqueue_job(job(i, "a"), 1000, 60_000, Place("a", 10))
+    for i in range(100, 105):
+        assert await gateway.enqueue_job(job(i, "b"), 1000, 60_000, Place("b", 10))
+    await store.redis.rpush(store.keys.credits("d1"), "w1")
+    taken = await DispatcherQueue(store, "d1").take(
+        "w1", "b", clock.now_ms(), Rule(10, 0, 0, min_slots=(0, 0, 0)), True
+    )
+    keys = [wire.decode_envelope(e).key_id for e in taken.envelopes]
+    assert keys == ["a", "b"] * 5

@@ -612,6 +612,10 @@ async def test_a_lone_request_is_handed_straight_to_an_idle_worker(q: Faces) -> 
     await q.redis.delete(
         *q.keys.queues, *q.keys.fair_queues, *q.keys.fair_states, *q.keys.job_queues
     )
+    await q.redis.zadd(q.keys.job_fair_queue("free"), {b"a fair job": 0})
+    assert not await admit(4)
+    await q.redis.delete(*q.keys.queues, *q.keys.fair_queues, *q.keys.fair_states)
+    await q.redis.delete(*q.keys.job_fair_queues)
     # A credit whose worker's heartbeat is gone is dropped, not paid with.
     await q.redis.lpush(q.keys.ready, b"gone")
     await q.redis.rpoplpush(q.keys.ready, q.keys.ready)  # "gone" first in line
@@ -947,6 +951,7 @@ def test_the_names_admit_lua_gives_the_keys_it_hands_off_with_are_keys_names(mod
             f"queue:{tier}": keys.queue(tier),
             f"jobs:{tier}": keys.job_queue(tier),
             f"fq:{tier}": keys.fair_queue(tier),
+            f"jfq:{tier}": keys.job_fair_queue(tier),
         }
     for suffix, name in named.items():
         assert name == keys.prefix + suffix

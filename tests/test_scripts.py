@@ -91,10 +91,17 @@ async def test_the_admit_binding_reads_every_field_of_its_reply(store: Store) ->
 
 def test_keys_names_the_take_keys_in_the_order_take_pop_reads_them() -> None:
     """take_pop.lua's new_take reads six keys every take has, then the
-    entry's own, then four per tier: the binding writes them so."""
+    entry's own, then six per tier: the binding writes them so."""
     keys = Keys("ns")
     call = forming.credit_take(keys, "take_withdrawn", "w", 0)
     every = [keys.stats, keys.doorbell, keys.cancelled, keys.last_dispatch, keys.ready]
     assert call.keys[:5] == every
     assert call.keys[6:9] == [keys.batch_rule, keys.handoff("w"), keys.withdrawn("w")]
-    assert call.keys[9:] == [*keys.queues, *keys.job_queues, *keys.fair_queues, *keys.fair_states]
+    assert call.keys[9:] == [
+        *keys.queues,
+        *keys.job_queues,
+        *keys.fair_queues,
+        *keys.fair_states,
+        *keys.job_fair_queues,
+        *keys.job_fair_states,
+    ]

@@ -88,7 +88,14 @@ def _take(
         keys.ready,
         keys.jobs_queued,
     ]
-    tiers = [*keys.queues, *keys.job_queues, *keys.fair_queues, *keys.fair_states]
+    tiers = [
+        *keys.queues,
+        *keys.job_queues,
+        *keys.fair_queues,
+        *keys.fair_states,
+        *keys.job_fair_queues,
+        *keys.job_fair_states,
+    ]
     head = [now_ms, credit, batch_id or new_batch_id(), former, keys.prefix]
     return TakeCall(entry, [*every, *own, *tiers], [*head, *args])
 

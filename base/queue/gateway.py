@@ -244,17 +244,20 @@ class GatewayQueue:
         return (await self.admit((), tier, envelope, beside=beside, place=place)).queued
 
     async def enqueue_job(
-        self, envelope: wire.Envelope, max_queued: int, result_ttl_ms: int
+        self, envelope: wire.Envelope, max_queued: int, result_ttl_ms: int, place: Place = ANYWHERE
     ) -> bool:
-        """Accept a job: its record and its envelope, in one step. False (and
-        nothing changed) if its key already has ``max_queued`` jobs queued."""
+        """Accept a job: its record and its envelope, in one step, in its
+        key's fair order of its tier's jobs (``place``: its cost and its
+        key's weight). False (and nothing changed) if its key already has
+        ``max_queued`` jobs queued."""
         keys = self.keys
         depth = await self.store.scripts.enqueue_job(
             keys=[
-                keys.job_queue(envelope.tier),
+                keys.job_fair_queue(envelope.tier),
                 keys.doorbell,
                 keys.job(envelope.id),
                 keys.jobs_queued,
+                keys.job_fair_state(envelope.tier),
             ],
             args=[
                 wire.encode_queued(envelope),
@@ -264,6 +267,8 @@ class GatewayQueue:
                 envelope.enqueued_ms,
                 envelope.deadline_ms,
                 result_ttl_ms,
+                max(place.cost, 1),
+                round(place.weight * 1000),
             ],
         )
         return int(depth) >= 0

@@ -34,6 +34,7 @@ LIBRARIES = {
     "admit": (*_ADMIT, "admit_request"),
     "retry": ("idle_worker",),
     "settle": ("numbers", "give_back"),
+    "enqueue_job": ("numbers", "fair_tag"),
 }
 
 

@@ -52,6 +52,7 @@ class WorkerQueue:
                 *keys.job_queues,
                 *keys.queues,
                 *keys.fair_queues,
+                *keys.job_fair_queues,
             ],
             args=[self.worker_id],
         )

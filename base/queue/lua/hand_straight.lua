@@ -20,9 +20,11 @@ local function nothing_queued(prefix, tiers)
   -- anything (one EXISTS of them all), and how many tiers there are
   local names = {}
   for tier in string.gmatch(tiers, '%S+') do
-    for _, kind in ipairs({'queue:', 'jobs:', 'fq:'}) do names[#names + 1] = prefix .. kind .. tier end
+    for _, kind in ipairs({'queue:', 'jobs:', 'fq:', 'jfq:'}) do
+      names[#names + 1] = prefix .. kind .. tier
+    end
   end
-  return redis.call('EXISTS', unpack(names)) == 0, #names / 3
+  return redis.call('EXISTS', unpack(names)) == 0, #names / 4
 end
 
 local function hand_straight(h)

@@ -3,7 +3,7 @@
 -- With work waiting (jobs waiting for headroom, requests queued before it
 -- came), ring the doorbell: a dispatcher may be waiting on it, holding no
 -- credit.
--- KEYS[1] ready  KEYS[2] doorbell  KEYS[3..] the queues: jobs:, queue:, fq:
+-- KEYS[1] ready  KEYS[2] doorbell  KEYS[3..] the queues: jobs:, queue:, fq:, jfq:
 -- ARGV[1] worker id
 redis.call('LREM', KEYS[1], 0, ARGV[1])
 redis.call('LPUSH', KEYS[1], ARGV[1])

@@ -8,11 +8,11 @@
 -- staggered. A credit not spent goes back onto `ready`, ringing the
 -- doorbell if work still waits (a dispatcher holding no credit waits on it).
 -- Needs take_pop.lua, frame.lua, rule.lua. Put before the take entries.
-local function waiting(t, lists, also, more)
-  -- whether any of `lists` (or `also`, or `more`) holds work: one EXISTS
-  -- of those not drained in this take
+local function waiting(t, ...)
+  -- whether any of the lists of keys given holds work: one EXISTS of those
+  -- not drained in this take
   local names = {}
-  for _, group in ipairs({lists, also or {}, more or {}}) do
+  for _, group in ipairs({...}) do
     for i = 1, #group do
       if not t.drained[group[i]] then names[#names + 1] = group[i] end
     end
@@ -27,8 +27,8 @@ local function ring(t)
 end
 
 local function work_waits(t)
-  -- whether a tier's queue, fair queue or job queue holds anything
-  return waiting(t, t.queues, t.fair_queues, t.job_queues)
+  -- whether a tier's queue, fair queue or job queues hold anything
+  return waiting(t, t.queues, t.fair_queues, t.job_queues, t.job_fair_queues)
 end
 
 local function offer_credit(t)
@@ -75,7 +75,7 @@ local function formed(t)
   for i = 1, t.ntiers do pop_tier(t, i, t.n) end
   if #t.taken < t.n and t.headroom >= 0 and (#t.taken > 0 or t.now - t.last >= t.quiet_ms
       or redis.call('LLEN', t.ready) >= t.headroom) then
-    for i = 1, t.ntiers do pop_from(t, t.job_queues[i], t.n) end
+    for i = 1, t.ntiers do pop_jobs(t, i, t.n) end
   end
   for _, drop in ipairs({'expired', 'cancelled', 'malformed'}) do
     if t[drop] > 0 then redis.call('HINCRBY', t.stats, drop .. '_dropped', t[drop]) end

@@ -16,8 +16,8 @@ local TAKE_KEYS = 6  -- KEYS[1..6], every take's: then the entry's own, then the
 local function new_take(KEYS, ARGV, own_keys)
   -- The take of an entry with `own_keys` keys of its own after the six every
   -- take has (stats, doorbell, cancelled, last-dispatch, ready,
-  -- jobs-queued); then 4T keys: queue:, jobs:, fq:, fair: of each tier,
-  -- highest first. ARGV[1..5]: now, the credit, the batch id, its former,
+  -- jobs-queued); then 6T keys: queue:, jobs:, fq:, fair:, jfq:, jfair:
+  -- of each tier, highest first. ARGV[1..5]: now, the credit, the batch id, its former,
   -- the model's key prefix. Past a deadline or not is judged on Redis's
   -- clock when the script runs (a call that waited would start a job
   -- enqueued after `now` past its deadline).
@@ -28,14 +28,17 @@ local function new_take(KEYS, ARGV, own_keys)
     now = now, now_text = ARGV[1], live_at = math.max(now, tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)),
     credit = ARGV[2], batch_id = ARGV[3], former = ARGV[4], prefix = ARGV[5],
     job_prefix = string.match(ARGV[5], '^{[^}]*}:') .. 'job:', input_prefix = ARGV[5] .. 'input:',
-    queues = {}, job_queues = {}, fair_queues = {}, fair_states = {},
-    taken = {}, expired = 0, cancelled = 0, malformed = 0, jobs = 0, drained = {}}
+    queues = {}, job_queues = {}, fair_queues = {}, fair_states = {}, job_fair_queues = {},
+    job_fair_states = {}, taken = {}, expired = 0, cancelled = 0, malformed = 0, jobs = 0,
+    drained = {}}
   local first = TAKE_KEYS + own_keys + 1
-  t.ntiers = (#KEYS - first + 1) / 4
-  for i = 1, t.ntiers do
-    t.queues[i], t.job_queues[i] = KEYS[first + i - 1], KEYS[first + t.ntiers + i - 1]
-    t.fair_queues[i] = KEYS[first + 2 * t.ntiers + i - 1]
-    t.fair_states[i] = KEYS[first + 3 * t.ntiers + i - 1]
+  t.ntiers = (#KEYS - first + 1) / 6
+  local nt = t.ntiers
+  for i = 1, nt do
+    t.queues[i], t.job_queues[i] = KEYS[first + i - 1], KEYS[first + nt + i - 1]
+    t.fair_queues[i], t.fair_states[i] = KEYS[first + 2 * nt + i - 1], KEYS[first + 3 * nt + i - 1]
+    t.job_fair_queues[i] = KEYS[first + 4 * nt + i - 1]
+    t.job_fair_states[i] = KEYS[first + 5 * nt + i - 1]
   end
   return t
 end
@@ -77,10 +80,9 @@ local function left_fair_queue(state, left, v)
   end
 end
 
-local function pop_fair(t, i, limit)
-  -- the lowest start tags of tier i's fair queue, as pop_from; then the
-  -- tier's virtual time and its keys' counts
-  local queue, state = t.fair_queues[i], t.fair_states[i]
+local function pop_fair(t, queue, state, limit)
+  -- the lowest start tags of a fair queue (a tier's requests', or its
+  -- jobs'), as pop_from; then its virtual time and its keys' counts
   local got, tag, left = 0, nil, {}
   while got < limit and #t.taken < t.n and not t.drained[queue] do
     local want = math.min(limit - got, t.n - #t.taken)
@@ -114,5 +116,10 @@ end
 
 local function pop_tier(t, i, limit)
   local got = pop_from(t, t.queues[i], limit)
-  if got < limit then pop_fair(t, i, limit - got) end
+  if got < limit then pop_fair(t, t.fair_queues[i], t.fair_states[i], limit - got) end
+end
+
+local function pop_jobs(t, i, limit)
+  local got = pop_from(t, t.job_queues[i], limit)
+  if got < limit then pop_fair(t, t.job_fair_queues[i], t.job_fair_states[i], limit - got) end
 end
