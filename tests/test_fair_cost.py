@@ -76,7 +76,10 @@ def _arrivals(rng: random.Random, rate: float, duration_s: float) -> list[float]
 async def test_two_keys_get_equal_gpu_time_not_equal_requests(cluster_factory) -> None:
     keys = tuple(key_entry(key, "paid", f"{key}-secret") for key in ASKS)
     c = cluster_factory(
-        policy_yaml(extra_keys=keys, max_batch_size=8),
+        # (the paid tier's latency budget as the example policy has it; a
+        # 5 s one lets the dear key's requests wait past their deadline after
+        # moving its fair tag: 0.83-0.85, docs/performance.md)
+        policy_yaml(extra_keys=keys, max_batch_size=8, tiers={"paid": {"latency_budget_ms": 1000}}),
         env={"PYTHONPATH": str(USER_CODE)},
         worker_args=["--backend", "python:mymodel:talker"],
     )
@@ -85,6 +88,5 @@ async def test_two_keys_get_equal_gpu_time_not_equal_requests(cluster_factory) -
     ratio = gpu["verbose"] / gpu["brief"]
     print(f"answered {answered}, GPU µs {gpu}, verbose/brief {ratio:.2f}")
     assert answered["brief"] > answered["verbose"] > 0
-    # Measured 0.83-0.85 (by input characters, as before: 3.96); the cheaper
-    # key's ~16 % more is not explained yet (docs/performance.md).
-    assert 0.7 <= ratio <= 1.3
+    # Measured 1.05-1.13 (by input characters, as before: 3.87).
+    assert 0.85 <= ratio <= 1.15
