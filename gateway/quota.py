@@ -156,13 +156,20 @@ class Quota:
         windows = self._windows(
             key.id, tuple(rates), tier.cost_limit, tuple(token_rates), budget_of(key, tier)
         )
-        costs = {
-            "cost": input_chars,
-            "tokens": tokens,
-            "token_budget": tokens,
-            "gpu_budget": gpu_us,
-        }
-        return [w if w.kind == "requests" else _costing(w, costs[w.kind]) for w in windows]
+        costs = {"cost": input_chars, "tokens": tokens, "token_budget": tokens}
+        return [
+            w if w.kind == "requests" else _costing(w, self._cost(w, costs, gpu_us))
+            for w in windows
+        ]
+
+    @staticmethod
+    def _cost(charge: Charge, costs: dict[str, int], gpu_us: int) -> int:
+        """A limit's cost; a GPU reservation (an estimate) never more than
+        the whole budget, so one estimated high waits for room, never
+        refused for good."""
+        if charge.kind == "gpu_budget":
+            return min(gpu_us, charge.counter.amount)
+        return costs[charge.kind]
 
     @staticmethod
     def reserves_tokens(key: KeyEntry, tier: Tier) -> bool:

@@ -218,6 +218,10 @@ async def test_long_inputs_after_short_ones_do_not_overshoot_a_gpu_budget(cluste
     assert 200 in statuses
     assert settled == usage_gpu_us(c.redis_url)
     assert settled <= budget_us * 1.1
+    # A job is never settled by its measured time: a GPU-budgeted key's is refused.
+    status, _, body = http("POST", c.urls[0] + "/v1/jobs", {"input": "a job"}, BUDGETED)
+    assert status == 403, body
+    assert "GPU budget" in body["error"]["message"]
 
 
 def test_the_openai_client_makes_one_call_for_a_spent_budget(cluster_factory) -> None:
