@@ -24,7 +24,7 @@ from infergate.base.queue.gateway import Place
 from infergate.gateway import reservations
 from infergate.gateway.api import InferenceResponse, JobAccepted, JobView, Parameters
 from infergate.gateway.calls import Call, OnDisconnect
-from infergate.gateway.charging import charge_quota, check_reservation
+from infergate.gateway.charging import charge_quota, check_reservation, gpu_reservation
 from infergate.gateway.checks import check_memory
 from infergate.gateway.errors import (
     ERRORS,
@@ -72,20 +72,19 @@ class Jobs:
         check_memory(gw, shard.index, key, None)
         body, tier, lane = self.inference.read_body(call.body, policy, key)
         params = body.parameters or Parameters()
-        max_tokens, reserve = params.max_tokens or 0, 0
-        if lane.quota.reserves_gpu(key, tier):
-            # (its reservation is kept whole, never settled: an estimate would
-            # be all a GPU budget is charged)
-            raise ApiError(
-                "FORBIDDEN",
-                "this key has a GPU budget, which jobs cannot be charged to yet "
-                "(a job is not settled by its measured time): use /v1/inference",
-            )
-        if lane.quota.reserves_tokens(key, tier):  # (kept whole: nobody waits to settle it)
+        max_tokens, input_bound, reserve, reserve_gpu_us = params.max_tokens or 0, 0, 0, 0
+        gpu = lane.quota.reserves_gpu(key, tier)
+        if lane.quota.reserves_tokens(key, tier) or gpu:  # (settled as it finishes)
             max_tokens = reservations.output_bound(max_tokens, policy.models[lane.name])
-            reserve = reservations.input_bound(body.input) + max_tokens
-            check_reservation(gw, lane, key, tier, len(body.input), reserve)
-        quota = await charge_quota(gw, lane, key, tier, len(body.input), tokens=reserve)
+            input_bound = reservations.input_bound(body.input)
+            reserve = input_bound + max_tokens
+        if gpu:
+            reserve_gpu_us = gpu_reservation(lane, reserve)
+        if reserve or reserve_gpu_us:
+            check_reservation(gw, lane, key, tier, len(body.input), reserve, reserve_gpu_us)
+        quota = await charge_quota(
+            gw, lane, key, tier, len(body.input), tokens=reserve, gpu_us=reserve_gpu_us
+        )
         headers = quota.headers()
         now_ms = clock.now_ms()
         deadline_ms = tier.job_deadline_ms
@@ -103,6 +102,7 @@ class Jobs:
             job=True,
             max_tokens=max_tokens,
             temperature=params.temperature or 0.0,
+            count_input=bool(reserve),
         )
         jobs = policy.document.jobs
         try:
@@ -112,6 +112,8 @@ class Jobs:
                 jobs.max_queued_per_key,
                 round(jobs.result_ttl_s * 1000),
                 Place(key.id, cost, key.weight),
+                quota.reservation.units() if quota.reservation else (),
+                input_bound,
             )
             if not accepted:
                 await shard.quota.refund(key, tier, len(body.input))

@@ -123,6 +123,13 @@ class Reservation:
     by_gpu: tuple[Counter, ...]
     charged_ms: int
 
+    def units(self) -> list[tuple[Counter, int, str]]:
+        """Each counter charged, Redis's clock then, and its unit: "t"
+        (tokens), "g" (GPU µs)."""
+        return [(c, self.charged_ms, "t") for c in self.by_tokens] + [
+            (c, self.charged_ms, "g") for c in self.by_gpu
+        ]
+
     def unused(self, tokens: int, gpu_us: int) -> list[tuple[Counter, int, int]]:
         """What goes back to each counter once the request used ``tokens``
         and ``gpu_us`` (negative: what it used past its reservation,

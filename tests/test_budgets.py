@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from infergate.base import periods
 from infergate.base.queue import scripts
 
-from tests.helpers import SECRETS, auth, http, key_entry, policy_yaml
+from tests.helpers import SECRETS, auth, http, key_entry, policy_yaml, wait_for
 
 TEMPLATE_TOKENS = 16  # (gateway/reservations.py: what an input's bound adds)
 SIM_WORDS = 1  # (the simulated backend's answer: its input after one word)
@@ -218,10 +218,6 @@ async def test_long_inputs_after_short_ones_do_not_overshoot_a_gpu_budget(cluste
     assert 200 in statuses
     assert settled == usage_gpu_us(c.redis_url)
     assert settled <= budget_us * 1.1
-    # A job is never settled by its measured time: a GPU-budgeted key's is refused.
-    status, _, body = http("POST", c.urls[0] + "/v1/jobs", {"input": "a job"}, BUDGETED)
-    assert status == 403, body
-    assert "GPU budget" in body["error"]["message"]
 
 
 def test_the_openai_client_makes_one_call_for_a_spent_budget(cluster_factory) -> None:
@@ -402,3 +398,51 @@ def test_each_prompt_of_a_list_settles_its_own_part(cluster_factory) -> None:
     assert status == 200, answer
     assert len(answer["choices"]) == 16
     assert spent(c.redis_url, "tokens", "day") == answer["usage"]["total_tokens"]
+
+
+def test_a_job_settles_what_it_used_and_one_that_never_ran_gives_all_back(
+    cluster_factory,
+) -> None:
+    """A job reserves as a request does and settles as its record is
+    finished (by its result's tokens and measured GPU time); one cancelled
+    while queued, or dropped past its deadline, gives all of it back."""
+    c = cluster_factory(budget_policy(tokens=10_000, gpu_seconds=100, period="day"))
+    status, _, job = http("POST", c.urls[0] + "/v1/jobs", {"input": "a b c"}, BUDGETED)
+    assert status == 202, job
+    view = wait_for(lambda: finished_job(c, job["job_id"]), 15, "the job to finish")
+    assert view["status"] == "succeeded", view
+    used = 3 + len(view["result"]["output"].split())  # (its input's words, its output's)
+    assert spent(c.redis_url, "tokens", "day") == used
+    assert spent(c.redis_url, "gpu_us", "day") == usage_gpu_us(c.redis_url) > 0
+
+    c.stop_workers()  # (the next two never run)
+    ids = []
+    for body in ({"input": "cancel me"}, {"input": "too late", "timeout_ms": 1500}):
+        status, _, job = http("POST", c.urls[0] + "/v1/jobs", body, BUDGETED)
+        assert status == 202, job
+        ids.append(job["job_id"])
+    assert spent(c.redis_url, "tokens", "day") > used  # (both reserved)
+    reserved = spent(c.redis_url, "tokens", "day") - used
+    status, _, view = http("DELETE", f"{c.urls[0]}/v1/jobs/{ids[0]}", headers=BUDGETED)
+    assert (status, view["status"]) == (200, "cancelled"), view
+    assert used < spent(c.redis_url, "tokens", "day") < used + reserved  # (one given back)
+    wait_for(lambda: job_status(c, ids[1]) == "expired", 10, "the second job's deadline")
+    c.add_worker()  # (it is dropped, unrun)
+    wait_for(
+        lambda: spent(c.redis_url, "tokens", "day") == used,
+        15,
+        "the job dropped unrun to give back its reservation",
+    )
+    assert spent(c.redis_url, "gpu_us", "day") == usage_gpu_us(c.redis_url)
+
+
+def job_status(c: Any, job_id: str) -> str:
+    status, _, view = http("GET", f"{c.urls[0]}/v1/jobs/{job_id}", headers=BUDGETED)
+    assert status == 200, view
+    return str(view["status"])
+
+
+def finished_job(c: Any, job_id: str) -> dict[str, Any] | None:
+    status, _, view = http("GET", f"{c.urls[0]}/v1/jobs/{job_id}?wait_s=1", headers=BUDGETED)
+    assert status == 200, view
+    return view if view["status"] in ("succeeded", "failed") else None

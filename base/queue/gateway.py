@@ -244,12 +244,21 @@ class GatewayQueue:
         return (await self.admit((), tier, envelope, beside=beside, place=place)).queued
 
     async def enqueue_job(
-        self, envelope: wire.Envelope, max_queued: int, result_ttl_ms: int, place: Place = ANYWHERE
+        self,
+        envelope: wire.Envelope,
+        max_queued: int,
+        result_ttl_ms: int,
+        place: Place = ANYWHERE,
+        reserved: Sequence[tuple[Counter, int, str]] = (),
+        input_bound: int = 0,
     ) -> bool:
         """Accept a job: its record and its envelope, in one step, in its
         key's fair order of its tier's jobs (``place``: its cost and its
         key's weight). False (and nothing changed) if its key already has
-        ``max_queued`` jobs queued."""
+        ``max_queued`` jobs queued. What it ``reserved`` (each counter,
+        Redis's clock as charged, its unit: "t" tokens, "g" GPU µs) and its
+        input's bound in tokens stay on its record, for the script that
+        finishes, cancels or drops it to settle (``give_back.lua``)."""
         keys = self.keys
         depth = await self.store.scripts.enqueue_job(
             keys=[
@@ -269,6 +278,8 @@ class GatewayQueue:
                 result_ttl_ms,
                 max(place.cost, 1),
                 round(place.weight * 1000),
+                " ".join(f"{c.key} {_bucket(c, ms)} {c.cost} {unit}" for c, ms, unit in reserved),
+                input_bound,
             ],
         )
         return int(depth) >= 0

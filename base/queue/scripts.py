@@ -35,6 +35,8 @@ LIBRARIES = {
     "retry": ("idle_worker",),
     "settle": ("numbers", "give_back"),
     "enqueue_job": ("numbers", "fair_tag"),
+    "finish_jobs": ("numbers", "give_back"),
+    "cancel_job": ("numbers", "give_back"),
 }
 
 

@@ -9,13 +9,18 @@
 -- ARGV[1] envelope (JSON)  ARGV[2] key id  ARGV[3] max queued per key
 -- ARGV[4] tier  ARGV[5] created (epoch ms)  ARGV[6] deadline (epoch ms)
 -- ARGV[7] result ttl (ms)  ARGV[8] its cost  ARGV[9] its key's weight
--- (thousandths)
+-- (thousandths)  ARGV[10] what it reserved of its key's token limits and
+-- budgets ('key bucket amount unit' each: give_back.lua's settle_job; ''
+-- for none)  ARGV[11] its input's bound in tokens
 -- Returns the job queue's length, or -1 if refused.
 local queued = tonumber(redis.call('HGET', KEYS[4], ARGV[2]) or '0')
 if queued >= tonumber(ARGV[3]) then return -1 end
 local keep_ms = tonumber(ARGV[6]) - tonumber(ARGV[5]) + tonumber(ARGV[7])
 redis.call('HSET', KEYS[3], 'key_id', ARGV[2], 'tier', ARGV[4], 'status', 'queued',
   'created_ms', ARGV[5], 'deadline_ms', ARGV[6], 'result_ttl_ms', ARGV[7])
+if ARGV[10] ~= '' then
+  redis.call('HSET', KEYS[3], 'reserved', ARGV[10], 'input_bound', ARGV[11])
+end
 redis.call('PEXPIRE', KEYS[3], keep_ms)
 redis.call('HINCRBY', KEYS[4], ARGV[2], 1)
 local states = {}

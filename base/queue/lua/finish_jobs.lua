@@ -13,8 +13,24 @@
 -- A record that is not a job's (another type) is left as it is: this runs
 -- in the transaction that answers a batch, and an error here would fail
 -- that answer for ever (Redis contents are not trusted).
+-- A job that reserved of its key's token limits or budgets settles
+-- (give_back.lua's settle_job) by what its result says it used: its input
+-- and output tokens (its input's bound if the worker did not count it) and
+-- its share of its call's GPU time; a failed one, nothing.
 -- Returns how many records were written.
 local final = {succeeded = true, failed = true, cancelled = true, expired = true}
+
+local function used(record, result, status)
+  -- the tokens and GPU µs a job's result says it used (none if it failed)
+  local ok, r = pcall(cjson.decode, result)
+  if status ~= 'succeeded' or not ok or type(r) ~= 'table' then return 0, 0 end
+  local function n(x) x = finite(x); return x and x > 0 and math.floor(x) or 0 end
+  local input = n(r.input_tokens)
+  if input == 0 then input = n(redis.call('HGET', record, 'input_bound')) end
+  local gpu = (r.served_by == nil or r.served_by == 'model') and n(r.gpu_us) or 0
+  return input + n(r.tokens), gpu
+end
+
 local written, ids = 0, {}
 for i, key in ipairs(KEYS) do
   local status = redis.call('TYPE', key)['ok'] == 'hash' and redis.call('HGET', key, 'status')
@@ -24,6 +40,7 @@ for i, key in ipairs(KEYS) do
     redis.call('HSET', key, 'status', ARGV[2 + #KEYS + i], 'result', ARGV[2 + i],
       'done_ms', ARGV[2])
     redis.call('PEXPIRE', key, ttl)
+    settle_job(key, used(key, ARGV[2 + i], ARGV[2 + #KEYS + i]))
     written = written + 1
     ids[#ids + 1] = key
   end

@@ -33,3 +33,21 @@ local function give_back_dropped(t, env)
     end
   end
 end
+
+local function settle_job(record, tokens, gpu_us)
+  -- A job's reservation (its record's 'reserved': 'key bucket amount unit'
+  -- each, unit t for tokens, g for GPU µs; queue/gateway.py's enqueue_job),
+  -- settled once, as its record leaves 'queued' or 'running' for good:
+  -- what it did not use of `tokens` and `gpu_us` given back (all of it for
+  -- a job dropped unrun, cancelled or failed), the excess charged.
+  local raw = redis.call('HGET', record, 'reserved')
+  if type(raw) ~= 'string' then return end
+  redis.call('HDEL', record, 'reserved')
+  local quota = (string.match(record, '^{[^}]*}:') or '\0') .. 'quota:'
+  for key, bucket, amount, unit in string.gmatch(raw, '(%S+) (%S+) (%S+) ([tg])') do
+    local reserved = count(amount)
+    if reserved and reserved > 0 and string.sub(key, 1, #quota) == quota then
+      give_back(key, bucket, reserved - (unit == 't' and tokens or gpu_us))
+    end
+  end
+end

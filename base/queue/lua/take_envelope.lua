@@ -5,7 +5,8 @@
 -- null input and a string input_key): it never reaches a worker, and its
 -- long input is deleted with it, and a reservation its gateway left beside
 -- it given back (give_back.lua). A job taken is marked 'running', one dropped
--- 'expired'; either way its key's queued count goes down. `t` is the take
+-- 'expired' (and all it reserved given back); either way its key's queued
+-- count goes down. `t` is the take
 -- (take_pop.lua: new_take). Put before take_pop.lua (scripts.py).
 local function left_queue(t, env, status)
   -- a job leaving its queue: its key's count, and its record's status
@@ -18,6 +19,7 @@ local function left_queue(t, env, status)
   -- (a record is a hash; a key planted under its name is left alone)
   if redis.call('TYPE', t.job_prefix .. env.id)['ok'] == 'hash' then
     redis.call('HSET', t.job_prefix .. env.id, 'status', status, 'started_ms', t.live_at)
+    if status == 'expired' then settle_job(t.job_prefix .. env.id, 0, 0) end
   end
 end
 
