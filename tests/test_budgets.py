@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from infergate.base import periods
 from infergate.base.queue import scripts
 
-from tests.helpers import SECRETS, auth, http, key_entry, policy_yaml, wait_for
+from tests.helpers import KEYS, SECRETS, auth, http, key_entry, policy_yaml, wait_for
 
 TEMPLATE_TOKENS = 16  # (gateway/reservations.py: what an input's bound adds)
 SIM_WORDS = 1  # (the simulated backend's answer: its input after one word)
@@ -357,7 +357,12 @@ async def requests_dropped_unrun(c: Any, client: Any) -> None:
         busy = asyncio.create_task(
             session.post(c.urls[0] + "/v1/inference", json={"input": "busy"}, headers=auth("paid"))
         )
-        await asyncio.sleep(0.3)  # (the worker has taken it)
+        for _ in range(200):  # (10 s at most: until a worker has taken it)
+            if int(await client.hget(KEYS.stats, "batches_formed") or 0):
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("no worker took the busy request")
         timed_out = session.post(
             c.urls[0] + "/v1/inference",
             json={"input": "late", "timeout_ms": 300, "parameters": {"max_tokens": 10}},
