@@ -98,10 +98,12 @@ def check_reservation(
     raise quota_refused(gw, key, lane, message, retryable=False)
 
 
-def gpu_reservation(lane: ModelLane, tokens: int) -> int:
-    """What a request of at most ``tokens`` tokens reserves of a GPU budget
-    (``reservations.gpu_bound``), from its model's measurements."""
-    return reservations.gpu_bound(tokens, lane.quota.costs.call_line(), lane.fleet.slowest_batch_ms)
+def gpu_reservation(lane: ModelLane, key: KeyEntry, tokens: int) -> int:
+    """What a request of ``key`` of at most ``tokens`` tokens reserves of a
+    GPU budget (``reservations.gpu_bound``), from its model's measurements
+    of the calls the key's requests were in (``CostModel.call_line``)."""
+    line = lane.quota.costs.call_line(key.id)
+    return reservations.gpu_bound(tokens, line, lane.fleet.slowest_batch_ms)
 
 
 async def settle(

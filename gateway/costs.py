@@ -5,7 +5,10 @@ model's. So a key whose requests cost four times more per character
 (short prompts with long answers) moves its fair tag four times as fast,
 and takes a quarter of the slots while others wait. A key not answered
 here yet is charged its characters. Each gateway learns from the answers
-it receives; decaying sums forget a key's old requests (some hundred count)."""
+it receives; decaying sums forget a key's old requests (some hundred count).
+A GPU budget's reservation follows the calls the key's own requests were
+in, once there are some: another key moves it only by sharing those calls,
+where it moves the key's measured share, and so its charge, alike."""
 
 # Each answer's weight in a key's sums decays by this per later answer of
 # the key; in the model's, per later answer of any key.
@@ -15,44 +18,28 @@ MODEL_MEMORY = 0.999
 MOST_KEYS = 10_000
 # A key's cost per character is held within this factor of the model's.
 MOST_FACTOR = 64.0
+# The calls (decayed) a key's own line is fitted to before it is used.
+OWN_CALLS = 8.0
 
 
-class CostModel:
-    """One model's measured cost per input character, and each key's; and
-    its cost per token (what a GPU budget reserves, ``reservations.py``)."""
+class CallLine:
+    """A call's time against its tokens (input and output, one more each):
+    decaying sums of 1, x, y, x², xy, for a least-squares line."""
 
-    def __init__(self) -> None:
-        self._keys: dict[str, list[float]] = {}  # key id: [GPU µs, characters], decaying
-        self._model = [0.0, 0.0]
-        # A call's time against its tokens (input and output, one more each):
-        # decaying sums of 1, x, y, x², xy, for a least-squares line.
-        self._calls = [0.0] * 5
+    def __init__(self, memory: float) -> None:
+        self.memory = memory
+        self.sums = [0.0] * 5
 
-    def answered(
-        self, key_id: str, chars: int, gpu_us: int, call_tokens: int = 0, call_us: int = 0
-    ) -> None:
-        """A request of the key's with ``chars`` input characters used
-        ``gpu_us``, in a call of ``call_tokens`` that took ``call_us``."""
-        if gpu_us <= 0:
-            return  # (a cached or joined answer: the GPU did not run it)
-        if call_tokens > 0 and call_us > 0:
-            x, y, calls = float(call_tokens), float(call_us), self._calls
-            for i, value in enumerate((1.0, x, y, x * x, x * y)):
-                calls[i] = calls[i] * MODEL_MEMORY + value
-        sums = self._keys.get(key_id)
-        if sums is None:
-            if len(self._keys) >= MOST_KEYS:
-                del self._keys[next(iter(self._keys))]
-            sums = self._keys[key_id] = [0.0, 0.0]
-        for held, memory in ((sums, KEY_MEMORY), (self._model, MODEL_MEMORY)):
-            held[0] = held[0] * memory + gpu_us
-            held[1] = held[1] * memory + chars + 1
+    def add(self, tokens: int, call_us: int) -> None:
+        x, y, sums = float(tokens), float(call_us), self.sums
+        for i, value in enumerate((1.0, x, y, x * x, x * y)):
+            sums[i] = sums[i] * self.memory + value
 
-    def call_line(self) -> tuple[float, float] | None:
-        """A call's time (µs) as its fixed part and its part per token,
-        fitted to the calls measured; with calls all of one size, all of it
-        per token (a bound for larger calls); None before any call."""
-        n, sx, sy, sxx, sxy = self._calls
+    def fit(self) -> tuple[float, float] | None:
+        """A call's time (µs) as its fixed part and its part per token; with
+        calls all of one size, all of it per token (a bound for larger
+        calls); None before any call."""
+        n, sx, sy, sxx, sxy = self.sums
         if n <= 0 or sx <= 0:
             return None
         spread = n * sxx - sx * sx
@@ -62,6 +49,50 @@ class CostModel:
         if per_token <= 0:
             return 0.0, sy / sx
         return max((sy - per_token * sx) / n, 0.0), per_token
+
+
+class CostModel:
+    """One model's measured cost per input character, and each key's; and
+    its cost per token (what a GPU budget reserves, ``reservations.py``)."""
+
+    def __init__(self) -> None:
+        self._keys: dict[str, list[float]] = {}  # key id: [GPU µs, characters], decaying
+        self._model = [0.0, 0.0]
+        self._calls = CallLine(MODEL_MEMORY)  # every key's calls
+        self._key_calls: dict[str, CallLine] = {}  # the calls each key's requests were in
+
+    def answered(
+        self, key_id: str, chars: int, gpu_us: int, call_tokens: int = 0, call_us: int = 0
+    ) -> None:
+        """A request of the key's with ``chars`` input characters used
+        ``gpu_us``, in a call of ``call_tokens`` that took ``call_us``."""
+        if gpu_us <= 0:
+            return  # (a cached or joined answer: the GPU did not run it)
+        sums = self._keys.get(key_id)
+        if sums is None:
+            if len(self._keys) >= MOST_KEYS:
+                forgotten = next(iter(self._keys))
+                del self._keys[forgotten]
+                self._key_calls.pop(forgotten, None)
+            sums = self._keys[key_id] = [0.0, 0.0]
+        if call_tokens > 0 and call_us > 0:
+            self._calls.add(call_tokens, call_us)
+            own = self._key_calls.get(key_id)
+            if own is None:
+                own = self._key_calls[key_id] = CallLine(KEY_MEMORY)
+            own.add(call_tokens, call_us)
+        for held, memory in ((sums, KEY_MEMORY), (self._model, MODEL_MEMORY)):
+            held[0] = held[0] * memory + gpu_us
+            held[1] = held[1] * memory + chars + 1
+
+    def call_line(self, key_id: str | None = None) -> tuple[float, float] | None:
+        """A call's time (µs) as its fixed part and its part per token
+        (``CallLine.fit``): fitted to the calls ``key_id``'s requests were in,
+        once there are ``OWN_CALLS``, else to every key's; None before any."""
+        own = self._key_calls.get(key_id) if key_id is not None else None
+        if own is not None and own.sums[0] >= OWN_CALLS:
+            return own.fit()
+        return self._calls.fit()
 
     def expected(self, key_id: str, chars: int) -> int:
         """The fair queue's cost of a request of ``chars`` input characters."""

@@ -411,7 +411,7 @@ def _reserve(gw: Gateway, request: Request, model: Model, whole: bool) -> None:
         request.reserve = request.input_bound + request.max_tokens
         request.count_input = True
     if gpu:
-        request.reserve_gpu_us = gpu_reservation(lane, request.reserve)
+        request.reserve_gpu_us = gpu_reservation(lane, key, request.reserve)
     if whole and (request.reserve or request.reserve_gpu_us):
         size = len(request.text)
         check_reservation(gw, lane, key, tier, size, request.reserve, request.reserve_gpu_us)

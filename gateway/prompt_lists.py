@@ -77,7 +77,7 @@ async def charge(
         out = reservations.output_bound(max_tokens, model)
         for request_id, text in inputs.items():
             bound = reservations.input_bound(text) + out
-            parts[request_id] = (bound, gpu_reservation(lane, bound) if gpu else 0)
+            parts[request_id] = (bound, gpu_reservation(lane, key, bound) if gpu else 0)
     tokens = sum(part[0] for part in parts.values())
     gpu_us = sum(part[1] for part in parts.values())
     over = lane.quota.over_as_a_whole(key, tier, chars, tokens, gpu_us)
