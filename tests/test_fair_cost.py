@@ -1,6 +1,6 @@
 """Fair share by measured cost: two keys of one tier at the same rate, one
 asking for answers four times as long (so four times the GPU time a
-request), under some 3x overload of one worker. The fair queue charges each
+request), under a 3-4x overload of one worker. The fair queue charges each
 request what its key's requests were measured to cost, so the two keys get
 about equal GPU time, not equal requests. A real worker running a user's
 model (``talker``: its time grows with the words it reads and writes),
@@ -19,7 +19,7 @@ from tests.helpers import key_entry, policy_yaml
 USER_CODE = Path(__file__).parent / "user_backends"
 # (in: 4 words; out: 20 or 92: a request's share of a call is by its tokens)
 ASKS = {"brief": 20, "verbose": 92}
-RATE = 60.0  # each key's requests a second: together some 3x what the worker serves
+RATE = 60.0  # each key's requests a second: together 3-4x what the worker serves
 DURATION_S = 16.0
 
 

@@ -14,7 +14,7 @@ from infergate.base.queue.inputs import Beside
 from infergate.base.queue.resp import RawConnection
 from infergate.base.queue.store import Store
 from infergate.base.tiers import TIERS
-from redis.asyncio.client import PubSub
+from redis.asyncio.client import Pipeline, PubSub
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 
@@ -344,7 +344,7 @@ class GatewayQueue:
 
     def _leave_reserved(
         self,
-        pipe: Any,
+        pipe: Pipeline,
         request_id: str,
         until_ms: int,
         reserved: Sequence[tuple[Counter, int, int]],
