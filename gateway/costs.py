@@ -31,9 +31,9 @@ class CallLine:
         self.sums = [0.0] * 5
 
     def add(self, tokens: int, call_us: int) -> None:
-        x, y, sums = float(tokens), float(call_us), self.sums
-        for i, value in enumerate((1.0, x, y, x * x, x * y)):
-            sums[i] = sums[i] * self.memory + value
+        x, y, m = float(tokens), float(call_us), self.memory
+        n, sx, sy, sxx, sxy = self.sums
+        self.sums = [n * m + 1.0, sx * m + x, sy * m + y, sxx * m + x * x, sxy * m + x * y]
 
     def fit(self) -> tuple[float, float] | None:
         """A call's time (µs) as its fixed part and its part per token; with
