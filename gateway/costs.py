@@ -37,17 +37,19 @@ class CallLine:
 
     def fit(self) -> tuple[float, float] | None:
         """A call's time (µs) as its fixed part and its part per token; with
-        calls all of one size, all of it per token (a bound for larger
-        calls); None before any call."""
+        calls all of one size, or no slope, a mean call's time as the fixed
+        part and all of it again per token (a bound for smaller and larger
+        calls alike: a key cannot train its line below a call's time);
+        None before any call."""
         n, sx, sy, sxx, sxy = self.sums
         if n <= 0 or sx <= 0:
             return None
         spread = n * sxx - sx * sx
         if spread <= 1e-9 * n * sxx:
-            return 0.0, sy / sx
+            return sy / n, sy / sx
         per_token = (n * sxy - sx * sy) / spread
         if per_token <= 0:
-            return 0.0, sy / sx
+            return sy / n, sy / sx
         return max((sy - per_token * sx) / n, 0.0), per_token
 
 

@@ -35,3 +35,14 @@ def test_another_keys_calls_move_only_the_line_of_keys_without_their_own() -> No
     assert costs.call_line("few") == costs.call_line() == costs.call_line("unseen")
     _, everyones_per_token = costs.call_line() or (0, 0)
     assert everyones_per_token > 4 * 500
+
+
+def test_calls_of_one_size_cannot_train_a_line_below_a_calls_time() -> None:
+    """A key that sends only calls of one size gets a line whose bound for
+    a one-token request is still a whole call's time (a line with no fixed
+    part let tiny jobs reserve a sixth of what they then used)."""
+    costs = CostModel()
+    for _ in range(20):
+        costs.answered("a", 4000, 50_000, 900, 50_000)
+    fixed_us, per_token_us = costs.call_line("a") or (0, 0)
+    assert fixed_us + per_token_us * 2 >= 50_000

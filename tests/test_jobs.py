@@ -164,3 +164,28 @@ def test_job_requests_that_are_not_the_schema_are_400(tmp_path: Path, redis_url:
         assert status == 400, body
         assert http("POST", c.urls[0] + "/v1/jobs", {"input": "x"})[0] == 401
         assert SECRETS["paid"] not in str(body)
+
+
+def test_a_job_cancelled_then_dropped_past_its_deadline_stays_cancelled(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """Cancelling counted it out of its key's queued jobs already: the take
+    that drops it later, past its deadline, neither counts it out again
+    (which let a key queue more than max_queued_per_key) nor calls it
+    expired."""
+    c = Cluster(tmp_path, redis_url, policy_yaml(), workers=1)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        c.stop_workers()
+        job_id = submit(c, "cancel me, then expire", timeout_ms=800)[2]["job_id"]
+        status, _, body = http("DELETE", f"{c.urls[0]}/v1/jobs/{job_id}", headers=auth("paid"))
+        assert (status, body["status"]) == (200, "cancelled"), body
+        deadline = time.monotonic() + 1.0
+        wait_for(lambda: time.monotonic() > deadline, 2, "its deadline to pass")
+        c.add_worker()
+        wait_for(lambda: stats(client).get("expired_dropped", 0) == 1, 15, "the take to drop it")
+        assert fetch(c, job_id)[2]["status"] == "cancelled"
+        assert client.hget(KEYS.jobs_queued, "pai") is None
+    finally:
+        client.close()
+        c.stop()

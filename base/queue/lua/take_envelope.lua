@@ -9,8 +9,12 @@
 -- count goes down. `t` is the take
 -- (take_pop.lua: new_take). Put before take_pop.lua (scripts.py).
 local function left_queue(t, env, status)
-  -- a job leaving its queue: its key's count, and its record's status
+  -- a job leaving its queue: its key's count, and its record's status (a
+  -- job cancelled while queued was counted out, and settled, then)
   if env.job ~= true then return end
+  local record = t.job_prefix .. env.id
+  if redis.call('TYPE', record)['ok'] == 'hash'
+    and redis.call('HGET', record, 'status') == 'cancelled' then return end
   if type(env.key_id) == 'string' then
     if redis.call('HINCRBY', t.jobs_queued, env.key_id, -1) <= 0 then
       redis.call('HDEL', t.jobs_queued, env.key_id)
