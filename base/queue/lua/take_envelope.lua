@@ -13,17 +13,17 @@ local function left_queue(t, env, status)
   -- job cancelled while queued was counted out, and settled, then)
   if env.job ~= true then return end
   local record = t.job_prefix .. env.id
-  if redis.call('TYPE', record)['ok'] == 'hash'
-    and redis.call('HGET', record, 'status') == 'cancelled' then return end
+  -- (a record is a hash; a key planted under its name is left alone)
+  local is_record = redis.call('TYPE', record)['ok'] == 'hash'
+  if is_record and redis.call('HGET', record, 'status') == 'cancelled' then return end
   if type(env.key_id) == 'string' then
     if redis.call('HINCRBY', t.jobs_queued, env.key_id, -1) <= 0 then
       redis.call('HDEL', t.jobs_queued, env.key_id)
     end
   end
-  -- (a record is a hash; a key planted under its name is left alone)
-  if redis.call('TYPE', t.job_prefix .. env.id)['ok'] == 'hash' then
-    redis.call('HSET', t.job_prefix .. env.id, 'status', status, 'started_ms', t.live_at)
-    if status == 'expired' then settle_job(t.job_prefix .. env.id, 0, 0) end
+  if is_record then
+    redis.call('HSET', record, 'status', status, 'started_ms', t.live_at)
+    if status == 'expired' then settle_job(record, 0, 0) end
   end
 end
 
