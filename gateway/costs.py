@@ -62,6 +62,7 @@ class CostModel:
         self._model = [0.0, 0.0]
         self._calls = CallLine(MODEL_MEMORY)  # every key's calls
         self._key_calls: dict[str, CallLine] = {}  # the calls each key's requests were in
+        self.slowest_call_us = 0  # the slowest call measured (a GPU reservation's least)
 
     def answered(
         self, key_id: str, chars: int, gpu_us: int, call_tokens: int = 0, call_us: int = 0
@@ -79,6 +80,7 @@ class CostModel:
             sums = self._keys[key_id] = [0.0, 0.0]
         if call_tokens > 0 and call_us > 0:
             self._calls.add(call_tokens, call_us)
+            self.slowest_call_us = max(self.slowest_call_us, call_us)
             own = self._key_calls.get(key_id)
             if own is None:
                 own = self._key_calls[key_id] = CallLine(KEY_MEMORY)

@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 from infergate.base.queue.gateway import Admitted, Counter, GatewayQueue, Place
 from infergate.base.queue.inputs import Beside
+from infergate.gateway import reservations
 from infergate.gateway.costs import CostModel
 from infergate.policies import Budget, KeyEntry, Tier
 from limits import RateLimitItem, parse_many
@@ -163,20 +164,14 @@ class Quota:
         windows = self._windows(
             key.id, tuple(rates), tier.cost_limit, tuple(token_rates), budget_of(key, tier)
         )
-        costs = {"cost": input_chars, "tokens": tokens, "token_budget": tokens}
-        return [
-            w if w.kind == "requests" else _costing(w, self._cost(w, costs, gpu_us))
-            for w in windows
-        ]
-
-    @staticmethod
-    def _cost(charge: Charge, costs: dict[str, int], gpu_us: int) -> int:
-        """A limit's cost; a GPU reservation (an estimate) never more than
-        the whole budget, so one estimated high waits for room, never
-        refused for good."""
-        if charge.kind == "gpu_budget":
-            return min(gpu_us, charge.counter.amount)
-        return costs[charge.kind]
+        costs = {
+            "cost": input_chars,
+            "tokens": tokens,
+            "token_budget": tokens,
+            "gpu_budget": gpu_us,
+        }
+        least = min(gpu_us, reservations.gpu_least(self.costs.slowest_call_us)) if gpu_us else 0
+        return [w if w.kind == "requests" else _costing(w, costs[w.kind], least) for w in windows]
 
     @staticmethod
     def reserves_tokens(key: KeyEntry, tier: Tier) -> bool:
@@ -227,7 +222,8 @@ class Quota:
             )
         if budget.gpu_seconds is not None:
             name = self.queue.counter_key(f"budget/{key_id}/gpu_us/{period}")
-            counter = Counter(name, 0, round(budget.gpu_seconds * 1e6), 0, True, period)
+            amount = round(budget.gpu_seconds * 1e6)
+            counter = Counter(name, 0, amount, 0, True, period, least=1)
             what = f"budget of {budget.gpu_seconds:g} GPU seconds a {period}"
             out.append(Charge(None, counter, "gpu_budget", what))
         return out
@@ -328,10 +324,11 @@ class Quota:
     ) -> Charge | None:
         """The limit that ``input_chars`` (requests at once, reserving
         ``tokens`` and ``gpu_us``) are over even in an empty window or
-        period, if one is: no wait makes room for them."""
+        period, if one is: no wait makes room for them (an estimate, cut to
+        what is left, always fits an untouched budget)."""
         for c in self.charges(key, tier, sum(input_chars), tokens, gpu_us):
             need = len(input_chars) if c.kind == "requests" else c.counter.cost
-            if need > c.counter.amount:
+            if need > c.counter.amount and not c.counter.least:
                 return c
         return None
 
@@ -351,11 +348,12 @@ def budget_of(key: KeyEntry, tier: Tier) -> Budget | None:
     return key.budget if key.budget is not None else tier.budget
 
 
-def _costing(charge: Charge, cost: int) -> Charge:
+def _costing(charge: Charge, cost: int, least: int) -> Charge:
     """A cost limit's charge for this request's cost (built directly: a
-    namedtuple's ``_replace`` costs more than the rest of the charge)."""
-    key, _, amount, window_s, hard, period = charge.counter
-    counter = Counter(key, cost, amount, window_s, hard, period)
+    namedtuple's ``_replace`` costs more than the rest of the charge), and
+    an estimate's, the least it may be cut to."""
+    key, _, amount, window_s, hard, period, cut = charge.counter
+    counter = Counter(key, cost, amount, window_s, hard, period, least if cut else 0)
     return Charge(charge.item, counter, charge.kind, charge.what)
 
 
@@ -386,7 +384,12 @@ def _result(charges: list[Charge], admitted: Admitted) -> QuotaResult:
     reservation = None
     if admitted.admitted:
         by_tokens = tuple(c.counter for c in charges if c.kind in BY_TOKENS and c.counter.cost > 0)
-        by_gpu = tuple(c.counter for c in charges if c.kind == "gpu_budget" and c.counter.cost > 0)
+        by_gpu = tuple(
+            # (charged what was left of it, where that was less: ``Counter.least``)
+            c.counter._replace(cost=c.counter.cost - admitted.cut)
+            for c in charges
+            if c.kind == "gpu_budget" and c.counter.cost > 0
+        )
         if by_tokens or by_gpu:
             reservation = Reservation(by_tokens, by_gpu, admitted.now_ms)
     return dataclasses.replace(

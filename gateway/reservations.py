@@ -61,6 +61,14 @@ def gpu_bound(tokens: int, call_line: tuple[float, float] | None, slowest_batch_
     return round(GPU_MARGIN * (fixed_us + per_token_us * (tokens + 1)))
 
 
+def gpu_least(slowest_call_us: int) -> int:
+    """The least a GPU reservation over what is left of a budget may be
+    cut to (``Counter.least``): the slowest call measured, with the margin
+    (a tenth of a second before one is), so only a request estimated longer
+    than any call is cut, and one cut reserves what any call took."""
+    return round(GPU_MARGIN * (slowest_call_us or GPU_UNMEASURED_MS * 1000))
+
+
 def gpu_used(result: wire.Result) -> int:
     """The GPU time (µs) an answered request used: its share of its batch
     (none for an answer it joined or found in the cache)."""

@@ -220,6 +220,28 @@ async def test_long_inputs_after_short_ones_do_not_overshoot_a_gpu_budget(cluste
     assert settled <= budget_us * 1.1
 
 
+def test_a_request_estimated_past_what_is_left_takes_the_rest_and_settles(
+    cluster_factory,
+) -> None:
+    """After calls of one short size alone, a long request's GPU estimate
+    (the line's, proportional beyond what was measured) is far over what is
+    left of the budget: it takes what is left, runs, and settles to what it
+    used. Refused instead, it waited for the period's end with most of the
+    budget unspent. With the rest taken, the next waits for that settling."""
+    budget_us = 500_000
+    c = cluster_factory(budget_policy(gpu_seconds=budget_us / 1e6, period="day"), latency_ms=10)
+    for i in range(10):  # (one at a time: every call of one size)
+        status, _, _ = budgeted_request(c.urls[0], f"s{i}", 2)
+        assert status == 200
+    before = spent(c.redis_url, "gpu_us", "day")
+    status, _, body = budgeted_request(c.urls[0], "long " + "x" * 1900, 2)
+    assert status == 200, body
+    settled = spent(c.redis_url, "gpu_us", "day")
+    print(f"spent {before} µs on the short ones, {settled} after the long one")
+    assert before < settled < budget_us / 2
+    assert settled == usage_gpu_us(c.redis_url)
+
+
 def test_the_openai_client_makes_one_call_for_a_spent_budget(cluster_factory) -> None:
     """BUDGET_EXCEEDED carries x-should-retry: false, so the openai client
     (which retries a 429 twice by default) asks once."""
@@ -289,6 +311,39 @@ def test_the_lua_counts_periods_as_python_does(period_at, ms: int, period: str) 
     assert ms < ends
     assert periods.index_at(ends, period) == index + 1
     assert periods.index_at(ends - 1, period) == index
+
+
+def test_an_excess_settled_after_its_period_ended_is_charged_to_the_current_one(
+    module_redis,
+) -> None:
+    """A request reserved in one period and answered, over its reservation,
+    in the next: its excess is charged to the period now running (the ended
+    one counts nothing); a give-back to an ended period changes nothing; an
+    excess too large to count as digits is charged at most 2^50."""
+    client = redis.Redis.from_url(module_redis.url, decode_responses=True)
+    settle = client.register_script(scripts.source("settle"))
+    budget, window = "{t}:quota:budget/k/gpu_us/month", "{t}:quota:LIMITER/tokens/k/9/1/day"
+    client.delete(budget, window)
+
+    def current() -> int:
+        seconds, micros = client.time()
+        return periods.index_at(seconds * 1000 + micros // 1000, "month")
+
+    ended = current() - 1
+    client.hset(budget, mapping={str(ended): 500, "s": 500, "l": str(ended)})
+    before = current()
+    settle(keys=[budget], args=[ended, -200])
+    now = str(current())
+    assert now == str(before)  # (not run across a month's end)
+    assert client.hgetall(budget) == {now: "200", "s": "200", "l": now}
+    settle(keys=[budget, budget], args=[ended, 40, now, -50])
+    assert client.hgetall(budget) == {now: "250", "s": "250", "l": now}
+    settle(keys=[budget], args=[now, -(10**17)])
+    assert client.hget(budget, "s") == str(250 + 2**50)
+    client.hset(window, mapping={"5": 3, "s": 3, "l": "5"})
+    settle(keys=[window], args=["5", -(10**17)])
+    assert client.hmget(window, "5", "s") == [str(3 + 2**50)] * 2
+    client.close()
 
 
 def test_a_budget_raised_within_its_period_keeps_what_was_spent() -> None:

@@ -129,7 +129,7 @@ def test_the_windows_keep_the_reference_model(
         now += elapsed
         args = [now]
         for (amount, window_s, hard), cost in zip(LIMITS, costs, strict=True):
-            args += [cost, amount, amount if hard else amount + amount // 10, window_s]
+            args += [cost, amount, amount if hard else amount + amount // 10, window_s, 0]
         got = [int(x) for x in charge(keys=keys, args=args)]
         assert got == reference(windows, now, costs), (step, now, costs)
         token_window = windows[HARD]

@@ -31,6 +31,10 @@ class Counter(NamedTuple):
     # A budget's calendar period ("day", "week", "month": base/periods.py)
     # instead of a sliding window (budget.lua); always a hard bound.
     period: str = ""
+    # For an estimate (a GPU budget's reservation), the least its cost may
+    # be cut to, where that is all that is left of the budget: the period's
+    # last request takes the rest (``Admitted.cut``). 0: never cut.
+    least: int = 0
 
     @property
     def most(self) -> int:
@@ -68,6 +72,7 @@ class Admitted(NamedTuple):
     over_share: bool = False  # refused: its key already holds its share of the tier
     refused_by: int = -1  # the first counter without room (its index), if any
     now_ms: int = 0  # Redis's clock as it charged (the buckets charged: ``settle``)
+    cut: int = 0  # what its estimates were charged less than their cost (what was left)
 
 
 # How long past its deadline a withdrawn request's reservation waits for a
@@ -90,8 +95,9 @@ REFUSED, ADMITTED, OVER_SHARE, HELD_BACK = 0, 1, 2, 3
 def admitted_from(reply: list[Any]) -> tuple[int, Admitted]:
     """``admit_request.lua``'s reply, read by name in this one place: its
     verdict, whether it was queued or handed straight, each limit's count
-    and ms, the first limit without room (1-based; 0: none), and Redis's clock."""
-    verdict, queued, handed, *limits, refused_by, now_ms = reply
+    and ms, the first limit without room (1-based; 0: none), Redis's clock,
+    and what its estimates were charged less than their cost."""
+    verdict, queued, handed, *limits, refused_by, now_ms, cut = reply
     admitted = Admitted(
         admitted=verdict == ADMITTED,
         queued=bool(queued),
@@ -101,6 +107,7 @@ def admitted_from(reply: list[Any]) -> tuple[int, Admitted]:
         over_share=verdict == OVER_SHARE,
         refused_by=int(refused_by) - 1,
         now_ms=int(now_ms),
+        cut=int(cut),
     )
     return int(verdict), admitted
 
@@ -176,7 +183,7 @@ class GatewayQueue:
         names = [c.key for c in counters]
         args: list[str | int | float | bytes] = [len(counters), envelope]
         for c in counters:
-            args += (c.cost, c.amount, c.most, c.period or c.window_s)
+            args += (c.cost, c.amount, c.most, c.period or c.window_s, c.least)
         stored_first = None
         if tier is not None:
             names += (keys.fair_queue(tier), keys.doorbell, keys.fair_state(tier))

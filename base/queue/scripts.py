@@ -15,7 +15,16 @@ from redis.exceptions import NoScriptError
 # each file one concern: the scripts that read the published batching rule
 # read it one way, those that hand a batch to an idle worker choose it one
 # way, and every take forms a batch one way.
-_TAKE = ("numbers", "rule", "frame", "give_back", "take_envelope", "take_pop", "take_form")
+_TAKE = (
+    "numbers",
+    "rule",
+    "frame",
+    "budget",
+    "give_back",
+    "take_envelope",
+    "take_pop",
+    "take_form",
+)
 _ADMIT = (
     "numbers",
     "rule",
@@ -33,10 +42,10 @@ LIBRARIES = {
     "take_withdrawn": _TAKE,
     "admit": (*_ADMIT, "admit_request"),
     "retry": ("idle_worker",),
-    "settle": ("numbers", "give_back"),
+    "settle": ("numbers", "budget", "give_back"),
     "enqueue_job": ("numbers", "fair_tag"),
-    "finish_jobs": ("numbers", "give_back"),
-    "cancel_job": ("numbers", "give_back"),
+    "finish_jobs": ("numbers", "budget", "give_back"),
+    "cancel_job": ("numbers", "budget", "give_back"),
 }
 
 

@@ -2,78 +2,75 @@
 -- limits (window.lua) and, if every one has room and its key's share of the
 -- tier has room (fair_tag.lua), handed straight to an idle worker
 -- (hand_straight.lua) or queued in fair order with the doorbell rung. A
--- request refused by any check is charged to none, so a refusal has nothing
--- to refund; a refund is a charge of minus the cost (always made). A long
--- input is kept beside its envelope (queue/inputs.py): the gateway writes it
--- just before the call, and the request deletes it if refused.
+-- request refused by any check is charged to none (nothing to refund; a
+-- refund is a charge of minus the cost, always made). A long input is kept
+-- beside its envelope (queue/inputs.py), written by the gateway just before
+-- the call, deleted by the request if refused.
 -- Its keys and arguments (queue/gateway.py's AdmitRequest writes them):
 -- KEYS[1..n] the windows  KEYS[n+1] fq:{tier}  KEYS[n+2] doorbell
 --   KEYS[n+3] fair:{tier}  (without those three: charge only)
 --   KEYS[n+4] the input's key, when one is kept beside
 -- ARGV[1] n  ARGV[2] the envelope (when queued)
--- ARGV[4i-1..4i+2] limit i's cost, amount, most in its eleven buckets (its
---   amount and a tenth, or for a hard bound its amount), and window (s), or
---   a budget's period (budget.lua)
--- ARGV[4n+3] 0 input in the envelope, 1 kept beside, 2 kept beside but held
---   back (the gateway expects a refusal: admitted, it is answered 3, nothing
---   done, and the gateway sends it again with its input)
--- ARGV[4n+4..4n+8] key id, cost, weight (thousandths), the tier's allowance
+-- ARGV[5i-2..5i+2] limit i's cost, amount, most in its eleven buckets (its
+--   amount and a tenth; a hard bound's, its amount), window (s) or budget
+--   period, and for an estimate the least it may be cut to, else 0 (budget.lua)
+-- ARGV[5n+3] 0 input in the envelope, 1 kept beside, 2 beside but held back
+--   (a refusal expected: admitted, answered 3, nothing done; sent again with it)
+-- ARGV[5n+4..5n+8] key id, cost, weight (thousandths), the tier's allowance
 --   (0: no share check), the weights the gateway admitted in the last second
--- ARGV[4n+9..4n+13] (to hand it straight) batch id, former, now (epoch ms),
+-- ARGV[5n+9..5n+13] (to hand it straight) batch id, former, now (epoch ms),
 --   the model's key prefix, its tiers (space-separated, highest first)
 -- Needs budget.lua, window.lua, fair_tag.lua, hand_straight.lua. Put before admit.lua.
 local function parsed(KEYS, ARGV)
   -- the request's arguments by name (its limits: limit_of, read when used;
   -- its hand-off: straight_of, only when tried)
   local n = tonumber(ARGV[1])
-  local fa = 4 * n + 4
+  local fa = 5 * n + 4
   return {n = n, keys = KEYS, args = ARGV, queued = #KEYS > n,
     fq = KEYS[n + 1], doorbell = KEYS[n + 2], state = KEYS[n + 3], input_key = KEYS[n + 4],
-    beside = ARGV[4 * n + 3] == '1', held_back = ARGV[4 * n + 3] == '2',
+    beside = ARGV[5 * n + 3] == '1', held_back = ARGV[5 * n + 3] == '2',
     key_id = ARGV[fa], cost = tonumber(ARGV[fa + 1]) or 0,
     weight = tonumber(ARGV[fa + 2]) or 1000, allowance = tonumber(ARGV[fa + 3]) or 0,
     recent = tonumber(ARGV[fa + 4]) or 0, prefix = ARGV[fa + 9] and ARGV[fa + 8]}
 end
 
 local function limit_of(r, i)
-  -- limit i's window key, cost, amount, most in eleven buckets and window
-  -- (ms; a budget's period: 'day', 'week' or 'month', budget.lua)
-  local args, a = r.args, 4 * i - 1
+  -- limit i's key, cost, amount, most in eleven buckets, window (ms) or
+  -- budget period ('day', 'week', 'month'), the least an estimate is cut to
+  local args, a = r.args, 5 * i - 2
   local window_s = tonumber(args[a + 3])
   return r.keys[i], tonumber(args[a]), tonumber(args[a + 1]), tonumber(args[a + 2]),
-    window_s and window_s * 1000 or args[a + 3]
+    window_s and window_s * 1000 or args[a + 3], tonumber(args[a + 4]) or 0
 end
 
 local function straight_of(r)
   -- what hand_straight.lua reads: batch id, former, now, prefix, tiers
-  local sa, args = 4 * r.n + 9, r.args
+  local sa, args = 5 * r.n + 9, r.args
   return {batch_id = args[sa], former = args[sa + 1], formed_ms = args[sa + 2],
     prefix = args[sa + 3], tiers = args[sa + 4], envelope = args[2]}
 end
 
 local function reset_ms(w, now)
-  -- until the window is as it was before any charge: the current bucket
-  -- leaves the last ten (the x-ratelimit-reset-requests header); a
-  -- budget's, until its period ends
+  -- until the window is as before any charge (its current bucket leaves the
+  -- last ten: x-ratelimit-reset-*); a budget's, until its period ends
   if w.budget then return w.ends - now end
   return math.ceil((w.current + 10) * w.window_ms / 10) - now
 end
 
 local function checked_limits(windows, r, reply)
-  -- each limit's window (the call's copy, window.lua's windows_at) and
-  -- whether all have room; the reply's counts and ms as if refused, and the
-  -- first limit without room
-  local now, charged, room_all, refused_by = windows.now, {}, true, 0
+  -- each limit's window (the call's copy: windows_at), what it would be charged,
+  -- whether all have room, the first without; the reply's counts and ms if refused
+  local now, charged, costs, room_all, refused_by = windows.now, {}, {}, true, 0
   for i = 1, r.n do
-    local key, cost, amount, allowed, span = limit_of(r, i)
+    local key, cost, amount, allowed, span, least = limit_of(r, i)
     local w = windows.get(key, span)
-    charged[i] = w
+    charged[i], costs[i] = w, cost
     reply[2 * i + 2] = w.eleven - w.oldest
     reply[2 * i + 3] = (w.eleven ~= 0 or w.budget) and reset_ms(w, now) or -2
     if cost > 0 then
       local fits, wait
       if w.budget then
-        fits, wait = budget_room(w, cost, amount, now)
+        fits, wait, costs[i] = budget_room(w, cost, amount, least, now)
       else
         fits, wait = window_room(key, w, cost, amount, allowed, now)
       end
@@ -86,24 +83,29 @@ local function checked_limits(windows, r, reply)
       end
     end
   end
-  return charged, room_all, refused_by
+  return charged, costs, room_all, refused_by
 end
 
-local function charge_limits(windows, r, charged, reply)
-  -- every limit charged its cost, the reply's counts and ms after it
+local function charge_limits(windows, r, charged, costs, reply)
+  -- every limit charged (an estimate, what is left of its budget), the
+  -- reply's counts and ms after it; returns what estimates were cut by
+  local cut = 0
   for i = 1, r.n do
     local _, cost = limit_of(r, i)
-    window_charge(charged[i], cost)
-    reply[2 * i + 2] = reply[2 * i + 2] + cost
+    window_charge(charged[i], costs[i])
+    reply[2 * i + 2] = reply[2 * i + 2] + costs[i]
+    cut = cut + cost - costs[i]
     if reply[2 * i + 3] < 0 then reply[2 * i + 3] = reset_ms(charged[i], windows.now) end
   end
+  return cut
 end
 
 local function admit_request(call, KEYS, ARGV)
   -- Returns {admitted (1; 0: over a limit; 2: over its key's share; 3: its
   -- input held back, nothing done), queued, handed straight, count_1,
   -- ms_1, ..., count_n, ms_n, the first limit without room (0: none),
-  -- Redis's clock (epoch ms: the buckets charged, settle.lua)}: a
+  -- Redis's clock (epoch ms: the buckets charged, settle.lua), what its
+  -- estimates were charged less than their cost (budget.lua)}: a
   -- window's last ten buckets' sum after the charge (before it, if
   -- refused), and the ms until it has room again (refused) or until its
   -- oldest charge leaves it (-2: nothing charged).
@@ -113,8 +115,8 @@ local function admit_request(call, KEYS, ARGV)
     -- alone fails, charging nothing (base/errors.py reads these words).
     error('ERR its input was not stored (its SET was refused, or it was evicted)', 0)
   end
-  local reply = {0, 0, 0}
-  local charged, room_all, refused_by = checked_limits(call.windows, r, reply)
+  local reply, cut = {0, 0, 0}, 0
+  local charged, costs, room_all, refused_by = checked_limits(call.windows, r, reply)
   local admitted = room_all and 1 or 0
   local s
   if r.queued and admitted == 1 then
@@ -124,7 +126,7 @@ local function admit_request(call, KEYS, ARGV)
   if r.held_back and admitted == 1 then admitted = 3 end
   reply[1] = admitted
   if admitted == 1 then
-    charge_limits(call.windows, r, charged, reply)
+    cut = charge_limits(call.windows, r, charged, costs, reply)
     -- (a key of another type on the way: queued, as without a worker idle)
     local handable, handed = false, false
     if r.queued and r.prefix and not call.no_hand[r.prefix] then
@@ -143,7 +145,6 @@ local function admit_request(call, KEYS, ARGV)
     end
   end
   if r.beside and admitted ~= 1 then redis.call('DEL', r.input_key) end
-  reply[2 * r.n + 4] = refused_by
-  reply[2 * r.n + 5] = call.windows.now
+  reply[2 * r.n + 4], reply[2 * r.n + 5], reply[2 * r.n + 6] = refused_by, call.windows.now, cut
   return reply
 end

@@ -75,10 +75,30 @@ local function write_budget(key, w)
   if w.new then redis.call('PEXPIREAT', key, w.ends + 60000) end
 end
 
-local function budget_room(w, cost, amount, now)
-  -- whether a charge of `cost` fits; if not, the ms until the period ends
-  -- (-1: never, more than the whole budget)
-  if w.eleven + cost <= amount then return true, 0 end
-  if cost > amount then return false, -1 end
-  return false, w.ends - now
+local function charge_budget_excess(key, x)
+  -- What a request used over its reservation of a budget (x > 0), charged
+  -- to the budget's current period, whichever its reservation was charged
+  -- in (one ended since counts nothing). False for a key not a budget's
+  -- (quota.py names them quota:budget/{key id}/{unit}/{period}).
+  local period = string.match(key, '^%b{}:quota:budget/.+/(%a+)$')
+  if period ~= 'day' and period ~= 'week' and period ~= 'month' then return false end
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local w = read_budget(key, period, now)
+  w.eleven, w.held = w.eleven + x, w.held + x
+  write_budget(key, w)
+  return true
+end
+
+local function budget_room(w, cost, amount, least, now)
+  -- whether a charge of `cost` fits, and what is charged: all of it, or
+  -- for an estimate (least > 0: a GPU budget's reservation) what is left,
+  -- where that is at least `least` or the whole budget (the period's last
+  -- request); if it does not fit, the ms until the period ends (-1: never,
+  -- more than the whole budget)
+  local left = amount - w.eleven
+  if cost <= left then return true, 0, cost end
+  if least > 0 and left >= math.min(least, amount) then return true, 0, left end
+  if cost > amount and least == 0 then return false, -1, cost end
+  return false, w.ends - now, cost
 end
