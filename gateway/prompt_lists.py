@@ -109,7 +109,23 @@ async def charge(
             headers,
         )
     unused = {request_id: len(text) for request_id, text in inputs.items()}
-    return ListCharge(headers, unused, result.reservation, parts)
+    reservation = result.reservation
+    if reservation is not None and reservation.by_gpu and reservation.by_gpu[0].cost < gpu_us:
+        parts = _cut(parts, reservation.by_gpu[0].cost, gpu_us)
+    return ListCharge(headers, unused, reservation, parts)
+
+
+def _cut(
+    parts: dict[str, tuple[int, int]], charged: int, reserved: int
+) -> dict[str, tuple[int, int]]:
+    """Each prompt's GPU part where the list's estimate took only what was
+    left of its budget (``Counter.least``): cut in proportion, so the parts
+    still sum to what was charged (the first takes what rounding leaves)."""
+    cut = {rid: (tokens, gpu_us * charged // reserved) for rid, (tokens, gpu_us) in parts.items()}
+    first = next(iter(cut))
+    tokens, gpu_us = cut[first]
+    cut[first] = (tokens, gpu_us + charged - sum(part[1] for part in cut.values()))
+    return cut
 
 
 async def withdraw(

@@ -227,7 +227,7 @@ def test_a_request_estimated_past_what_is_left_takes_the_rest_and_settles(
     (the line's, proportional beyond what was measured) is far over what is
     left of the budget: it takes what is left, runs, and settles to what it
     used. Refused instead, it waited for the period's end with most of the
-    budget unspent. With the rest taken, the next waits for that settling."""
+    budget unspent. A list's prompts share what their estimate was cut to."""
     budget_us = 500_000
     c = cluster_factory(budget_policy(gpu_seconds=budget_us / 1e6, period="day"), latency_ms=10)
     for i in range(10):  # (one at a time: every call of one size)
@@ -240,6 +240,12 @@ def test_a_request_estimated_past_what_is_left_takes_the_rest_and_settles(
     print(f"spent {before} µs on the short ones, {settled} after the long one")
     assert before < settled < budget_us / 2
     assert settled == usage_gpu_us(c.redis_url)
+    # A list of such prompts: its parts are cut alike, and settle to what they used.
+    prompts = [f"long {i} " + "x" * 1500 for i in range(4)]
+    body = {"model": "default", "prompt": prompts, "max_tokens": 2}
+    status, _, answer = http("POST", c.urls[0] + "/v1/completions", body, BUDGETED)
+    assert status == 200, answer
+    assert settled < spent(c.redis_url, "gpu_us", "day") == usage_gpu_us(c.redis_url)
 
 
 def test_the_openai_client_makes_one_call_for_a_spent_budget(cluster_factory) -> None:
