@@ -54,7 +54,7 @@ class ModelLane:
         # (at rest: as often as a heartbeat it reads can expire; a request
         # reads it fresh first: FleetView.fresh)
         self.fleet = FleetView(store, fleet_refresh_ms, at_rest_ms=max(fleet_refresh_ms, ttl_ms))
-        self.quota = Quota(self.queue)
+        self.quota = Quota(self.queue, lambda: self.fleet.slowest_batch_ms)
         self.cache = Cache(self.queue, on_cache_bypassed)
         self.collapsing = Collapsing()
         self.served = 0

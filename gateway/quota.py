@@ -14,6 +14,7 @@ brings back how long each window has left, for the x-ratelimit-* headers.
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
@@ -144,8 +145,10 @@ class Reservation:
 
 
 class Quota:
-    def __init__(self, queue: GatewayQueue) -> None:
+    def __init__(self, queue: GatewayQueue, slowest_batch_ms: Callable[[], float] = float) -> None:
         self.queue = queue
+        # The fleet's slowest batch now (what a cut GPU estimate keeps at least).
+        self._slowest_batch_ms = slowest_batch_ms
         # Until when (monotonic s) each key refused lately is expected to be
         # refused again: its long inputs are held back meanwhile.
         self._refused_until: dict[str, float] = {}
@@ -154,11 +157,18 @@ class Quota:
         self.costs = CostModel()
 
     def charges(
-        self, key: KeyEntry, tier: Tier, input_chars: int, tokens: int = 0, gpu_us: int = 0
+        self,
+        key: KeyEntry,
+        tier: Tier,
+        input_chars: int,
+        tokens: int = 0,
+        gpu_us: int = 0,
+        calls: int = 1,
     ) -> list[Charge]:
         """The request's charge to each of its key's limits: one request,
         ``input_chars``, ``tokens`` reserved (``reservations.py``), and
-        ``gpu_us`` reserved of its GPU budget."""
+        ``gpu_us`` reserved of its GPU budget, for what may run in ``calls``
+        (a list's prompts: one each)."""
         rates = key.rate_limits if key.rate_limits is not None else tier.rate_limits
         token_rates = key.token_limits if key.token_limits is not None else tier.token_limits
         windows = self._windows(
@@ -170,8 +180,12 @@ class Quota:
             "token_budget": tokens,
             "gpu_budget": gpu_us,
         }
-        least = min(gpu_us, reservations.gpu_least(self.costs.slowest_call_us)) if gpu_us else 0
+        least = min(gpu_us, self._gpu_least(calls)) if gpu_us else 0
         return [w if w.kind == "requests" else _costing(w, costs[w.kind], least) for w in windows]
+
+    def _gpu_least(self, calls: int) -> int:
+        slowest_batch_ms = self._slowest_batch_ms()
+        return reservations.gpu_least(self.costs.slowest_call_us, slowest_batch_ms, calls)
 
     @staticmethod
     def reserves_tokens(key: KeyEntry, tier: Tier) -> bool:
@@ -312,8 +326,9 @@ class Quota:
         """Charge ``len(input_chars)`` requests at once, in one step: all of
         them, or none if any limit lacks room for all (``tokens``, ``gpu_us``:
         what they reserve together)."""
+        calls = len(input_chars)
         charges = self._for_many(
-            self.charges(key, tier, sum(input_chars), tokens, gpu_us), len(input_chars)
+            self.charges(key, tier, sum(input_chars), tokens, gpu_us, calls), calls
         )
         if not charges:
             return QuotaResult(True)

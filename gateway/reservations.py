@@ -61,12 +61,15 @@ def gpu_bound(tokens: int, call_line: tuple[float, float] | None, slowest_batch_
     return round(GPU_MARGIN * (fixed_us + per_token_us * (tokens + 1)))
 
 
-def gpu_least(slowest_call_us: int) -> int:
+def gpu_least(slowest_call_us: int, slowest_batch_ms: float, calls: int = 1) -> int:
     """The least a GPU reservation over what is left of a budget may be
-    cut to (``Counter.least``): the slowest call measured, with the margin
-    (a tenth of a second before one is), so only a request estimated longer
-    than any call is cut, and one cut reserves what any call took."""
-    return round(GPU_MARGIN * (slowest_call_us or GPU_UNMEASURED_MS * 1000))
+    cut to (``Counter.least``): the slowest call measured (this gateway's,
+    or the fleet's slowest batch), with the margin (a tenth of a second
+    before either is), for each of the ``calls`` it may run in; so only a
+    request estimated longer than any call is cut, and one cut reserves
+    what any call took."""
+    slowest = max(slowest_call_us, slowest_batch_ms * 1000) or GPU_UNMEASURED_MS * 1000
+    return round(GPU_MARGIN * slowest * calls)
 
 
 def gpu_used(result: wire.Result) -> int:

@@ -4,20 +4,20 @@
 -- every window) has nothing left to give back to. At most what the bucket
 -- holds. Negative for a request that used more than it reserved: the
 -- excess is charged to the same bucket, or a budget's to its current
--- period (budget.lua).
+-- period (budget.lua), counting to MOST_COUNT at most (numbers.lua).
 -- Needs numbers.lua, budget.lua. Put before settle.lua and the takes (scripts.py).
-local MOST_EXCESS = 2 ^ 50  -- (a count stays digits, numbers.lua)
-
 local function give_back(key, bucket, back)
-  if back < 0 and charge_budget_excess(key, math.min(-back, MOST_EXCESS)) then return end
+  if back < 0 and charge_budget_excess(key, -back) then return end
   local raw = redis.pcall('HMGET', key, bucket, 's')
   if back == 0 or type(raw) ~= 'table' or raw.err or not raw[1] or not raw[2] then return end
   local held, sum = count(raw[1]), count(raw[2])
   if held == nil or sum == nil then return end
   -- (a give-back never adds: a bucket or window left below it by refunds
   -- gives back only down to nothing)
-  local x = back > 0 and math.max(math.min(back, held, sum), 0) or math.max(back, -MOST_EXCESS)
-  if x ~= 0 then redis.call('HSET', key, bucket, held - x, 's', sum - x) end
+  local x = back > 0 and math.max(math.min(back, held, sum), 0) or back
+  if x ~= 0 then
+    redis.call('HSET', key, bucket, math.min(held - x, MOST_COUNT), 's', math.min(sum - x, MOST_COUNT))
+  end
 end
 
 local function give_back_dropped(t, env)

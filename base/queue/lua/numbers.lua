@@ -1,5 +1,6 @@
 -- numbers: reading a number out of Redis, whose contents are not trusted.
 -- Put before the scripts that read counts back (scripts.py).
+local MOST_COUNT = 2 ^ 50  -- the most a settlement counts to (written as digits, read back)
 local function count(raw)
   -- a count as a script writes it (Redis writes a Lua number that is a
   -- whole number below 2^53 in digits: a window that grew past that starts
