@@ -373,7 +373,7 @@ class Cluster:
                 wait_for(lambda u=url: self._ready(u), 60, f"{url} to be ready")
                 for name, count in (models or {}).items():
                     wait_for(
-                        lambda u=url, m=name, n=count: self._serving(u, m) >= n,
+                        lambda u=url, m=name, n=count: self.serving(u, m) >= n,
                         60,
                         f"{count} workers of the model {name}",
                     )
@@ -400,7 +400,7 @@ class Cluster:
 
     killed: list["Proc"] = []
 
-    def _serving(self, url: str, model: str) -> int:
+    def serving(self, url: str, model: str) -> int:
         """The workers alive of one model, as a gateway sees them (/v1/status:
         its count, and its capacity from the gateway's own view of them)."""
         status, _, body = http("GET", f"{url}/v1/status?model={model}", headers=auth("admin"))
