@@ -85,7 +85,8 @@ local function charge_budget_excess(key, x)
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   local w = read_budget(key, period, now)
-  w.eleven, w.held = math.min(w.eleven + x, MOST_COUNT), math.min(w.held + x, MOST_COUNT)
+  x = math.min(x, math.max(MOST_COUNT - w.eleven, 0))
+  w.eleven, w.held = w.eleven + x, w.held + x
   write_budget(key, w)
   return true
 end

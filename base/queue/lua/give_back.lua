@@ -14,10 +14,11 @@ local function give_back(key, bucket, back)
   if held == nil or sum == nil then return end
   -- (a give-back never adds: a bucket or window left below it by refunds
   -- gives back only down to nothing)
-  local x = back > 0 and math.max(math.min(back, held, sum), 0) or back
-  if x ~= 0 then
-    redis.call('HSET', key, bucket, math.min(held - x, MOST_COUNT), 's', math.min(sum - x, MOST_COUNT))
-  end
+  -- (an excess adds the same to the bucket and the sum, up to MOST_COUNT
+  -- in the sum: 's' stays the buckets' sum, which window.lua moves on by)
+  local x = back > 0 and math.max(math.min(back, held, sum), 0)
+    or math.max(back, math.min(sum, MOST_COUNT) - MOST_COUNT)
+  if x ~= 0 then redis.call('HSET', key, bucket, held - x, 's', sum - x) end
 end
 
 local function give_back_dropped(t, env)
