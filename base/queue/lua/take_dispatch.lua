@@ -35,7 +35,7 @@ local offered = false
 if batch then
   redis.call('LPUSH', handoff, batch)
   redis.call('LREM', own, 1, t.credit)
-elseif not work_waits(t) then
+elseif t.none_queued or not work_waits(t) then
   redis.call('LREM', own, 1, t.credit)
   offer_credit(t)
   offered = true

@@ -37,7 +37,7 @@ local function offer_credit(t)
   -- dispatcher waits on it holding no credit
   redis.call('LREM', t.ready, 0, t.credit)
   redis.call('LPUSH', t.ready, t.credit)
-  if work_waits(t) then ring(t) end
+  if not t.none_queued and work_waits(t) then ring(t) end
 end
 
 local function paced_ms(t)
@@ -67,7 +67,12 @@ end
 
 local function formed(t)
   -- up to t.n envelopes taken, in the order take_pop.lua says; the batch
-  -- (false if none), framed; the drops and the hand-off recorded
+  -- (false if none), framed; the drops and the hand-off recorded. With no
+  -- queue holding anything, one EXISTS and nothing read (t.none_queued)
+  if not work_waits(t) then
+    t.none_queued = true
+    return false
+  end
   t.check_cancelled = redis.call('ZCARD', t.cancelled_set) > 0
   for i = 1, t.ntiers do
     if t.min_slots[i] > 0 then pop_tier(t, i, t.min_slots[i]) end
