@@ -171,6 +171,17 @@ async def test_expired_and_cancelled_never_leave_the_queue_for_a_worker(q: Faces
     assert stats["cancelled_dropped"] == 1
 
 
+async def test_cancelled_marks_past_their_deadline_go_without_a_take(q: Faces) -> None:
+    # takes that find nothing queued read nothing, the cancelled set included:
+    # the marks past their deadline go as new ones come, so a stream of
+    # abandoned requests never grows it beyond those still within a deadline
+    await q.gateway.cancel("r1", clock.now_ms() - 1)
+    await q.gateway.cancel_all(["r2", "r3"], clock.now_ms() - 1)
+    assert sorted(await q.redis.zrange(q.keys.cancelled, 0, -1)) == [b"r2", b"r3"]
+    await q.gateway.cancel("r4", clock.now_ms() + 60_000)
+    assert await q.redis.zrange(q.keys.cancelled, 0, -1) == [b"r4"]
+
+
 async def test_handoff_and_worker_round_trip(q: Faces) -> None:
     await q.worker.offer_credit()
     assert await q.dispatcher.wait_credit(1) == "w1"

@@ -3,7 +3,7 @@ one step), cancel one, keep and find jobs, and listen for its own replies."""
 
 import contextlib
 import os
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from infergate.base import clock, periods, wire
@@ -330,12 +330,10 @@ class GatewayQueue:
         """Mark a queued request as abandoned; ``take`` drops it (and its
         long input, if it has one), and gives back what it ``reserved``
         (``leave_reserved``), if it has not run."""
-        if not reserved:
-            await self.store.redis.zadd(self.keys.cancelled, {request_id: until_ms})
-            return
-        pipe = self.store.redis.pipeline(transaction=True)
-        self._leave_reserved(pipe, request_id, until_ms, reserved)
-        pipe.zadd(self.keys.cancelled, {request_id: until_ms})
+        pipe = self.store.redis.pipeline(transaction=bool(reserved))
+        if reserved:
+            self._leave_reserved(pipe, request_id, until_ms, reserved)
+        self._mark_cancelled(pipe, {request_id: until_ms})
         await pipe.execute()
 
     async def leave_reserved(
@@ -361,8 +359,17 @@ class GatewayQueue:
         pipe.set(self.keys.give_back(self.gateway_id, request_id), text, px=keep_ms)
 
     async def cancel_all(self, request_ids: Sequence[str], until_ms: int) -> None:
-        """``cancel`` for several requests, in one command."""
-        await self.store.redis.zadd(self.keys.cancelled, dict.fromkeys(request_ids, until_ms))
+        """``cancel`` for several requests, in one round trip."""
+        pipe = self.store.redis.pipeline(transaction=False)
+        self._mark_cancelled(pipe, dict.fromkeys(request_ids, until_ms))
+        await pipe.execute()
+
+    def _mark_cancelled(self, pipe: Pipeline, until_ms: Mapping[str, int]) -> None:
+        # the marks past their deadline go as new ones come: a take that finds
+        # nothing queued reads nothing (take_form.lua), so the set stays
+        # bounded by the cancellations within a deadline, whatever takes find
+        pipe.zremrangebyscore(self.keys.cancelled, "-inf", clock.now_ms())
+        pipe.zadd(self.keys.cancelled, dict(until_ms))
 
     async def dead_letters(self, limit: int) -> tuple[int, list[dead_letters.DeadLetter]]:
         """For operators: the dead-letter list's size and its newest ``limit`` batches."""
