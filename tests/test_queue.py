@@ -180,6 +180,10 @@ async def test_cancelled_marks_past_their_deadline_go_without_a_take(q: Faces) -
     assert sorted(await q.redis.zrange(q.keys.cancelled, 0, -1)) == [b"r2", b"r3"]
     await q.gateway.cancel("r4", clock.now_ms() + 60_000)
     assert await q.redis.zrange(q.keys.cancelled, 0, -1) == [b"r4"]
+    await q.gateway.cancel(
+        "r5", clock.now_ms() + 60_000, [(Counter("tokens:x", 1, 10, 60), clock.now_ms(), 1)]
+    )
+    assert await q.redis.zrange(q.keys.cancelled, 0, -1) == [b"r4", b"r5"]
 
 
 async def test_handoff_and_worker_round_trip(q: Faces) -> None:
