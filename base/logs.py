@@ -5,12 +5,15 @@ lines on a terminal. Log calls pass fields, never f-strings, and never an API
 key or an input text (lengths and hashes only).
 """
 
+import json
 import logging
 import os
 import sys
 import time
+from collections.abc import MutableMapping
 from typing import Any
 
+import msgspec
 import structlog
 
 
@@ -19,10 +22,12 @@ def configure(role: str, process_id: str, level: str | None = None) -> None:
     level_name = (level or os.environ.get("INFERGATE_LOG_LEVEL", "info")).upper()
     level_no = logging.getLevelNamesMapping().get(level_name, logging.INFO)
     json_lines = os.environ.get("INFERGATE_LOG_FORMAT", "") == "json" or not sys.stderr.isatty()
-    renderer: Any = (
-        structlog.processors.JSONRenderer()
+    renderer: Any = _json_line if json_lines else structlog.dev.ConsoleRenderer(colors=False)
+    # a line in one write (print writes the newline apart on a stderr pipe)
+    factory: Any = (
+        structlog.BytesLoggerFactory(file=sys.stderr.buffer)
         if json_lines
-        else structlog.dev.ConsoleRenderer(colors=False)
+        else structlog.PrintLoggerFactory(file=sys.stderr)
     )
     structlog.configure(
         processors=[
@@ -33,12 +38,24 @@ def configure(role: str, process_id: str, level: str | None = None) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level_no),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=factory,
         cache_logger_on_first_use=True,
     )
     structlog.contextvars.bind_contextvars(role=role, pid=os.getpid(), process_id=process_id)
     # Libraries that use stdlib logging (uvicorn) go to stderr at warning and above.
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(message)s")
+
+
+_encoder = msgspec.json.Encoder(enc_hook=repr)
+
+
+def _json_line(_logger: Any, _method: str, event: MutableMapping[str, Any]) -> bytes:
+    """One event as a JSON line's bytes; what msgspec cannot write (a lone
+    surrogate) as the standard library writes it."""
+    try:
+        return _encoder.encode(event)
+    except (TypeError, ValueError, OverflowError):  # (UnicodeEncodeError is a ValueError)
+        return json.dumps(event, default=repr).encode()
 
 
 def get(name: str) -> Any:
