@@ -2,7 +2,8 @@
 
 JSON, one event per line, when stderr is not a terminal; readable key=value
 lines on a terminal. Log calls pass fields, never f-strings, and never an API
-key or an input text (lengths and hashes only).
+key or an input text (lengths and hashes only); fields are text, numbers,
+and lists and dicts of them (bytes would be written as base64).
 """
 
 import json
@@ -22,8 +23,9 @@ def configure(role: str, process_id: str, level: str | None = None) -> None:
     level_name = (level or os.environ.get("INFERGATE_LOG_LEVEL", "info")).upper()
     level_no = logging.getLevelNamesMapping().get(level_name, logging.INFO)
     json_lines = os.environ.get("INFERGATE_LOG_FORMAT", "") == "json" or not sys.stderr.isatty()
+    # A JSON line goes out in one write (print writes the newline apart
+    # where stderr is unbuffered, as PYTHONUNBUFFERED makes it).
     renderer: Any = _json_line if json_lines else structlog.dev.ConsoleRenderer(colors=False)
-    # a line in one write (print writes the newline apart on a stderr pipe)
     factory: Any = (
         structlog.BytesLoggerFactory(file=sys.stderr.buffer)
         if json_lines
@@ -55,7 +57,7 @@ def _json_line(_logger: Any, _method: str, event: MutableMapping[str, Any]) -> b
     try:
         return _encoder.encode(event)
     except (TypeError, ValueError, OverflowError):  # (UnicodeEncodeError is a ValueError)
-        return json.dumps(event, default=repr).encode()
+        return json.dumps(event, default=repr, separators=(",", ":")).encode()
 
 
 def get(name: str) -> Any:

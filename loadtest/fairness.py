@@ -332,8 +332,8 @@ def log_summary(log: Path, start: int) -> dict[str, int]:
         if not line.startswith("{"):
             found["(not JSON) " + line[:100]] += 1
         for event in re.findall(r"\{[^{}]*\}", line):
-            level = re.search(r'"level": "(warning|error|critical)"', event)
-            name = re.search(r'"event": "([^"]*)"', event)
+            level = re.search(r'"level":\s*"(warning|error|critical)"', event)
+            name = re.search(r'"event":\s*"([^"]*)"', event)
             if level:
                 found[f"{level.group(1)} {name.group(1) if name else '?'}"] += 1
     return dict(found.most_common())
