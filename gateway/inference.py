@@ -21,6 +21,7 @@ from infergate.gateway.api import (
     InferenceRequest,
     InferenceResponse,
     Metadata,
+    Parameters,
     decode_inference_request,
 )
 from infergate.gateway.calls import Call, OnDisconnect
@@ -180,7 +181,9 @@ class Inference:
                 result = await serve_directly(self.gw, lane, key, tier, body, batcher)
                 return respond(call, started, key, lane, result), {}
         params = body.parameters
-        share = Share.of(policy, key, body.input, params, call.conversation)
+        model = policy.models[lane.name]
+        cut_to = _cut_to(lane, key, tier, params, model)
+        share = Share.of(policy, key, body.input, params, call.conversation, cut_to)
         cached = None if share is None or share.digest is None else await self._cached(lane, share)
         if cached is not None:
             headers = await _charge_cached(self.gw, call, lane, key, tier, body.input, cached)
@@ -199,7 +202,7 @@ class Inference:
             request.temperature = params.temperature or 0.0
         request.count_input = call.count_input
         request.conversation = call.conversation
-        _reserve(self.gw, request, policy.models[lane.name], whole=call.charged is None)
+        _reserve(self.gw, request, model, whole=call.charged is None)
         if call.charged is not None:  # (one of a list: charged with it, not again)
             request.quota_headers, request.charged = call.charged.headers, call.charged
             request.reservation = call.charged.reservation_of(call.request_id)
@@ -396,6 +399,17 @@ async def _charge_cached(
     if lane.quota.reserves_tokens(key, tier):
         tokens = reservations.input_bound(text, call.conversation) + cached.tokens
     return (await charge_quota(gw, lane, key, tier, len(text), tokens=tokens)).headers()
+
+
+def _cut_to(
+    lane: ModelLane, key: KeyEntry, tier: Tier, params: Parameters | None, model: Model
+) -> int:
+    """The output tokens a request's answer is cut to where it reserves
+    them (``_reserve``); 0 where it reserves none."""
+    if not (lane.quota.reserves_tokens(key, tier) or lane.quota.reserves_gpu(key, tier)):
+        return 0
+    asked = (params.max_tokens or 0) if params is not None else 0
+    return reservations.output_bound(asked, model)
 
 
 def _reserve(gw: Gateway, request: Request, model: Model, whole: bool) -> None:

@@ -132,17 +132,21 @@ class Share:
         text: str,
         params: Parameters | None,
         conversation: str | None = None,
+        cut_to: int = 0,
     ) -> "Share | None":
+        """``cut_to``: the output tokens the worker cuts this request's answer
+        to, where it reserves them (token limits, budgets): it shares only an
+        answer cut the same, never a longer one it did not reserve."""
         sharing = policy.document.sharing
         cache_ttl_ms = round(sharing.cache_ttl_s * 1000)
         if not sharing.collapse and cache_ttl_ms <= 0:
             return None
         owner = scope_owner(sharing.scope, key)
-        if params is not None:
-            if params.temperature:  # a sample is a draw of its own
-                return None
-            if params.max_tokens is not None:  # the same answer, cut the same
-                owner += f"\nmax_tokens={params.max_tokens}"
+        if params is not None and params.temperature:  # a sample is a draw of its own
+            return None
+        max_tokens = cut_to or (params.max_tokens if params is not None else None)
+        if max_tokens is not None:  # the same answer, cut the same
+            owner += f"\nmax_tokens={max_tokens}"
         if conversation is not None:  # (a chat: the same answer for the same messages)
             owner, text = owner + "\nchat", conversation
         digest = input_digest(owner, text) if cache_ttl_ms > 0 else None

@@ -203,3 +203,30 @@ def test_a_chat_is_bounded_by_the_text_the_model_reads(cluster_factory) -> None:
     used_tokens = [body["usage"]["total_tokens"] for status, _, body in replies if status == 200]
     assert [status for status, _, _ in replies][-1] == 429
     assert 0 < sum(used_tokens) <= 4000, used_tokens
+
+
+def test_a_metered_request_shares_only_an_answer_cut_as_it_reserved(cluster_factory) -> None:
+    """An identical request in flight from a key that reserves nothing gets
+    its answer uncut; a metered request that waited for it would take more
+    tokens than it reserved (its model's 16). It shares only an answer cut
+    as its own would be."""
+    doc = policy(extra_keys=(key_entry("metered", "paid", "metered-secret", token_limits=["100000/hour"]),), sharing={"scope": "tier"})  # fmt: skip
+    c = cluster_factory(as_yaml(doc), latency_ms=300)
+    text = " ".join(f"w{i}" for i in range(40))  # (answered uncut: 41 words)
+
+    async def both() -> list[tuple[int, dict]]:
+        async with aiohttp.ClientSession() as session:
+
+            async def one(headers: dict[str, str], delay_s: float) -> tuple[int, dict]:
+                await asyncio.sleep(delay_s)  # pacing: the unmetered one is in flight first
+                url = c.urls[0] + "/v1/inference"
+                async with session.post(url, json={"input": text}, headers=headers) as r:
+                    return r.status, await r.json()
+
+            return await asyncio.gather(one(auth("paid"), 0), one(METERED, 0.05))
+
+    (status, uncut), (metered_status, cut) = asyncio.run(both())
+    assert (status, metered_status) == (200, 200), (uncut, cut)
+    assert len(uncut["output"].split()) == 41
+    assert len(cut["output"].split()) == 16, cut
+    assert cut["metadata"]["tokens_used"] == 16
