@@ -392,12 +392,15 @@ async def _charge_cached(
 ) -> dict[str, str]:
     """A cached answer's charge (what it used: its input's bound and the
     answer's tokens, no GPU time), or its share of its list's; its headers."""
-    if call.charged is not None:  # (one of a list: charged with it)
+    bound = reservations.input_bound(text, call.conversation)
+    if call.charged is not None:  # (one of a list: charged with it; its part settled)
         call.charged.use(call.request_id)
+        reserved = call.charged.reservation_of(call.request_id)
+        await settle(lane, reserved, reservations.used(cached, bound), 0)
         return call.charged.headers
     tokens = 0
     if lane.quota.reserves_tokens(key, tier):
-        tokens = reservations.input_bound(text, call.conversation) + cached.tokens
+        tokens = bound + cached.tokens
     return (await charge_quota(gw, lane, key, tier, len(text), tokens=tokens)).headers()
 
 

@@ -504,6 +504,25 @@ def test_each_prompt_of_a_list_settles_its_own_part(cluster_factory) -> None:
     assert spent(c.redis_url, "tokens", "day") == answer["usage"]["total_tokens"]
 
 
+def test_a_list_answered_from_the_cache_settles_what_it_used(cluster_factory) -> None:
+    """A list's prompts answered from the cache settle their parts too, as a
+    cached request is charged: its input's bound and its answer's tokens
+    (each kept its whole reservation before: 696 counted for 25 used)."""
+    budgeted = key_entry("budgeted", "paid", "budgeted-secret", budget={"tokens": 10_000, "period": "day"})  # fmt: skip
+    c = cluster_factory(policy_yaml(extra_keys=(budgeted,), sharing={"cache_ttl_s": 60}), latency_ms=10)  # fmt: skip
+    prompts = [f"p{i} a b" for i in range(3)]
+    body = {"model": "default", "prompt": prompts, "max_tokens": 50}
+    status, _, first = http("POST", c.urls[0] + "/v1/completions", body, BUDGETED)
+    assert status == 200, first
+    assert spent(c.redis_url, "tokens", "day") == first["usage"]["total_tokens"]
+    status, _, again = http("POST", c.urls[0] + "/v1/completions", body, BUDGETED)
+    assert status == 200, again
+    answers = sum(len(choice["text"].split()) for choice in again["choices"])
+    assert answers == 3 * 4  # (each its input's 3 words and one: far under 50)
+    bounds = sum(len(p.encode()) + TEMPLATE_TOKENS for p in prompts) + answers
+    assert spent(c.redis_url, "tokens", "day") == first["usage"]["total_tokens"] + bounds
+
+
 def test_a_job_settles_what_it_used_and_one_that_never_ran_gives_all_back(
     cluster_factory,
 ) -> None:
