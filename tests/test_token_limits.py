@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 import redis.asyncio
 
-from tests.helpers import as_yaml, auth, http, key_entry, policy, policy_yaml
+from tests.helpers import KEYS, as_yaml, auth, http, key_entry, policy, policy_yaml
 
 TEMPLATE_TOKENS = 16  # (gateway/reservations.py: what an input's bound adds)
 WINDOW_S = 2
@@ -215,15 +215,23 @@ def test_a_metered_request_shares_only_an_answer_cut_as_it_reserved(cluster_fact
     text = " ".join(f"w{i}" for i in range(40))  # (answered uncut: 41 words)
 
     async def both() -> list[tuple[int, dict]]:
+        url = c.urls[0] + "/v1/inference"
+        client = redis.asyncio.Redis.from_url(c.redis_url)
         async with aiohttp.ClientSession() as session:
 
-            async def one(headers: dict[str, str], delay_s: float) -> tuple[int, dict]:
-                await asyncio.sleep(delay_s)  # pacing: the unmetered one is in flight first
-                url = c.urls[0] + "/v1/inference"
+            async def one(headers: dict[str, str]) -> tuple[int, dict]:
                 async with session.post(url, json={"input": text}, headers=headers) as r:
                     return r.status, await r.json()
 
-            return await asyncio.gather(one(auth("paid"), 0), one(METERED, 0.05))
+            unmetered = asyncio.create_task(one(auth("paid")))
+            for _ in range(200):  # (10 s at most: until a worker has taken it)
+                if int(await client.hget(KEYS.stats, "batches_formed") or 0):
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("no worker took the unmetered request")
+            await client.aclose()
+            return list(await asyncio.gather(unmetered, one(METERED)))
 
     (status, uncut), (metered_status, cut) = asyncio.run(both())
     assert (status, metered_status) == (200, 200), (uncut, cut)
