@@ -202,7 +202,7 @@ class Inference:
             request.temperature = params.temperature or 0.0
         request.count_input = call.count_input
         request.conversation = call.conversation
-        _reserve(self.gw, request, model, whole=call.charged is None)
+        _reserve(self.gw, request, cut_to, whole=call.charged is None)
         if call.charged is not None:  # (one of a list: charged with it, not again)
             request.quota_headers, request.charged = call.charged.headers, call.charged
             request.reservation = call.charged.reservation_of(call.request_id)
@@ -415,19 +415,18 @@ def _cut_to(
     return reservations.output_bound(asked, model)
 
 
-def _reserve(gw: Gateway, request: Request, model: Model, whole: bool) -> None:
-    """What the request reserves of its key's token limits and budgets (the
-    worker cuts its output to what was reserved for it, and counts its
-    input), 429 if that can never fit (``whole``: not one of a list, which
-    is checked as a whole)."""
+def _reserve(gw: Gateway, request: Request, cut_to: int, whole: bool) -> None:
+    """What the request reserves of its key's token limits and budgets, if
+    it reserves (``cut_to``, from ``_cut_to``: the worker cuts its output to
+    what was reserved for it, and counts its input), 429 if that can never
+    fit (``whole``: not one of a list, which is checked as a whole)."""
     lane, key, tier = request.lane, request.key, request.tier
-    gpu = lane.quota.reserves_gpu(key, tier)
-    if lane.quota.reserves_tokens(key, tier) or gpu:
+    if cut_to:
         request.input_bound = reservations.input_bound(request.text, request.conversation)
-        request.max_tokens = reservations.output_bound(request.max_tokens, model)
+        request.max_tokens = cut_to
         request.reserve = request.input_bound + request.max_tokens
         request.count_input = True
-    if gpu:
+    if cut_to and lane.quota.reserves_gpu(key, tier):
         request.reserve_gpu_us = gpu_reservation(lane, key, request.reserve)
     if whole and (request.reserve or request.reserve_gpu_us):
         size = len(request.text)
