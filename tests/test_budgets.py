@@ -507,7 +507,7 @@ def test_each_prompt_of_a_list_settles_its_own_part(cluster_factory) -> None:
 def test_a_list_answered_from_the_cache_settles_what_it_used(cluster_factory) -> None:
     """A list's prompts answered from the cache settle their parts too, as a
     cached request is charged: its input's bound and its answer's tokens
-    (each kept its whole reservation before: 696 counted for 25 used)."""
+    (each kept its whole reservation before: 237 counted for 99 used)."""
     budgeted = key_entry("budgeted", "paid", "budgeted-secret", budget={"tokens": 10_000, "period": "day"})  # fmt: skip
     c = cluster_factory(policy_yaml(extra_keys=(budgeted,), sharing={"cache_ttl_s": 60}), latency_ms=10)  # fmt: skip
     prompts = [f"p{i} a b" for i in range(3)]
