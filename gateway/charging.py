@@ -1,7 +1,7 @@
 """Charging a request to its key's quotas, and queueing it in the same
 step (``Quota.charge``), with what a client gets when a limit, a budget or
 its key's share of its tier says no: 429 with the x-ratelimit-* headers,
-429 BUDGET_EXCEEDED (no retry), or 503."""
+429 BUDGET_EXCEEDED (no retry), 429 for a budget held in flight, or 503."""
 
 from infergate.base import logs
 from infergate.base.errors import STORE_ERRORS
@@ -57,6 +57,8 @@ async def charge_quota(
         # (not demand the fleet should grow for: one key over its share)
         gw.count_refused(key, "key_share", lane, for_capacity=False)
         raise over_share(key, lane)
+    if quota.budget_held:
+        raise budget_held(gw, key, lane, str(quota.refused_by), headers)
     if quota.over_budget:
         raise budget_spent(gw, key, lane, str(quota.refused_by), quota.retry_after_ms, headers)
     if not quota.allowed:
@@ -102,8 +104,14 @@ def gpu_reservation(lane: ModelLane, key: KeyEntry, tokens: int) -> int:
     """What a request of ``key`` of at most ``tokens`` tokens reserves of a
     GPU budget (``reservations.gpu_bound``), from its model's measurements
     of the calls the key's requests were in (``CostModel.call_line``)."""
+    return reservations.gpu_bound(tokens, lane.quota.costs.call_line(key.id))
+
+
+def gpu_job_reservation(lane: ModelLane, key: KeyEntry, tokens: int) -> int:
+    """What a job of ``key`` of at most ``tokens`` tokens reserves of a GPU
+    budget (``reservations.gpu_job_bound``)."""
     line = lane.quota.costs.call_line(key.id)
-    return reservations.gpu_bound(tokens, line, lane.fleet.slowest_batch_ms)
+    return reservations.gpu_job_bound(tokens, line, lane.fleet.slowest_batch_ms)
 
 
 async def settle(
@@ -160,6 +168,24 @@ def budget_spent(
         until_ms,
         headers,
         retryable=False,
+    )
+
+
+def budget_held(
+    gw: Gateway, key: KeyEntry, lane: ModelLane, budget: str, headers: dict[str, str]
+) -> ApiError:
+    """A key's budget has no room for the request while its requests in
+    flight hold their reservations: counted, and a 429 worth a retry once
+    they are answered (they give back what they did not use), after about
+    the slowest call the key's requests were in."""
+    gw.count_refused(key, "budget", lane, for_capacity=False)
+    line = lane.quota.costs.call_line(key.id)
+    slowest_ms = line.slowest_us / 1000 if line is not None else lane.fleet.batch_ms()
+    return ApiError(
+        "RATE_LIMITED",
+        f"this key's {budget} is held by its requests in flight: retry when they are answered",
+        max(1, round(slowest_ms or 100.0)),
+        headers,
     )
 
 

@@ -7,8 +7,9 @@ and takes a quarter of the slots while others wait. A key not answered
 here yet is charged its characters. Each gateway learns from the answers
 it receives; decaying sums forget a key's old requests (some hundred count).
 A GPU budget's reservation follows the calls the key's own requests were
-in, once there are some: another key moves it only by sharing those calls,
-where it moves the key's measured share, and so its charge, alike."""
+in: another key moves it only by sharing those calls, where it moves the
+key's measured share, and so its charge, alike; a key with none measured
+here has no line (``reservations.gpu_bound``)."""
 
 # Each answer's weight in a key's sums decays by this per later answer of
 # the key; in the model's, per later answer of any key.
@@ -18,38 +19,51 @@ MODEL_MEMORY = 0.999
 MOST_KEYS = 10_000
 # A key's cost per character is held within this factor of the model's.
 MOST_FACTOR = 64.0
-# The calls (decayed) a key's own line is fitted to before it is used.
-OWN_CALLS = 8.0
 
 
 class CallLine:
     """A call's time against its tokens (input and output, one more each):
-    decaying sums of 1, x, y, x², xy, for a least-squares line."""
+    decaying sums of 1, x, y, x², xy, for a least-squares line; how far
+    over the line the calls have been (``over``, a factor, back toward 1
+    as calls within it follow); and what it has seen at most: the largest
+    request bound answered in them (``largest``, tokens), the slowest call."""
 
     def __init__(self, memory: float) -> None:
         self.memory = memory
         self.sums = [0.0] * 5
+        self.over = 1.0
+        self.largest = 0
+        self.slowest_us = 0
 
-    def add(self, tokens: int, call_us: int) -> None:
+    def add(self, tokens: int, call_us: int, bound: int = 0) -> None:
+        """A call of ``tokens`` that took ``call_us``, with a request in it
+        of at most ``bound`` tokens (``reservations.py``)."""
         x, y, m = float(tokens), float(call_us), self.memory
         n, sx, sy, sxx, sxy = self.sums
         self.sums = [n * m + 1.0, sx * m + x, sy * m + y, sxx * m + x * x, sxy * m + x * y]
+        self.largest = max(self.largest, bound)
+        self.slowest_us = max(self.slowest_us, call_us)
+        fixed_us, per_token_us = self.fit() or (0.0, 0.0)
+        on_line = fixed_us + per_token_us * x
+        self.over = 1.0 + (self.over - 1.0) * m
+        if on_line > 0:
+            self.over = max(self.over, y / on_line)
 
     def fit(self) -> tuple[float, float] | None:
         """A call's time (µs) as its fixed part and its part per token; with
         calls all of one size, or no slope, a mean call's time as the fixed
-        part and all of it again per token (a bound for smaller and larger
-        calls alike: a key cannot train its line below a call's time);
-        None before any call."""
+        part, and none per token (a key cannot train its line below a
+        call's time; a larger request is drawn in proportion to the largest
+        measured, ``reservations.gpu_bound``); None before any call."""
         n, sx, sy, sxx, sxy = self.sums
         if n <= 0 or sx <= 0:
             return None
         spread = n * sxx - sx * sx
         if spread <= 1e-9 * n * sxx:
-            return sy / n, sy / sx
+            return sy / n, 0.0
         per_token = (n * sxy - sx * sy) / spread
         if per_token <= 0:
-            return sy / n, sy / sx
+            return sy / n, 0.0
         return max((sy - per_token * sx) / n, 0.0), per_token
 
 
@@ -60,15 +74,20 @@ class CostModel:
     def __init__(self) -> None:
         self._keys: dict[str, list[float]] = {}  # key id: [GPU µs, characters], decaying
         self._model = [0.0, 0.0]
-        self._calls = CallLine(MODEL_MEMORY)  # every key's calls
         self._key_calls: dict[str, CallLine] = {}  # the calls each key's requests were in
-        self.slowest_call_us = 0  # the slowest call measured (a GPU reservation's least)
 
     def answered(
-        self, key_id: str, chars: int, gpu_us: int, call_tokens: int = 0, call_us: int = 0
+        self,
+        key_id: str,
+        chars: int,
+        gpu_us: int,
+        call_tokens: int = 0,
+        call_us: int = 0,
+        bound: int = 0,
     ) -> None:
-        """A request of the key's with ``chars`` input characters used
-        ``gpu_us``, in a call of ``call_tokens`` that took ``call_us``."""
+        """A request of the key's with ``chars`` input characters (and at
+        most ``bound`` tokens) used ``gpu_us``, in a call of ``call_tokens``
+        that took ``call_us``."""
         if gpu_us <= 0:
             return  # (a cached or joined answer: the GPU did not run it)
         sums = self._keys.get(key_id)
@@ -79,24 +98,18 @@ class CostModel:
                 self._key_calls.pop(forgotten, None)
             sums = self._keys[key_id] = [0.0, 0.0]
         if call_tokens > 0 and call_us > 0:
-            self._calls.add(call_tokens, call_us)
-            self.slowest_call_us = max(self.slowest_call_us, call_us)
             own = self._key_calls.get(key_id)
             if own is None:
                 own = self._key_calls[key_id] = CallLine(KEY_MEMORY)
-            own.add(call_tokens, call_us)
+            own.add(call_tokens, call_us, bound)
         for held, memory in ((sums, KEY_MEMORY), (self._model, MODEL_MEMORY)):
             held[0] = held[0] * memory + gpu_us
             held[1] = held[1] * memory + chars + 1
 
-    def call_line(self, key_id: str | None = None) -> tuple[float, float] | None:
-        """A call's time (µs) as its fixed part and its part per token
-        (``CallLine.fit``): fitted to the calls ``key_id``'s requests were in,
-        once there are ``OWN_CALLS``, else to every key's; None before any."""
-        own = self._key_calls.get(key_id) if key_id is not None else None
-        if own is not None and own.sums[0] >= OWN_CALLS:
-            return own.fit()
-        return self._calls.fit()
+    def call_line(self, key_id: str) -> CallLine | None:
+        """The calls ``key_id``'s requests were in (a GPU reservation's
+        line, ``reservations.gpu_bound``); None before any."""
+        return self._key_calls.get(key_id)
 
     def expected(self, key_id: str, chars: int) -> int:
         """The fair queue's cost of a request of ``chars`` input characters."""

@@ -214,9 +214,7 @@ class Inference:
                 await settle(lane, request.reservation, 0, 0)
             raise
         used, gpu_us = reservations.used(result, request.input_bound), reservations.gpu_used(result)
-        lane.quota.costs.answered(
-            key.id, len(request.text), gpu_us, result.call_tokens, result.infer_ms * 1000
-        )
+        _measured(request, result, gpu_us)
         await settle(lane, request.reservation, used, gpu_us)
         return respond(call, started, key, lane, result), request.quota_headers or {}
 
@@ -431,6 +429,17 @@ def _reserve(gw: Gateway, request: Request, cut_to: int, whole: bool) -> None:
     if whole and (request.reserve or request.reserve_gpu_us):
         size = len(request.text)
         check_reservation(gw, lane, key, tier, size, request.reserve, request.reserve_gpu_us)
+
+
+def _measured(request: Request, result: wire.Result, gpu_us: int) -> None:
+    """What the request's answer teaches its key's costs (``costs.py``):
+    its call, and its bound (what it reserved, or else its input's and
+    answer's size)."""
+    text = request.text
+    bound = request.reserve or len(text) + reservations.TEMPLATE_TOKENS + result.tokens
+    request.lane.quota.costs.answered(
+        request.key.id, len(text), gpu_us, result.call_tokens, result.infer_ms * 1000, bound
+    )
 
 
 def _failed(exc: ApiError) -> wire.Result:

@@ -24,7 +24,7 @@ from infergate.base.queue.gateway import Place
 from infergate.gateway import reservations
 from infergate.gateway.api import InferenceResponse, JobAccepted, JobView, Parameters
 from infergate.gateway.calls import Call, OnDisconnect
-from infergate.gateway.charging import charge_quota, check_reservation, gpu_reservation
+from infergate.gateway.charging import charge_quota, check_reservation, gpu_job_reservation
 from infergate.gateway.checks import check_memory
 from infergate.gateway.errors import (
     ERRORS,
@@ -79,7 +79,7 @@ class Jobs:
             input_bound = reservations.input_bound(body.input)
             reserve = input_bound + max_tokens
         if gpu:
-            reserve_gpu_us = gpu_reservation(lane, key, reserve)
+            reserve_gpu_us = gpu_job_reservation(lane, key, reserve)
         if reserve or reserve_gpu_us:
             check_reservation(gw, lane, key, tier, len(body.input), reserve, reserve_gpu_us)
         quota = await charge_quota(

@@ -79,8 +79,11 @@ class QuotaResult:
     retry_after_ms: int | None = None
     # Refused (and charged nothing): its key holds its share of the tier already.
     over_share: bool = False
-    # Refused by a budget: nothing is admitted until its period ends.
+    # Refused by a budget: nothing is admitted until its period ends, or
+    # (``budget_held``) until its reservations in flight settle, which may
+    # give back room.
     over_budget: bool = False
+    budget_held: bool = False
     # The most used of its budgets (1: refused for one) and when its period
     # ends (Redis's clock, epoch ms), if it has one (``budgets.py``).
     budget_use: tuple[float, int] | None = None
@@ -135,12 +138,12 @@ class Reservation:
     def unused(self, tokens: int, gpu_us: int) -> list[tuple[Counter, int, int]]:
         """What goes back to each counter once the request used ``tokens``
         and ``gpu_us`` (negative: what it used past its reservation,
-        charged then)."""
+        charged then; a budget's, 0 or not: its reservation is settled)."""
         return [
             (c, self.charged_ms, c.cost - max(used, 0))
             for counters, used in ((self.by_tokens, tokens), (self.by_gpu, gpu_us))
             for c in counters
-            if c.cost != max(used, 0)
+            if c.cost != max(used, 0) or c.period
         ]
 
 
@@ -180,12 +183,12 @@ class Quota:
             "token_budget": tokens,
             "gpu_budget": gpu_us,
         }
-        least = min(gpu_us, self._gpu_least(calls)) if gpu_us else 0
+        least = min(gpu_us, self._gpu_least(key.id, calls)) if gpu_us else 0
         return [w if w.kind == "requests" else _costing(w, costs[w.kind], least) for w in windows]
 
-    def _gpu_least(self, calls: int) -> int:
-        slowest_batch_ms = self._slowest_batch_ms()
-        return reservations.gpu_least(self.costs.slowest_call_us, slowest_batch_ms, calls)
+    def _gpu_least(self, key_id: str, calls: int) -> int:
+        line = self.costs.call_line(key_id)
+        return reservations.gpu_least(line, self._slowest_batch_ms(), calls)
 
     @staticmethod
     def reserves_tokens(key: KeyEntry, tier: Tier) -> bool:
@@ -394,7 +397,7 @@ def _result(charges: list[Charge], admitted: Admitted) -> QuotaResult:
         if c.kind in BUDGETS
     ]
     budget_use = max(budgets) if budgets else None
-    if budget_use is not None and result.over_budget:
+    if budget_use is not None and result.over_budget and not result.budget_held:
         budget_use = (1.0, budget_use[1])
     reservation = None
     if admitted.admitted:
@@ -441,6 +444,8 @@ def _requests_result(charges: list[Charge], admitted: Admitted) -> QuotaResult:
         refused_by=charge.what,
         retry_after_ms=max(1, math.ceil(_left_s(charge, ttl_ms) * 1000)),
         over_budget=charge.kind in BUDGETS,
+        # (a budget's refusal waits for its period's end, or 0: budget.lua)
+        budget_held=charge.kind in BUDGETS and ttl_ms == 0,
     )
 
 

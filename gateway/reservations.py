@@ -4,14 +4,19 @@ input's tokens bounded from above (a byte-level or byte-fallback
 tokenizer's token is at least one byte of UTF-8; special tokens and a
 chat's template add a few), plus the most output tokens it may get: its
 max_tokens, or else its model's bound, which the worker then cuts its
-output to. GPU time: for those tokens, at the model's measured time per
-token, with a margin. What it did not use goes back once it is answered
+output to. GPU time: for those tokens, by the line of the calls the key's
+requests were measured in, with a margin, and above it as far as calls
+have been; a request of a key with none measured, or far larger than any
+measured, is not estimated: it takes what is left of the budget, and runs
+as the key's only one until it is measured. What it did not use
+goes back once it is answered
 (``Quota.settle``), so a key's token limit or budget is never overshot by
 what it admits; a request that used more than its bound (a model's own
 chat template adding a long system prompt, a call slower than measured)
 is charged the excess then."""
 
 from infergate.base import wire
+from infergate.gateway.costs import CallLine
 from infergate.policies.backends import generates_up_to
 from infergate.policies.schema import Model
 
@@ -21,6 +26,11 @@ TEMPLATE_TOKENS = 16
 GPU_UNMEASURED_MS = 100.0
 # A GPU reservation's margin over what a call of it alone is measured to take.
 GPU_MARGIN = 1.5
+# How far past the largest request measured a GPU reservation is drawn
+# (in proportion to that one's), and what it is further (µs): more than a
+# budget of one GPU has in 200 days, so it takes what is left.
+BEYOND_MEASURED = 2.0
+GPU_UNKNOWN_US = 2**44
 
 
 def input_bound(text: str, conversation: str | None = None) -> int:
@@ -47,29 +57,49 @@ def used(result: wire.Result, bound: int) -> int:
     return (result.input_tokens or bound) + result.tokens
 
 
-def gpu_bound(tokens: int, call_line: tuple[float, float] | None, slowest_batch_ms: float) -> int:
+def gpu_bound(tokens: int, line: CallLine | None, beyond: float = BEYOND_MEASURED) -> int:
     """The GPU time (µs) a request of at most ``tokens`` tokens (input and
-    output) reserves: what a call of it alone would take, by the line fitted
-    to the calls measured (its fixed part and its part per token; a call's
-    time is shared by tokens, so in any call its share is less), with a
-    margin; before any call was measured, a whole batch's, the slowest's
-    (a tenth of a second before one is). A request that used more is
-    charged the excess when it is answered."""
-    if call_line is None:
-        return round((slowest_batch_ms if slowest_batch_ms > 0 else GPU_UNMEASURED_MS) * 1000)
-    fixed_us, per_token_us = call_line
-    return round(GPU_MARGIN * (fixed_us + per_token_us * (tokens + 1)))
+    output) reserves: what a call of it alone would take, by the line
+    fitted to the calls measured (its fixed part and its part per token; a
+    call's time is shared by tokens, so in any call its share is less), as
+    far over it as calls have been, with a margin; past the largest
+    request measured, that one's in proportion to its tokens, up to
+    ``beyond`` times its size; further, or before any of the key's is
+    measured, ``GPU_UNKNOWN_US`` (what is left: a line is no bound far
+    beyond what it was fitted to, nor another key's for this key's). A
+    request that used more is charged the excess when it is answered."""
+    fit = line.fit() if line is not None else None
+    if line is None or fit is None or line.largest <= 0 or tokens > beyond * line.largest:
+        return GPU_UNKNOWN_US
+    fixed_us, per_token_us = fit
+    within = min(tokens, line.largest)
+    estimate = GPU_MARGIN * line.over * (fixed_us + per_token_us * (within + 1))
+    return round(estimate * max(1.0, tokens / line.largest))
 
 
-def gpu_least(slowest_call_us: int, slowest_batch_ms: float, calls: int = 1) -> int:
+def gpu_job_bound(tokens: int, line: CallLine | None, slowest_batch_ms: float) -> int:
+    """What a job reserves: ``gpu_bound``, in proportion however far past
+    the largest request measured (a job teaches no gateway its cost, so
+    jobs estimated as what is left would run one at a time forever);
+    before any of its key's requests is measured, the fleet's slowest
+    batch, with the margin. Its excess is charged when it finishes."""
+    if line is None or line.largest <= 0:
+        return round(GPU_MARGIN * (slowest_batch_ms or GPU_UNMEASURED_MS) * 1000)
+    return gpu_bound(tokens, line, beyond=float("inf"))
+
+
+def gpu_least(line: CallLine | None, slowest_batch_ms: float, calls: int = 1) -> int:
     """The least a GPU reservation over what is left of a budget may be
-    cut to (``Counter.least``): the slowest call measured (this gateway's,
-    or the fleet's slowest batch), with the margin (a tenth of a second
-    before either is), for each of the ``calls`` it may run in; so only a
-    request estimated longer than any call is cut, and one cut reserves
-    what any call took."""
-    slowest = max(slowest_call_us, slowest_batch_ms * 1000) or GPU_UNMEASURED_MS * 1000
-    return round(GPU_MARGIN * slowest * calls)
+    cut to (``Counter.least``): what the largest request of the key's
+    measured would reserve (before any, the fleet's slowest batch, or a
+    tenth of a second, with the margin), for each of the ``calls`` it may
+    run in; so only a request estimated past what is left, where that
+    still covers the key's largest, is cut (the period's last request).
+    Another key's calls do not move it."""
+    least = gpu_bound(line.largest, line) if line is not None else GPU_UNKNOWN_US
+    if least == GPU_UNKNOWN_US:
+        least = round(GPU_MARGIN * (slowest_batch_ms or GPU_UNMEASURED_MS) * 1000)
+    return least * calls
 
 
 def gpu_used(result: wire.Result) -> int:

@@ -23,6 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from infergate.base import periods, wire
 from infergate.base.queue import scripts
+from infergate.base.queue.gateway import Counter, GatewayQueue
+from infergate.base.queue.store import Store
 
 from tests.helpers import KEYS, SECRETS, auth, http, key_entry, policy_yaml, wait_for
 
@@ -157,6 +159,9 @@ async def test_a_gpu_budget_stops_concurrent_clients_and_counts_what_the_workers
                     statuses.append(r.status)
                     if r.status != 200:
                         assert r.status == 429, body
+                        if body["error"]["code"] == "RATE_LIMITED":  # (held: in flight)
+                            await asyncio.sleep(int(r.headers["Retry-After-Ms"]) / 1000)
+                            continue
                         assert body["error"]["code"] == "BUDGET_EXCEEDED", body
                         return
 
@@ -218,6 +223,120 @@ async def test_long_inputs_after_short_ones_do_not_overshoot_a_gpu_budget(cluste
     assert 200 in statuses
     assert settled == usage_gpu_us(c.redis_url)
     assert settled <= budget_us * 1.1
+
+
+async def test_a_key_that_trained_its_line_on_short_calls_cannot_overspend_with_long_ones(
+    cluster_factory,
+) -> None:
+    """The budgeted key trains its own line: one-word inputs of 450
+    characters, then 275 one-letter words (as slow, with far more tokens:
+    a line with almost no part per token), on a model whose time grows
+    with characters. Then 30 one-word inputs of 3,900 characters at once,
+    max_tokens 1, retried while told to (the budget held in flight, the
+    tier's capacity): far larger than any request measured, the first
+    takes what is left of the budget and runs as the key's only one; the
+    rest are drawn from the line it taught, and the budget is never
+    overspent (drawn from the short calls' line, they spent 7.3 s of 6)."""
+    budget_us = 6_000_000
+    budgeted = key_entry(
+        "budgeted", "paid", "budgeted-secret", budget={"gpu_seconds": 6, "period": "day"}
+    )
+    c = cluster_factory(
+        policy_yaml(extra_keys=(budgeted,), tiers={"paid": {"max_input_chars": 4000}}),
+        latency_ms=20,
+        worker_args=["--sim-ms-per-kchar", "40"],
+    )
+    codes: list[str] = []
+    served: list[int] = []
+    async with aiohttp.ClientSession() as session:
+
+        async def send(text: str, max_tokens: int = 0) -> tuple[int, dict[str, Any], float]:
+            body: dict[str, Any] = {"input": text}
+            if max_tokens:
+                body["parameters"] = {"max_tokens": max_tokens}
+            url = c.urls[0] + "/v1/inference"
+            async with session.post(url, json=body, headers=BUDGETED) as r:
+                wait_s = int(r.headers.get("Retry-After-Ms", "0")) / 1000
+                return r.status, await r.json(), wait_s
+
+        for i in range(12):
+            text = f"{i} " + " ".join("a" * 275) if i % 2 else f"{i}" + "y" * 450
+            status, body, _ = await send(text)
+            assert status == 200, body
+
+        async def long(i: int) -> None:
+            for _ in range(100):
+                status, body, wait_s = await send(f"{i}" + "z" * 3900, 1)
+                if status == 200:
+                    served.append(i)
+                    continue
+                codes.append(body["error"]["code"])
+                if codes[-1] not in ("RATE_LIMITED", "SERVICE_OVERLOADED"):
+                    return
+                await asyncio.sleep(wait_s)
+
+        await asyncio.gather(*(long(i) for i in range(30)))
+    settled = spent(c.redis_url, "gpu_us", "day")
+    print(f"served {len(served)}, refused {len(codes)} times, spent {settled} of {budget_us} µs")
+    assert codes.count("BUDGET_EXCEEDED") == 30
+    assert len(served) >= 5
+    assert settled == usage_gpu_us(c.redis_url) <= budget_us
+
+
+async def test_another_keys_slow_calls_do_not_lock_a_budgeted_key_out(cluster_factory) -> None:
+    """Another key's calls take seconds (more than the whole budget); then
+    the budgeted key sends 20 tiny requests at once. Its first takes the
+    budget while the key has no calls of its own, the rest are told to
+    retry once it is answered (429, worth a retry), and every one is
+    served: by its own calls, the key reserves what its own requests take
+    (the least a cut was the slowest call of any key's, over the budget:
+    refused with no retry until the period's end, its budget unspent)."""
+    budget_us = 2_000_000
+    c = cluster_factory(
+        policy_yaml(
+            extra_keys=(
+                key_entry(
+                    "budgeted",
+                    "paid",
+                    "budgeted-secret",
+                    budget={"gpu_seconds": budget_us / 1e6, "period": "day"},
+                ),
+            ),
+            tiers={"paid": {"max_input_chars": 4000}},
+        ),
+        latency_ms=20,
+        worker_args=["--sim-ms-per-kchar", "40"],
+    )
+    async with aiohttp.ClientSession() as session:
+
+        async def huge(i: int) -> None:
+            body = {"input": f"{i}" + "h" * 3990}
+            url = c.urls[0] + "/v1/inference"
+            async with session.post(url, json=body, headers=auth("paid")) as r:
+                assert r.status == 200, await r.text()
+
+        await asyncio.gather(*(huge(i) for i in range(8)))
+
+        async def tiny(i: int) -> list[str]:
+            codes = []
+            for _ in range(50):
+                body = {"input": f"t{i}", "parameters": {"max_tokens": 2}}
+                url = c.urls[0] + "/v1/inference"
+                async with session.post(url, json=body, headers=BUDGETED) as r:
+                    if r.status == 200:
+                        return codes
+                    codes.append((await r.json())["error"]["code"])
+                    if codes[-1] != "RATE_LIMITED":
+                        return codes
+                    await asyncio.sleep(int(r.headers["Retry-After-Ms"]) / 1000)
+            return codes
+
+        refused = await asyncio.gather(*(tiny(i) for i in range(20)))
+    settled = spent(c.redis_url, "gpu_us", "day")
+    print(f"refused {sum(map(len, refused))} times, spent {settled} of {budget_us} µs")
+    assert not any("BUDGET_EXCEEDED" in codes for codes in refused), refused
+    assert all(len(codes) < 50 for codes in refused)
+    assert settled == usage_gpu_us(c.redis_url) < budget_us / 2
 
 
 def test_a_request_estimated_past_what_is_left_takes_the_rest_and_settles(
@@ -373,21 +492,56 @@ def test_an_excess_settled_after_its_period_ended_is_charged_to_the_current_one(
     ended = current() - 1
     client.hset(budget, mapping={str(ended): 500, "s": 500, "l": str(ended)})
     before = current()
-    settle(keys=[budget], args=[ended, -200])
+    settle(keys=[budget], args=[ended, -200, 100])
     now = str(current())
     assert now == str(before)  # (not run across a month's end)
-    assert client.hgetall(budget) == {now: "200", "s": "200", "l": now}
-    settle(keys=[budget, budget], args=[ended, 40, now, -50])
-    assert client.hgetall(budget) == {now: "250", "s": "250", "l": now}
+    assert client.hgetall(budget) == {now: "200", "s": "200", "l": now, "f": "0"}
+    settle(keys=[budget, budget], args=[ended, 40, 100, now, -50, 100])
+    assert client.hgetall(budget) == {now: "250", "s": "250", "l": now, "f": "0"}
     for _ in range(3):
-        settle(keys=[budget], args=[now, -(10**17)])
+        settle(keys=[budget], args=[now, -(10**17), 1])
     assert client.hget(budget, "s") == str(2**50)
     client.hset(window, mapping={"4": 7, "5": 3, "s": 10, "l": "5"})
     for _ in range(3):
-        settle(keys=[window], args=["5", -(10**17)])
+        settle(keys=[window], args=["5", -(10**17), 1])
     # ('s' stays the buckets' sum: the window moves on by it)
     assert client.hmget(window, "4", "5", "s") == ["7", str(2**50 - 7), str(2**50)]
     client.close()
+
+
+async def test_a_refusal_says_whether_what_is_in_flight_may_make_room(redis_url: str) -> None:
+    """A budget of 1000 with 600 reserved in flight: a request of 600 is
+    refused as held (ms 0: 'retry when they are answered'), one of 950 too
+    (it fits if they use nothing), one of 1500 never fits, and once the
+    600 settles at 100 used, one of 950 is refused until the period ends
+    (nothing is in flight), and one of 900 fits."""
+    store = Store.connect(redis_url, "t", block_s=1, name="test")
+    try:
+        gateway = GatewayQueue(store, "gw")
+        name = gateway.counter_key("budget/k/gpu_us/day")
+        await store.redis.delete(name)
+
+        def budget(cost: int) -> Counter:
+            return Counter(name, cost, 1000, 0, True, "day")
+
+        first = await gateway.admit([budget(600)])
+        assert first.admitted
+        for cost, ms in ((600, 0), (950, 0)):
+            refused = await gateway.admit([budget(cost)])
+            assert (refused.admitted, refused.ttls_ms[0]) == (False, ms), cost
+        never = await gateway.admit([budget(1500)])
+        assert not never.admitted
+        assert never.ttls_ms[0] > 0
+        await gateway.settle([(budget(600), first.now_ms, 500)])
+        assert await store.redis.hmget(name, "s", "f") == [b"100", b"0"]
+        spent_out = await gateway.admit([budget(950)])
+        assert not spent_out.admitted
+        assert spent_out.ttls_ms[0] > 0
+        second = await gateway.admit([budget(900)])
+        assert second.admitted
+        assert await store.redis.hget(name, "f") == b"900"
+    finally:
+        await store.close()
 
 
 def test_a_budget_raised_within_its_period_keeps_what_was_spent() -> None:
@@ -485,10 +639,13 @@ async def requests_dropped_unrun(c: Any, client: Any) -> None:
             break
         await asyncio.sleep(0.05)
     assert await counted() == [0, 0]
+    [budget] = [n async for n in client.scan_iter(match="*quota:budget/budgeted/*")]
+    assert await client.hget(budget, "f") == b"0"  # (nothing held in flight)
     status, _, body = budgeted_request(c.urls[0], "ran", 10)
     assert status == 200, body
     ran = 1 + (1 + SIM_WORDS)  # (its input's word, and its answer's two)
     assert await counted() == [ran, ran]
+    assert await client.hget(budget, "f") == b"0"
 
 
 def test_each_prompt_of_a_list_settles_its_own_part(cluster_factory) -> None:

@@ -1,9 +1,17 @@
 """The measured cost model a gateway keeps (gateway/costs.py): the line a
-GPU budget's reservation is drawn from, fitted to calls' measured time
-against their tokens, and whose calls move it."""
+GPU budget's reservation is drawn from (gateway/reservations.py), fitted to
+calls' measured time against their tokens, whose calls move it, and what it
+bounds: nothing larger than it has seen, nothing slower than it has seen."""
 
 import pytest
-from infergate.gateway.costs import OWN_CALLS, CostModel
+from infergate.gateway.costs import CostModel
+from infergate.gateway.reservations import (
+    GPU_MARGIN,
+    GPU_UNKNOWN_US,
+    gpu_bound,
+    gpu_job_bound,
+    gpu_least,
+)
 
 
 def answer(costs: CostModel, key_id: str, calls: int, fixed_us: float, per_token_us: float) -> None:
@@ -11,30 +19,39 @@ def answer(costs: CostModel, key_id: str, calls: int, fixed_us: float, per_token
     for i in range(calls):
         tokens = 10 + i % 31
         call_us = round(fixed_us + per_token_us * tokens)
-        costs.answered(key_id, 20, call_us, tokens, call_us)
+        costs.answered(key_id, 20, call_us, tokens, call_us, tokens)
+
+
+def fitted(costs: CostModel, key_id: str) -> tuple[float, float]:
+    line = costs.call_line(key_id)
+    assert line is not None
+    return line.fit() or (0.0, 0.0)
 
 
 def test_the_line_is_fitted_to_the_calls_measured() -> None:
     costs = CostModel()
-    assert costs.call_line() is None
+    assert costs.call_line("a") is None
     answer(costs, "a", 50, 20_000, 500)
-    fixed_us, per_token_us = costs.call_line("a") or (0, 0)
+    fixed_us, per_token_us = fitted(costs, "a")
     assert fixed_us == pytest.approx(20_000, rel=0.01)
     assert per_token_us == pytest.approx(500, rel=0.01)
 
 
-def test_another_keys_calls_move_only_the_line_of_keys_without_their_own() -> None:
-    """Key b's calls, ten times slower a token, pull every key's line up;
-    key a, with calls of its own, keeps its line; a key with fewer than
-    OWN_CALLS calls gets the line of every key's calls."""
+def test_another_keys_calls_do_not_move_a_keys_line() -> None:
+    """Key b's calls, ten times slower a token, move neither key a's line
+    nor the least its reservation is cut to; a key with no call measured
+    has no line, and its least is the fleet's slowest batch (a tenth of a
+    second before one is measured)."""
     costs = CostModel()
     answer(costs, "a", 40, 20_000, 500)
-    answer(costs, "few", int(OWN_CALLS) - 2, 20_000, 500)
     answer(costs, "b", 400, 20_000, 5_000)
-    assert costs.call_line("a") == pytest.approx((20_000, 500), rel=0.01)
-    assert costs.call_line("few") == costs.call_line() == costs.call_line("unseen")
-    _, everyones_per_token = costs.call_line() or (0, 0)
-    assert everyones_per_token > 4 * 500
+    assert fitted(costs, "a") == pytest.approx((20_000, 500), rel=0.01)
+    assert fitted(costs, "b") == pytest.approx((20_000, 5_000), rel=0.01)
+    assert costs.call_line("unseen") is None
+    line = costs.call_line("a")
+    assert gpu_least(line, 10_000.0) == gpu_bound(40, line) < GPU_MARGIN * 1.01 * 40_500
+    assert gpu_least(None, 400.0) == round(GPU_MARGIN * 400_000)
+    assert gpu_least(None, 0.0) == round(GPU_MARGIN * 100_000)
 
 
 def test_calls_of_one_size_cannot_train_a_line_below_a_calls_time() -> None:
@@ -43,6 +60,56 @@ def test_calls_of_one_size_cannot_train_a_line_below_a_calls_time() -> None:
     part let tiny jobs reserve a sixth of what they then used)."""
     costs = CostModel()
     for _ in range(20):
-        costs.answered("a", 4000, 50_000, 900, 50_000)
-    fixed_us, per_token_us = costs.call_line("a") or (0, 0)
-    assert fixed_us + per_token_us * 2 >= 50_000
+        costs.answered("a", 4000, 50_000, 900, 50_000, 900)
+    fixed_us, _ = fitted(costs, "a")
+    assert fixed_us == pytest.approx(50_000)
+    assert gpu_bound(2, costs.call_line("a")) >= GPU_MARGIN * 49_999
+
+
+def test_a_request_far_larger_than_any_measured_is_not_estimated() -> None:
+    """Short calls measured, a request bounded at up to twice the tokens of
+    the largest measured reserves that one's estimate in proportion; past
+    that, ``GPU_UNKNOWN_US`` (what is left of its budget): the line was not
+    fitted there, and a key that trained it on short calls overspent its
+    budget 1.2x with long ones at once. Before any call, the same."""
+    costs = CostModel()
+    assert gpu_bound(10, costs.call_line("a")) == GPU_UNKNOWN_US
+    answer(costs, "a", 40, 20_000, 10)  # (calls of 10-40 tokens, nearly all fixed)
+    line = costs.call_line("a")
+    assert gpu_bound(40, line) < 2 * GPU_MARGIN * (20_000 + 10 * 41)
+    assert gpu_bound(80, line) == 2 * gpu_bound(40, line)
+    assert gpu_bound(81, line) == GPU_UNKNOWN_US
+
+
+def test_calls_over_the_line_raise_what_it_reserves_for_calls_like_them() -> None:
+    """Calls alternately four times as slow (a line fitted through their
+    middle, margin and all, is under them): the reservation covers the
+    slow ones, and comes back down as calls keep to the line."""
+    costs = CostModel()
+    for i in range(40):
+        tokens = 10 + 10 * (i % 4)
+        call_us = 100 * tokens * (4 if i % 8 < 4 else 1)
+        costs.answered("a", 20, call_us, tokens, call_us, tokens)
+    line = costs.call_line("a")
+    assert line is not None
+    fixed_us, per_token_us = line.fit() or (0.0, 0.0)
+    for tokens in (10, 20, 30, 40):
+        assert GPU_MARGIN * (fixed_us + per_token_us * tokens) < 400 * tokens  # (the margin alone)
+        assert gpu_bound(tokens - 1, line) >= 400 * tokens
+    raised = line.over
+    answer(costs, "a", 400, 0, 100)
+    assert 1.0 <= line.over < 1 + (raised - 1) / 10
+
+
+def test_a_job_larger_than_any_request_measured_reserves_in_proportion() -> None:
+    """A job teaches no line: beyond the largest request measured it
+    reserves that one's estimate in proportion to its tokens (what a
+    short-call line's part per token would not cover); before any, the
+    fleet's slowest batch, with the margin."""
+    costs = CostModel()
+    assert gpu_job_bound(10, costs.call_line("a"), 400.0) == GPU_MARGIN * 400_000
+    answer(costs, "a", 40, 20_000, 10)  # (calls of 10-40 tokens, nearly all fixed)
+    line = costs.call_line("a")
+    assert gpu_job_bound(40, line, 0.0) == gpu_bound(40, line)
+    assert gpu_job_bound(4_000, line, 0.0) == pytest.approx(100 * gpu_bound(40, line), rel=0.01)
+    assert gpu_job_bound(4_000, line, 0.0) > 50 * 20_400

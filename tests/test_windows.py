@@ -138,7 +138,7 @@ def test_the_windows_keep_the_reference_model(
         if back and reserved:
             bucket, tokens = reserved.pop(0)
             back = min(back, tokens)
-            settle(keys=[keys[HARD]], args=[bucket, back])
+            settle(keys=[keys[HARD]], args=[bucket, back, tokens])
             token_window.settle(now, bucket, back)
         for key, w in zip(keys, windows, strict=True):
             stored = {

@@ -218,13 +218,14 @@ class GatewayQueue:
 
     async def settle(self, unused: Sequence[tuple[Counter, int, int]]) -> None:
         """Give back what reservations of hard bounds did not use: each
-        (counter, Redis's clock as it was charged, what is unused) to the
-        bucket it was charged in (``settle.lua``, gathered: settlements.py)."""
+        (counter, its cost what was reserved; Redis's clock as it was
+        charged; what is unused) to the bucket it was charged in
+        (``settle.lua``, gathered: settlements.py)."""
         names: list[str] = []
         args: list[int] = []
         for counter, charged_ms, back in unused:
             names.append(counter.key)
-            args += (_bucket(counter, charged_ms), back)
+            args += (_bucket(counter, charged_ms), back, counter.cost)
         await self.store.settlements.give_back(names, args)
 
     async def spent(self, budgets: Sequence[Counter], now_ms: int) -> list[int]:

@@ -23,8 +23,9 @@ class Settlements:
         self._sender: asyncio.Task[None] | None = None
 
     def give_back(self, names: list[str], args: list[int]) -> "asyncio.Future[None]":
-        """Windows ``names`` and, for each, its bucket and what goes back
-        (``settle.lua``'s arguments); the future is done once they are in."""
+        """Windows ``names`` and, for each, its bucket, what goes back and
+        what was reserved (``settle.lua``'s arguments); the future is done
+        once they are in."""
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiting.append((names, args, future))
         if self._sender is None:

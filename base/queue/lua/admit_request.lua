@@ -77,7 +77,7 @@ local function checked_limits(windows, r, reply)
       if not fits then
         room_all = false
         if refused_by == 0 then refused_by = i end
-        -- (never: a window's length, a budget's period's end)
+        -- (never: a window's length, a budget's period's end; 0: budget_room)
         if wait < 0 then wait = w.budget and reset_ms(w, now) or span end
         reply[2 * i + 3] = wait
       end

@@ -1,7 +1,9 @@
 -- budget: a key's budget over a calendar period on Redis's clock (UTC: a
 -- day, a week from Monday, or a month), kept as window.lua keeps a window
 -- (the period's index its one bucket, 's' their sum, 'l' the index), so
--- settle.lua gives back to it as to a window. A hard bound: nothing is
+-- settle.lua gives back to it as to a window; 'f' is what of it is reserved
+-- by requests not settled yet (in flight), so a refusal can say whether
+-- waiting for them may make room. A hard bound: nothing is
 -- admitted past it, and a new period starts from nothing.
 -- Needs numbers.lua. Put before window.lua (scripts.py).
 local DAY_MS = 86400000
@@ -51,8 +53,8 @@ local function read_budget(key, period, now)
   -- period, or not one of counts, starts over
   local current, ends = period_at(now, period)
   local w = {current = current, span = period, ends = ends, budget = true, eleven = 0,
-    oldest = 0, held = 0, new = true, dirty = false}
-  local raw = redis.pcall('HMGET', key, 'l', 's')
+    oldest = 0, held = 0, in_flight = 0, new = true, dirty = false}
+  local raw = redis.pcall('HMGET', key, 'l', 's', 'f')
   if type(raw) ~= 'table' or raw.err then
     redis.call('DEL', key)
     return w
@@ -60,7 +62,8 @@ local function read_budget(key, period, now)
   local last, sum = count(raw[1] or ''), count(raw[2] or '')
   if last == current and sum ~= nil then
     w.eleven, w.held, w.new = sum, sum, false
-  elseif raw[1] or raw[2] then
+    w.in_flight = math.max(count(raw[3] or 0) or 0, 0)
+  elseif raw[1] or raw[2] or raw[3] then
     redis.call('DEL', key)
   end
   return w
@@ -71,15 +74,29 @@ local function write_budget(key, w)
   -- period (a late give-back finds it; the next period's first charge
   -- starts over)
   local bucket = tostring(w.current)
-  redis.call('HSET', key, bucket, w.held, 's', w.eleven, 'l', bucket)
+  redis.call('HSET', key, bucket, w.held, 's', w.eleven, 'l', bucket, 'f', w.in_flight)
   if w.new then redis.call('PEXPIREAT', key, w.ends + 60000) end
 end
 
-local function charge_budget_excess(key, x)
+local function settled_in_flight(key, bucket, reserved)
+  -- A reservation of `reserved` charged to a budget in period `bucket`
+  -- settled: no longer in flight (nothing for a window's key, or a period
+  -- since ended).
+  if reserved <= 0 or not string.find(key, ':quota:budget/', 1, true) then return end
+  local raw = redis.pcall('HMGET', key, 'l', 'f')
+  if type(raw) ~= 'table' or raw.err or raw[1] ~= bucket then return end
+  local in_flight = count(raw[2] or '')
+  if in_flight and in_flight > 0 then
+    redis.call('HSET', key, 'f', math.max(in_flight - reserved, 0))
+  end
+end
+
+local function charge_budget_excess(key, bucket, x, reserved)
   -- What a request used over its reservation of a budget (x > 0), charged
-  -- to the budget's current period, whichever its reservation was charged
-  -- in (one ended since counts nothing). False for a key not a budget's
-  -- (quota.py names them quota:budget/{key id}/{unit}/{period}).
+  -- to the budget's current period, whichever its reservation (`reserved`,
+  -- in period `bucket`) was charged in (one ended since counts nothing),
+  -- its reservation settled. False for a key not a budget's (quota.py
+  -- names them quota:budget/{key id}/{unit}/{period}).
   local period = string.match(key, '^%b{}:quota:budget/.+/(%a+)$')
   if period ~= 'day' and period ~= 'week' and period ~= 'month' then return false end
   local t = redis.call('TIME')
@@ -87,6 +104,7 @@ local function charge_budget_excess(key, x)
   local w = read_budget(key, period, now)
   x = math.min(x, math.max(MOST_COUNT - w.eleven, 0))
   w.eleven, w.held = w.eleven + x, w.held + x
+  if bucket == tostring(w.current) then w.in_flight = math.max(w.in_flight - reserved, 0) end
   write_budget(key, w)
   return true
 end
@@ -96,10 +114,15 @@ local function budget_room(w, cost, amount, least, now)
   -- for an estimate (least > 0: a GPU budget's reservation) what is left,
   -- where that is at least `least` or the whole budget (the period's last
   -- request); if it does not fit, the ms until the period ends (-1: never,
-  -- more than the whole budget)
+  -- more than the whole budget; 0: not now, but it would if reservations
+  -- in flight gave back what they hold, as they may when they settle)
   local left = amount - w.eleven
   if cost <= left then return true, 0, cost end
   if least > 0 and left >= math.min(least, amount) then return true, 0, left end
   if cost > amount and least == 0 then return false, -1, cost end
+  local free = left + w.in_flight
+  if cost <= free or (least > 0 and free >= math.min(least, amount)) then
+    return false, 0, cost
+  end
   return false, w.ends - now, cost
 end

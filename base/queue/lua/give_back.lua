@@ -4,10 +4,12 @@
 -- every window) has nothing left to give back to. At most what the bucket
 -- holds. Negative for a request that used more than it reserved: the
 -- excess is charged to the same bucket, or a budget's to its current
--- period (budget.lua), counting to MOST_COUNT at most (numbers.lua).
+-- period (budget.lua), counting to MOST_COUNT at most (numbers.lua). A
+-- budget's reservation (`reserved`) is settled with it: no longer in flight.
 -- Needs numbers.lua, budget.lua. Put before settle.lua and the takes (scripts.py).
-local function give_back(key, bucket, back)
-  if back < 0 and charge_budget_excess(key, -back) then return end
+local function give_back(key, bucket, back, reserved)
+  if back < 0 and charge_budget_excess(key, bucket, -back, reserved) then return end
+  settled_in_flight(key, bucket, reserved)
   local raw = redis.pcall('HMGET', key, bucket, 's')
   if back == 0 or type(raw) ~= 'table' or raw.err or not raw[1] or not raw[2] then return end
   local held, sum = count(raw[1]), count(raw[2])
@@ -34,7 +36,7 @@ local function give_back_dropped(t, env)
   for key, bucket, back in string.gmatch(raw, '(%S+) (%S+) (%S+)') do
     local amount = count(back)
     if amount and amount > 0 and string.sub(key, 1, #quota) == quota then
-      give_back(key, bucket, amount)
+      give_back(key, bucket, amount, amount)
     end
   end
 end
@@ -52,7 +54,7 @@ local function settle_job(record, tokens, gpu_us)
   for key, bucket, amount, unit in string.gmatch(raw, '(%S+) (%S+) (%S+) ([tg])') do
     local reserved = count(amount)
     if reserved and reserved > 0 and string.sub(key, 1, #quota) == quota then
-      give_back(key, bucket, reserved - (unit == 't' and tokens or gpu_us))
+      give_back(key, bucket, reserved - (unit == 't' and tokens or gpu_us), reserved)
     end
   end
 end

@@ -112,8 +112,10 @@ local function window_room(key, w, cost, amount, allowed, now)
 end
 
 local function window_charge(w, cost)
-  -- a charge that fit, held in the call's copy until written
+  -- a charge that fit, held in the call's copy until written (a budget's
+  -- reservation in flight until settled)
   w.eleven, w.held, w.dirty = w.eleven + cost, w.held + cost, true
+  if w.budget and cost > 0 then w.in_flight = w.in_flight + cost end
 end
 
 local function write_any(key, w)
