@@ -215,6 +215,10 @@ class Inference:
             raise
         used, gpu_us = reservations.used(result, request.input_bound), reservations.gpu_used(result)
         _measured(request, result, gpu_us)
+        if result.served_by == "collapsed":  # (no worker counts it: this gateway does)
+            self.gw.shares.answered_here(
+                key, lane.name, len(request.text), used - result.tokens, result.tokens
+            )
         await settle(lane, request.reservation, used, gpu_us)
         return respond(call, started, key, lane, result), request.quota_headers or {}
 
@@ -389,8 +393,10 @@ async def _charge_cached(
     cached: wire.Result,
 ) -> dict[str, str]:
     """A cached answer's charge (what it used: its input's bound and the
-    answer's tokens, no GPU time), or its share of its list's; its headers."""
+    answer's tokens, no GPU time), or its share of its list's, and its
+    usage; its headers."""
     bound = reservations.input_bound(text, call.conversation)
+    gw.shares.answered_here(key, lane.name, len(text), bound, cached.tokens)
     if call.charged is not None:  # (one of a list: charged with it; its part settled)
         call.charged.use(call.request_id)
         reserved = call.charged.reservation_of(call.request_id)

@@ -1,5 +1,7 @@
-"""What each key got at this gateway: its refusals, added to usage per key
-(``usage.py``) a few times a minute, never a Redis command per request;
+"""What each key got at this gateway: its refusals, and its requests
+answered here without a worker (from the result cache, or joined to an
+identical one in flight), added to usage per key (``usage.py``) a few
+times a minute, never a Redis command per request;
 every 10 s, how evenly the keys a tier had to refuse were served (Jain's
 index of their admitted requests over their weights), for the metrics: a
 label per key would not scale in Prometheus, a number per tier does; and
@@ -39,8 +41,9 @@ class Shares:
     def __init__(self, store_for: Callable[[str, str], Store], metrics: GatewayMetrics) -> None:
         self.store_for = store_for  # (model, key id): where the key's usage is kept
         self.metrics = metrics
-        # Refusals not in usage yet, by (model, key id, tier).
-        self._unsent: Counter[tuple[str, str, str]] = Counter()
+        # What is not in usage yet, by (model, key id, tier): its refusals,
+        # and what it was answered here (``answered_here``).
+        self._unsent: dict[tuple[str, str, str], usage.Charge] = {}
         # This window's, by (key id, tier, weight).
         self._admitted: Counter[tuple[str, str, float]] = Counter()
         self._refused: Counter[tuple[str, str, float]] = Counter()
@@ -79,20 +82,35 @@ class Shares:
         name = (key.id, key.tier, key.weight)
         if len(self._refused) < MAX_KEYS or name in self._refused:
             self._refused[name] += 1
-        unsent = (model, key.id, key.tier)
-        if len(self._unsent) < MAX_KEYS or unsent in self._unsent:
-            self._unsent[unsent] += 1
+        self._add(model, usage.Charge(key.id, key.tier, refused=1))
+
+    def answered_here(
+        self, key: KeyEntry, model: str, chars: int, input_tokens: int, output_tokens: int
+    ) -> None:
+        """A request of ``key`` answered at this gateway without a worker
+        (no GPU time): from the cache, or joined to one in flight."""
+        self._add(
+            model, usage.Charge(key.id, key.tier, 1, chars, 0, 0, input_tokens, output_tokens)
+        )
+
+    def _add(self, model: str, charge: usage.Charge) -> None:
+        name = (model, charge.key_id, charge.tier)
+        held = self._unsent.get(name)
+        if held is not None:
+            self._unsent[name] = _sum(held, charge)
+        elif len(self._unsent) < MAX_KEYS:
+            self._unsent[name] = charge
 
     async def flush(self, retention_s: int) -> None:
-        """Add the refusals counted since the last flush to usage per key
-        (kept for the next one if Redis fails), and close the window if due."""
+        """Add what was counted since the last flush to usage per key (kept
+        for the next one if Redis fails), and close the window if due."""
         self._close_window()
-        unsent, self._unsent = self._unsent, Counter()
+        unsent, self._unsent = self._unsent, {}
         by_store: dict[tuple[str, int], tuple[Store, list[usage.Charge]]] = {}
-        for (model, key_id, tier), n in unsent.items():
+        for (model, key_id, _), charge in unsent.items():
             store = self.store_for(model, key_id)
             _, charges = by_store.setdefault((model, id(store.redis)), (store, []))
-            charges.append(usage.Charge(key_id, tier, refused=n))
+            charges.append(charge)
         failed: BaseException | None = None
         for (model, _), (store, charges) in by_store.items():
             try:  # (each shard on its own: one that is down keeps only its own)
@@ -103,7 +121,8 @@ class Shares:
             for charge in charges:
                 del unsent[model, charge.key_id, charge.tier]
         if failed is not None:
-            self._unsent.update(unsent)
+            for (model, _, _), charge in unsent.items():
+                self._add(model, charge)
             raise failed
 
     def _close_window(self) -> None:
@@ -117,3 +136,8 @@ class Shares:
         self._admitted.clear()
         self._refused.clear()
         self._window_started = clock.monotonic_s()
+
+
+def _sum(a: usage.Charge, b: usage.Charge) -> usage.Charge:
+    """Two charges of one key as one."""
+    return usage.Charge(a.key_id, a.tier, *(x + y for x, y in zip(a[2:], b[2:], strict=True)))

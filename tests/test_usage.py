@@ -16,6 +16,7 @@ from pathlib import Path
 import aiohttp
 import msgspec
 import pytest
+import redis
 from infergate.base import wire
 from infergate.base.keys import Keys
 from infergate.base.queue import usage
@@ -232,6 +233,44 @@ async def test_every_answered_request_is_charged_to_its_key(cluster: Cluster) ->
     bare = await asyncio.to_thread(_usage_command, c.urls[0], env)
     assert bare.returncode == 2
     assert "admin key" in bare.stderr
+
+
+def test_an_answer_from_the_cache_is_in_usage_as_its_budget_counts_it(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """The same input twice, the second answered from the cache: usage
+    counts both requests, and their tokens as the key's token budget was
+    charged for them (the worker's count of the first, its input's bound
+    and the answer's tokens for the second); the cache spent no GPU time
+    (usage counted one request, and budgets two, before)."""
+    budgeted = key_entry("b1", "paid", "b1-secret", budget={"tokens": 10_000, "period": "day"})
+    doc = policy_yaml(extra_keys=(budgeted,), sharing={"cache_ttl_s": 60})
+    c = Cluster(tmp_path, redis_url, doc, latency_ms=10)
+    try:
+        for _ in range(2):
+            body = {"input": "the same words", "parameters": {"max_tokens": 20}}
+            status, _, answer = http(
+                "POST", c.urls[0] + "/v1/inference", body, {"Authorization": "Bearer b1-secret"}
+            )
+            assert status == 200, answer
+        assert answer["served_by"] == "cache"
+        client = redis.Redis.from_url(redis_url)
+        [name] = list(client.scan_iter(match="*budget/b1/tokens/day"))
+        charged = int(client.hget(name, "s") or 0)
+        client.close()
+
+        def row() -> dict | None:
+            status, _, body = http("GET", c.urls[0] + "/v1/admin/usage", headers=auth("admin"))
+            assert status == 200, body
+            rows = [r for r in body["keys"] if r["key_id"] == "b1"]
+            return rows[0] if rows and rows[0]["requests"] == 2 else None
+
+        b1 = wait_for(row, 20, "usage with the answer from the cache")
+        assert b1["input_tokens"] + b1["output_tokens"] == charged
+        assert b1["output_tokens"] == 2 * len(answer["output"].split())
+        assert b1["input_chars"] == 2 * len("the same words")
+    finally:
+        c.stop()
 
 
 async def test_nothing_planted_in_usage_stops_an_answer(redis_url: str) -> None:

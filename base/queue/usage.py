@@ -8,8 +8,10 @@ characters and its input and output tokens (the model's), in the transaction
 that answers the batch (``WorkerQueue``).
 One hash per hour, ``usage:{hour}``, with fields ``{tier}\\n{key}\\n{what}``
 (a key id may hold anything but a newline), kept for the policy's
-``usage.retention_days``; gateways add what they refused, per key, a few
-times a minute. Operators read it with ``GET /v1/admin/usage``: totals per
+``usage.retention_days``; gateways add what they refused, and the requests
+they answered without a worker (from the cache, or joined to one in
+flight: no GPU time), per key, a few times a minute. Operators read it
+with ``GET /v1/admin/usage``: totals per
 key, or a row per key and hour or UTC day (for billing).
 """
 
