@@ -100,18 +100,22 @@ def check_reservation(
     raise quota_refused(gw, key, lane, message, retryable=False)
 
 
-def gpu_reservation(lane: ModelLane, key: KeyEntry, tokens: int) -> int:
-    """What a request of ``key`` of at most ``tokens`` tokens reserves of a
-    GPU budget (``reservations.gpu_bound``), from its model's measurements
-    of the calls the key's requests were in (``CostModel.call_line``)."""
-    return reservations.gpu_bound(tokens, lane.quota.costs.call_line(key.id))
-
-
-def gpu_job_reservation(lane: ModelLane, key: KeyEntry, tokens: int) -> int:
-    """What a job of ``key`` of at most ``tokens`` tokens reserves of a GPU
-    budget (``reservations.gpu_job_bound``)."""
+def gpu_reservation(lane: ModelLane, key: KeyEntry, input_tokens: int, output_tokens: int) -> int:
+    """What a request of ``key`` of at most ``input_tokens`` and
+    ``output_tokens`` reserves of a GPU budget (``reservations.gpu_bound``),
+    from its model's measurements of the calls the key's requests were in
+    (``CostModel.call_line``)."""
     line = lane.quota.costs.call_line(key.id)
-    return reservations.gpu_job_bound(tokens, line, lane.fleet.slowest_batch_ms)
+    return reservations.gpu_bound(input_tokens, output_tokens, line)
+
+
+def gpu_job_reservation(
+    lane: ModelLane, key: KeyEntry, input_tokens: int, output_tokens: int
+) -> int:
+    """What a job of ``key`` reserves of a GPU budget (``reservations.gpu_job_bound``)."""
+    line = lane.quota.costs.call_line(key.id)
+    slowest_batch_ms = lane.fleet.slowest_batch_ms
+    return reservations.gpu_job_bound(input_tokens, output_tokens, line, slowest_batch_ms)
 
 
 async def settle(

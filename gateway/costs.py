@@ -26,22 +26,25 @@ class CallLine:
     decaying sums of 1, x, y, x², xy, for a least-squares line; how far
     over the line the calls have been (``over``, a factor, back toward 1
     as calls within it follow); and what it has seen at most: the largest
-    request bound answered in them (``largest``, tokens), the slowest call."""
+    input and output bounds of a request answered in them (tokens:
+    ``reservations.py``), the slowest call."""
 
     def __init__(self, memory: float) -> None:
         self.memory = memory
         self.sums = [0.0] * 5
         self.over = 1.0
-        self.largest = 0
+        self.largest_input = 0
+        self.largest_output = 0
         self.slowest_us = 0
 
-    def add(self, tokens: int, call_us: int, bound: int = 0) -> None:
+    def add(self, tokens: int, call_us: int, bound: tuple[int, int] = (0, 0)) -> None:
         """A call of ``tokens`` that took ``call_us``, with a request in it
-        of at most ``bound`` tokens (``reservations.py``)."""
+        of at most ``bound`` tokens of input and of output."""
         x, y, m = float(tokens), float(call_us), self.memory
         n, sx, sy, sxx, sxy = self.sums
         self.sums = [n * m + 1.0, sx * m + x, sy * m + y, sxx * m + x * x, sxy * m + x * y]
-        self.largest = max(self.largest, bound)
+        self.largest_input = max(self.largest_input, bound[0])
+        self.largest_output = max(self.largest_output, bound[1])
         self.slowest_us = max(self.slowest_us, call_us)
         fixed_us, per_token_us = self.fit() or (0.0, 0.0)
         on_line = fixed_us + per_token_us * x
@@ -83,11 +86,11 @@ class CostModel:
         gpu_us: int,
         call_tokens: int = 0,
         call_us: int = 0,
-        bound: int = 0,
+        bound: tuple[int, int] = (0, 0),
     ) -> None:
         """A request of the key's with ``chars`` input characters (and at
-        most ``bound`` tokens) used ``gpu_us``, in a call of ``call_tokens``
-        that took ``call_us``."""
+        most ``bound`` tokens of input and of output) used ``gpu_us``, in a
+        call of ``call_tokens`` that took ``call_us``."""
         if gpu_us <= 0:
             return  # (a cached or joined answer: the GPU did not run it)
         sums = self._keys.get(key_id)

@@ -431,7 +431,7 @@ def _reserve(gw: Gateway, request: Request, cut_to: int, whole: bool) -> None:
         request.reserve = request.input_bound + request.max_tokens
         request.count_input = True
     if cut_to and lane.quota.reserves_gpu(key, tier):
-        request.reserve_gpu_us = gpu_reservation(lane, key, request.reserve)
+        request.reserve_gpu_us = gpu_reservation(lane, key, request.input_bound, request.max_tokens)
     if whole and (request.reserve or request.reserve_gpu_us):
         size = len(request.text)
         check_reservation(gw, lane, key, tier, size, request.reserve, request.reserve_gpu_us)
@@ -439,10 +439,12 @@ def _reserve(gw: Gateway, request: Request, cut_to: int, whole: bool) -> None:
 
 def _measured(request: Request, result: wire.Result, gpu_us: int) -> None:
     """What the request's answer teaches its key's costs (``costs.py``):
-    its call, and its bound (what it reserved, or else its input's and
+    its call, and its bounds (what it reserved, or else its input's and
     answer's size)."""
     text = request.text
-    bound = request.reserve or len(text) + reservations.TEMPLATE_TOKENS + result.tokens
+    bound = (request.input_bound, request.max_tokens)
+    if not request.reserve:
+        bound = (len(text) + reservations.TEMPLATE_TOKENS, result.tokens)
     request.lane.quota.costs.answered(
         request.key.id, len(text), gpu_us, result.call_tokens, result.infer_ms * 1000, bound
     )

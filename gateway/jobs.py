@@ -79,7 +79,7 @@ class Jobs:
             input_bound = reservations.input_bound(body.input)
             reserve = input_bound + max_tokens
         if gpu:
-            reserve_gpu_us = gpu_job_reservation(lane, key, reserve)
+            reserve_gpu_us = gpu_job_reservation(lane, key, input_bound, max_tokens)
         if reserve or reserve_gpu_us:
             check_reservation(gw, lane, key, tier, len(body.input), reserve, reserve_gpu_us)
         quota = await charge_quota(

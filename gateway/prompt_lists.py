@@ -76,8 +76,9 @@ async def charge(
         model = gw.policy.current.models[lane.name]
         out = reservations.output_bound(max_tokens, model)
         for request_id, text in inputs.items():
-            bound = reservations.input_bound(text) + out
-            parts[request_id] = (bound, gpu_reservation(lane, key, bound) if gpu else 0)
+            bound = reservations.input_bound(text)
+            gpu_us = gpu_reservation(lane, key, bound, out) if gpu else 0
+            parts[request_id] = (bound + out, gpu_us)
     tokens = sum(part[0] for part in parts.values())
     gpu_us = sum(part[1] for part in parts.values())
     over = lane.quota.over_as_a_whole(key, tier, chars, tokens, gpu_us)

@@ -57,35 +57,43 @@ def used(result: wire.Result, bound: int) -> int:
     return (result.input_tokens or bound) + result.tokens
 
 
-def gpu_bound(tokens: int, line: CallLine | None, beyond: float = BEYOND_MEASURED) -> int:
-    """The GPU time (µs) a request of at most ``tokens`` tokens (input and
-    output) reserves: what a call of it alone would take, by the line
-    fitted to the calls measured (its fixed part and its part per token; a
-    call's time is shared by tokens, so in any call its share is less), as
-    far over it as calls have been, with a margin; past the largest
-    request measured, that one's in proportion to its tokens, up to
-    ``beyond`` times its size; further, or before any of the key's is
-    measured, ``GPU_UNKNOWN_US`` (what is left: a line is no bound far
-    beyond what it was fitted to, nor another key's for this key's). A
-    request that used more is charged the excess when it is answered."""
+def gpu_bound(
+    input_tokens: int, output_tokens: int, line: CallLine | None, beyond: float = BEYOND_MEASURED
+) -> int:
+    """The GPU time (µs) a request of at most ``input_tokens`` and
+    ``output_tokens`` reserves: what a call of it alone would take, by the
+    line fitted to the calls measured (its fixed part and its part per
+    token; a call's time is shared by tokens, so in any call its share is
+    less), as far over it as calls have been, with a margin; past the
+    largest input or output of a request measured, in proportion, up to
+    ``beyond`` times; further, or before any of the key's is measured,
+    ``GPU_UNKNOWN_US`` (what is left: a line is no bound far from what it
+    was fitted to, nor another key's for this key's). Input and output
+    apart: a key that measured only short answers has not measured what a
+    long one costs. A request that used more is charged the excess when
+    it is answered."""
     fit = line.fit() if line is not None else None
-    if line is None or fit is None or line.largest <= 0 or tokens > beyond * line.largest:
+    if line is None or fit is None or line.largest_input <= 0:
+        return GPU_UNKNOWN_US
+    past = max(input_tokens / line.largest_input, output_tokens / max(line.largest_output, 1), 1.0)
+    if past > beyond:
         return GPU_UNKNOWN_US
     fixed_us, per_token_us = fit
-    within = min(tokens, line.largest)
-    estimate = GPU_MARGIN * line.over * (fixed_us + per_token_us * (within + 1))
-    return round(estimate * max(1.0, tokens / line.largest))
+    within = min(input_tokens, line.largest_input) + min(output_tokens, line.largest_output)
+    return round(GPU_MARGIN * line.over * (fixed_us + per_token_us * (within + 1)) * past)
 
 
-def gpu_job_bound(tokens: int, line: CallLine | None, slowest_batch_ms: float) -> int:
+def gpu_job_bound(
+    input_tokens: int, output_tokens: int, line: CallLine | None, slowest_batch_ms: float
+) -> int:
     """What a job reserves: ``gpu_bound``, in proportion however far past
     the largest request measured (a job teaches no gateway its cost, so
     jobs estimated as what is left would run one at a time forever);
     before any of its key's requests is measured, the fleet's slowest
     batch, with the margin. Its excess is charged when it finishes."""
-    if line is None or line.largest <= 0:
+    if line is None or line.largest_input <= 0:
         return round(GPU_MARGIN * (slowest_batch_ms or GPU_UNMEASURED_MS) * 1000)
-    return gpu_bound(tokens, line, beyond=float("inf"))
+    return gpu_bound(input_tokens, output_tokens, line, beyond=float("inf"))
 
 
 def gpu_least(line: CallLine | None, slowest_batch_ms: float, calls: int = 1) -> int:
@@ -96,7 +104,9 @@ def gpu_least(line: CallLine | None, slowest_batch_ms: float, calls: int = 1) ->
     run in; so only a request estimated past what is left, where that
     still covers the key's largest, is cut (the period's last request).
     Another key's calls do not move it."""
-    least = gpu_bound(line.largest, line) if line is not None else GPU_UNKNOWN_US
+    least = GPU_UNKNOWN_US
+    if line is not None:
+        least = gpu_bound(line.largest_input, line.largest_output, line)
     if least == GPU_UNKNOWN_US:
         least = round(GPU_MARGIN * (slowest_batch_ms or GPU_UNMEASURED_MS) * 1000)
     return least * calls

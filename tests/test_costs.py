@@ -19,7 +19,7 @@ def answer(costs: CostModel, key_id: str, calls: int, fixed_us: float, per_token
     for i in range(calls):
         tokens = 10 + i % 31
         call_us = round(fixed_us + per_token_us * tokens)
-        costs.answered(key_id, 20, call_us, tokens, call_us, tokens)
+        costs.answered(key_id, 20, call_us, tokens, call_us, (tokens - 4, 4))
 
 
 def fitted(costs: CostModel, key_id: str) -> tuple[float, float]:
@@ -49,7 +49,7 @@ def test_another_keys_calls_do_not_move_a_keys_line() -> None:
     assert fitted(costs, "b") == pytest.approx((20_000, 5_000), rel=0.01)
     assert costs.call_line("unseen") is None
     line = costs.call_line("a")
-    assert gpu_least(line, 10_000.0) == gpu_bound(40, line) < GPU_MARGIN * 1.01 * 40_500
+    assert gpu_least(line, 10_000.0) == gpu_bound(36, 4, line) < GPU_MARGIN * 1.01 * 40_500
     assert gpu_least(None, 400.0) == round(GPU_MARGIN * 400_000)
     assert gpu_least(None, 0.0) == round(GPU_MARGIN * 100_000)
 
@@ -60,25 +60,29 @@ def test_calls_of_one_size_cannot_train_a_line_below_a_calls_time() -> None:
     part let tiny jobs reserve a sixth of what they then used)."""
     costs = CostModel()
     for _ in range(20):
-        costs.answered("a", 4000, 50_000, 900, 50_000, 900)
+        costs.answered("a", 4000, 50_000, 900, 50_000, (896, 4))
     fixed_us, _ = fitted(costs, "a")
     assert fixed_us == pytest.approx(50_000)
-    assert gpu_bound(2, costs.call_line("a")) >= GPU_MARGIN * 49_999
+    assert gpu_bound(1, 1, costs.call_line("a")) >= GPU_MARGIN * 49_999
 
 
 def test_a_request_far_larger_than_any_measured_is_not_estimated() -> None:
-    """Short calls measured, a request bounded at up to twice the tokens of
-    the largest measured reserves that one's estimate in proportion; past
-    that, ``GPU_UNKNOWN_US`` (what is left of its budget): the line was not
-    fitted there, and a key that trained it on short calls overspent its
-    budget 1.2x with long ones at once. Before any call, the same."""
+    """Short calls measured, a request of up to twice the input or output
+    of the largest measured reserves that one's estimate in proportion;
+    past that, ``GPU_UNKNOWN_US`` (what is left of its budget): the line
+    was not fitted there (a key that trained it on short calls overspent
+    its budget 1.2x with long ones at once; one that measured only short
+    answers has not measured a long one). Before any call, the same."""
     costs = CostModel()
-    assert gpu_bound(10, costs.call_line("a")) == GPU_UNKNOWN_US
+    assert gpu_bound(6, 4, costs.call_line("a")) == GPU_UNKNOWN_US
     answer(costs, "a", 40, 20_000, 10)  # (calls of 10-40 tokens, nearly all fixed)
     line = costs.call_line("a")
-    assert gpu_bound(40, line) < 2 * GPU_MARGIN * (20_000 + 10 * 41)
-    assert gpu_bound(80, line) == 2 * gpu_bound(40, line)
-    assert gpu_bound(81, line) == GPU_UNKNOWN_US
+    assert gpu_bound(36, 4, line) < 2 * GPU_MARGIN * (20_000 + 10 * 41)
+    assert gpu_bound(72, 4, line) == 2 * gpu_bound(36, 4, line)
+    assert gpu_bound(73, 4, line) == GPU_UNKNOWN_US
+    # (answers of 4 tokens measured: one of 9 has not been)
+    assert gpu_bound(36, 8, line) == 2 * gpu_bound(36, 4, line)
+    assert gpu_bound(10, 9, line) == GPU_UNKNOWN_US
 
 
 def test_calls_over_the_line_raise_what_it_reserves_for_calls_like_them() -> None:
@@ -89,13 +93,13 @@ def test_calls_over_the_line_raise_what_it_reserves_for_calls_like_them() -> Non
     for i in range(40):
         tokens = 10 + 10 * (i % 4)
         call_us = 100 * tokens * (4 if i % 8 < 4 else 1)
-        costs.answered("a", 20, call_us, tokens, call_us, tokens)
+        costs.answered("a", 20, call_us, tokens, call_us, (tokens - 4, 4))
     line = costs.call_line("a")
     assert line is not None
     fixed_us, per_token_us = line.fit() or (0.0, 0.0)
     for tokens in (10, 20, 30, 40):
         assert GPU_MARGIN * (fixed_us + per_token_us * tokens) < 400 * tokens  # (the margin alone)
-        assert gpu_bound(tokens - 1, line) >= 400 * tokens
+        assert gpu_bound(tokens - 5, 4, line) >= 400 * tokens
     raised = line.over
     answer(costs, "a", 400, 0, 100)
     assert 1.0 <= line.over < 1 + (raised - 1) / 10
@@ -107,9 +111,11 @@ def test_a_job_larger_than_any_request_measured_reserves_in_proportion() -> None
     short-call line's part per token would not cover); before any, the
     fleet's slowest batch, with the margin."""
     costs = CostModel()
-    assert gpu_job_bound(10, costs.call_line("a"), 400.0) == GPU_MARGIN * 400_000
+    assert gpu_job_bound(6, 4, costs.call_line("a"), 400.0) == GPU_MARGIN * 400_000
     answer(costs, "a", 40, 20_000, 10)  # (calls of 10-40 tokens, nearly all fixed)
     line = costs.call_line("a")
-    assert gpu_job_bound(40, line, 0.0) == gpu_bound(40, line)
-    assert gpu_job_bound(4_000, line, 0.0) == pytest.approx(100 * gpu_bound(40, line), rel=0.01)
-    assert gpu_job_bound(4_000, line, 0.0) > 50 * 20_400
+    assert gpu_job_bound(36, 4, line, 0.0) == gpu_bound(36, 4, line)
+    assert gpu_job_bound(3_600, 4, line, 0.0) == pytest.approx(
+        100 * gpu_bound(36, 4, line), rel=0.01
+    )
+    assert gpu_job_bound(3_600, 4, line, 0.0) > 50 * 20_400
