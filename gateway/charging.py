@@ -113,9 +113,9 @@ def gpu_job_reservation(
     lane: ModelLane, key: KeyEntry, input_tokens: int, output_tokens: int
 ) -> int:
     """What a job of ``key`` reserves of a GPU budget (``reservations.gpu_job_bound``)."""
-    line = lane.quota.costs.call_line(key.id)
-    slowest_batch_ms = lane.fleet.slowest_batch_ms
-    return reservations.gpu_job_bound(input_tokens, output_tokens, line, slowest_batch_ms)
+    return reservations.gpu_job_bound(
+        input_tokens, output_tokens, lane.quota.costs.call_line(key.id)
+    )
 
 
 async def settle(

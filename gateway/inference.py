@@ -8,7 +8,6 @@ disconnect, whichever comes first.
 """
 
 import asyncio
-from dataclasses import dataclass
 
 import msgspec
 from infergate.base import clock, logs, tracing, wire
@@ -21,14 +20,11 @@ from infergate.gateway.api import (
     InferenceRequest,
     InferenceResponse,
     Metadata,
-    Parameters,
     decode_inference_request,
 )
 from infergate.gateway.calls import Call, OnDisconnect
 from infergate.gateway.charging import (
     charge_quota,
-    check_reservation,
-    gpu_reservation,
     over_share,
     settle,
 )
@@ -36,50 +32,23 @@ from infergate.gateway.checks import check_capacity, check_input, check_paramete
 from infergate.gateway.direct_serving import serve_directly
 from infergate.gateway.errors import ApiError, error_from_result
 from infergate.gateway.models import ModelLane
-from infergate.gateway.prompt_lists import ListCharge
-from infergate.gateway.quota import Reservation
+from infergate.gateway.request import Request
+from infergate.gateway.reserving import (
+    answer_cut,
+    measured,
+    reserve,
+    settle_failed,
+    settle_when_answered,
+)
 from infergate.gateway.service import Gateway
 from infergate.gateway.sharing import Share
 from infergate.gateway.waiting import cancel, wait_for_reply
 from infergate.policies import KeyEntry, Policy, Tier
-from infergate.policies.schema import Model
 
 log = logs.get(__name__)
 _tracer = tracing.tracer(__name__)
 
 RETRY_DRAINING_MS = 100
-
-
-@dataclass
-class Request:
-    """One admitted request on its way to a worker."""
-
-    id: str
-    key: KeyEntry
-    tier: Tier
-    lane: ModelLane
-    text: str
-    deadline_ms: int
-    started: float
-    share: Share | None
-    # How many of its tier's requests may wait now (admission.Decision)
-    allowance: float
-    max_tokens: int = 0
-    temperature: float = 0.0
-    count_input: bool = False
-    # The x-ratelimit-* headers, once the request's quota is charged: by its
-    # first enqueue (the same round trip), or before it follows another, or
-    # with its list of prompts (``charged``, until it queues: prompt_lists.py).
-    quota_headers: dict[str, str] | None = None
-    charged: "ListCharge | None" = None
-    conversation: str | None = None
-    # Its token limits' and budgets' reservation: the tokens it reserves,
-    # the bound on its input within them, the GPU time (µs) it reserves,
-    # and what was charged (given back in part once answered).
-    reserve: int = 0
-    input_bound: int = 0
-    reserve_gpu_us: int = 0
-    reservation: Reservation | None = None
 
 
 class Inference:
@@ -182,9 +151,9 @@ class Inference:
                 return respond(call, started, key, lane, result), {}
         params = body.parameters
         model = policy.models[lane.name]
-        cut_to = _cut_to(lane, key, tier, params, model)
+        cut_to = answer_cut(lane, key, tier, params, model)
         share = Share.of(policy, key, body.input, params, call.conversation, cut_to)
-        cached = None if share is None or share.digest is None else await self._cached(lane, share)
+        cached = None if share is None or share.digest is None else await _cached(lane, share)
         if cached is not None:
             headers = await _charge_cached(self.gw, call, lane, key, tier, body.input, cached)
             self.gw.metrics.cache_hits.labels(key.tier).inc()
@@ -202,7 +171,7 @@ class Inference:
             request.temperature = params.temperature or 0.0
         request.count_input = call.count_input
         request.conversation = call.conversation
-        _reserve(self.gw, request, cut_to, whole=call.charged is None)
+        reserve(self.gw, request, cut_to, whole=call.charged is None)
         if call.charged is not None:  # (one of a list: charged with it, not again)
             request.quota_headers, request.charged = call.charged.headers, call.charged
             request.reservation = call.charged.reservation_of(call.request_id)
@@ -210,31 +179,17 @@ class Inference:
             result = await self._collapsed_or_run(request, call.on_disconnect)
         except ApiError as exc:
             exc.headers.update(request.quota_headers or {})
-            if exc.code == "INFERENCE_FAILED":  # (its input failed: nothing used)
-                await settle(lane, request.reservation, 0, 0)
+            if exc.code == "INFERENCE_FAILED":  # (its input, or its leader's, failed)
+                await settle_failed(request)
             raise
         used, gpu_us = reservations.used(result, request.input_bound), reservations.gpu_used(result)
-        _measured(request, result, gpu_us)
+        measured(request, result, gpu_us)
         if result.served_by == "collapsed":  # (no worker counts it: this gateway does)
             self.gw.shares.answered_here(
                 key, lane.name, len(request.text), used - result.tokens, result.tokens
             )
         await settle(lane, request.reservation, used, gpu_us)
         return respond(call, started, key, lane, result), request.quota_headers or {}
-
-    async def _cached(self, lane: ModelLane, share: "Share | None") -> wire.Result | None:
-        """The result cache's answer, if it is on and holds one for this
-        input and the model's fleet."""
-        if share is None or share.digest is None:
-            return None
-        fingerprint = lane.fleet.fingerprint()
-        if fingerprint is None:
-            return None
-        output = await lane.cache.get(share.digest, fingerprint)
-        if output is None:
-            return None
-        tokens = len(output.split())  # (the words: the tokens are the worker's to count)
-        return wire.Result("", "", 0, "", 0, 0, output=output, served_by="cache", tokens=tokens)
 
     async def _collapsed_or_run(
         self, request: "Request", on_disconnect: OnDisconnect | None
@@ -349,6 +304,10 @@ class Inference:
                 on_disconnect,
                 reserved,
             )
+        except (ApiError, asyncio.CancelledError) as exc:
+            if not isinstance(exc, ApiError) or exc.code in ("TIMEOUT", "CLIENT_CLOSED"):
+                settle_when_answered(self.gw, request, envelope.deadline_ms)
+            raise
         finally:
             self.gw.replies.forget(request_id)
         if result.error is not None:
@@ -358,6 +317,7 @@ class Inference:
                 batch_id=result.batch_id,
                 code=result.error.code,
             )
+            await settle_failed(request)
             raise error_from_result(result.error)
         return result
 
@@ -383,6 +343,21 @@ class Inference:
             raise over_share(key, lane)
 
 
+async def _cached(lane: ModelLane, share: "Share | None") -> wire.Result | None:
+    """The result cache's answer, if it is on and holds one for this
+    input and the model's fleet."""
+    if share is None or share.digest is None:
+        return None
+    fingerprint = lane.fleet.fingerprint()
+    if fingerprint is None:
+        return None
+    output = await lane.cache.get(share.digest, fingerprint)
+    if output is None:
+        return None
+    tokens = len(output.split())  # (the words: the tokens are the worker's to count)
+    return wire.Result("", "", 0, "", 0, 0, output=output, served_by="cache", tokens=tokens)
+
+
 async def _charge_cached(
     gw: Gateway,
     call: Call,
@@ -406,48 +381,6 @@ async def _charge_cached(
     if lane.quota.reserves_tokens(key, tier):
         tokens = bound + cached.tokens
     return (await charge_quota(gw, lane, key, tier, len(text), tokens=tokens)).headers()
-
-
-def _cut_to(
-    lane: ModelLane, key: KeyEntry, tier: Tier, params: Parameters | None, model: Model
-) -> int:
-    """The output tokens a request's answer is cut to where it reserves
-    them (``_reserve``); 0 where it reserves none."""
-    if not (lane.quota.reserves_tokens(key, tier) or lane.quota.reserves_gpu(key, tier)):
-        return 0
-    asked = (params.max_tokens or 0) if params is not None else 0
-    return reservations.output_bound(asked, model)
-
-
-def _reserve(gw: Gateway, request: Request, cut_to: int, whole: bool) -> None:
-    """What the request reserves of its key's token limits and budgets, if
-    it reserves (``cut_to``, from ``_cut_to``: the worker cuts its output to
-    what was reserved for it, and counts its input), 429 if that can never
-    fit (``whole``: not one of a list, which is checked as a whole)."""
-    lane, key, tier = request.lane, request.key, request.tier
-    if cut_to:
-        request.input_bound = reservations.input_bound(request.text, request.conversation)
-        request.max_tokens = cut_to
-        request.reserve = request.input_bound + request.max_tokens
-        request.count_input = True
-    if cut_to and lane.quota.reserves_gpu(key, tier):
-        request.reserve_gpu_us = gpu_reservation(lane, key, request.input_bound, request.max_tokens)
-    if whole and (request.reserve or request.reserve_gpu_us):
-        size = len(request.text)
-        check_reservation(gw, lane, key, tier, size, request.reserve, request.reserve_gpu_us)
-
-
-def _measured(request: Request, result: wire.Result, gpu_us: int) -> None:
-    """What the request's answer teaches its key's costs (``costs.py``):
-    its call, and its bounds (what it reserved, or else its input's and
-    answer's size)."""
-    text = request.text
-    bound = (request.input_bound, request.max_tokens)
-    if not request.reserve:
-        bound = (len(text) + reservations.TEMPLATE_TOKENS, result.tokens)
-    request.lane.quota.costs.answered(
-        request.key.id, len(text), gpu_us, result.call_tokens, result.infer_ms * 1000, bound
-    )
 
 
 def _failed(exc: ApiError) -> wire.Result:

@@ -369,8 +369,11 @@ def budget_of(key: KeyEntry, tier: Tier) -> Budget | None:
 def _costing(charge: Charge, cost: int, least: int) -> Charge:
     """A cost limit's charge for this request's cost (built directly: a
     namedtuple's ``_replace`` costs more than the rest of the charge), and
-    an estimate's, the least it may be cut to."""
+    an estimate's, the least it may be cut to (at most a share of its
+    budget: ``reservations.LEAST_AT_MOST``)."""
     key, _, amount, window_s, hard, period, cut = charge.counter
+    if cut:
+        least = min(least, max(1, round(amount * reservations.LEAST_AT_MOST)))
     counter = Counter(key, cost, amount, window_s, hard, period, least if cut else 0)
     return Charge(charge.item, counter, charge.kind, charge.what)
 

@@ -4,7 +4,10 @@ A request parks on an ``asyncio.Future`` keyed by its id; the listener
 resolves futures as replies arrive on ``reply:{gateway}`` (one listener per
 Redis shard: a worker publishes on the shard it took the batch from). A reply can
 arrive twice (a batch retried after a crash between publish and ack): the
-first resolves the future and the rest find nothing to resolve.
+first resolves the future and the rest find nothing to resolve. A request
+given up on while it may be running (its deadline passed, its client
+left) may leave what to do with its reply (``on_late``: settle what it
+reserved), once, if the reply comes within a while.
 
 A Redis that restarted empty lost the queues its parked requests waited in:
 its token (``GatewayQueue.epoch``) is new when the listener subscribes again.
@@ -15,14 +18,18 @@ answer (``grace_s``), and those not answered by then get ``QueueLost`` (a
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import msgspec
-from infergate.base import logs, wire
+from infergate.base import clock, logs, wire
 from infergate.base.loops import Backoff, Supervised
 from infergate.base.queue.gateway import GatewayQueue
 
 log = logs.get(__name__)
+
+# Requests given up on whose late reply is awaited at once, at most.
+MOST_LATE = 10_000
 
 
 class QueueLost(Exception):
@@ -42,6 +49,10 @@ class ReplyRouter:
         self.shard_of: dict[str, int] = {}  # (a request parked on a shard other than 0)
         # Long polls of jobs: woken when the jobs-done channel names their job.
         self.job_waiters: dict[str, list[asyncio.Event]] = {}
+        # Requests given up on that may still be answered: until when
+        # (monotonic s), and what to do with the reply (``on_late``).
+        self.late: dict[str, tuple[float, Callable[[wire.Result], Coroutine[Any, Any, None]]]] = {}
+        self._late_tasks: set[asyncio.Task[None]] = set()
         self.duplicates = 0
         self.unreadable = 0
         self.listeners = [_Listener(self, queue, i) for i, queue in enumerate(queues)]
@@ -71,14 +82,38 @@ class ReplyRouter:
             if fut is not None and not fut.done():
                 fut.set_exception(QueueLost())
 
+    def on_late(
+        self,
+        request_id: str,
+        until_s: float,
+        then: Callable[[wire.Result], Coroutine[Any, Any, None]],
+    ) -> None:
+        """A request given up on: if its reply comes before ``until_s``
+        (monotonic), run ``then`` with it, once."""
+        if len(self.late) >= MOST_LATE:
+            now = clock.monotonic_s()
+            self.late = {rid: late for rid, late in self.late.items() if late[0] > now}
+        if len(self.late) < MOST_LATE:
+            self.late[request_id] = (until_s, then)
+
     def deliver(self, reply: wire.Reply) -> None:
         for result in reply.results:
             fut = self.pending.pop(result.id, None)
             if fut is None:
-                self.duplicates += 1
-                self.on_ignored()
+                if not self._answered_late(result):
+                    self.duplicates += 1
+                    self.on_ignored()
             elif not fut.done():
                 fut.set_result(result)
+
+    def _answered_late(self, result: wire.Result) -> bool:
+        late = self.late.pop(result.id, None)
+        if late is None or late[0] < clock.monotonic_s():
+            return False
+        task = asyncio.get_running_loop().create_task(late[1](result))
+        self._late_tasks.add(task)
+        task.add_done_callback(self._late_tasks.discard)
+        return True
 
     async def wait_job(self, job_id: str, timeout_s: float) -> None:
         """Until the jobs-done channel names ``job_id``, or ``timeout_s`` passes."""

@@ -26,6 +26,10 @@ TEMPLATE_TOKENS = 16
 GPU_UNMEASURED_MS = 100.0
 # A GPU reservation's margin over what a call of it alone is measured to take.
 GPU_MARGIN = 1.5
+# What is left of a GPU budget that a reservation over it takes at least
+# (``gpu_least``) is at most this share of the budget: another key's calls,
+# which may raise a key's line, cannot lock it out of more than the last.
+LEAST_AT_MOST = 0.1
 # How far past the largest request measured a GPU reservation is drawn
 # (in proportion to that one's), and what it is further (µs): more than a
 # budget of one GPU has in 200 days, so it takes what is left.
@@ -83,27 +87,23 @@ def gpu_bound(
     return round(GPU_MARGIN * line.over * (fixed_us + per_token_us * (within + 1)) * past)
 
 
-def gpu_job_bound(
-    input_tokens: int, output_tokens: int, line: CallLine | None, slowest_batch_ms: float
-) -> int:
+def gpu_job_bound(input_tokens: int, output_tokens: int, line: CallLine | None) -> int:
     """What a job reserves: ``gpu_bound``, in proportion however far past
     the largest request measured (a job teaches no gateway its cost, so
-    jobs estimated as what is left would run one at a time forever);
-    before any of its key's requests is measured, the fleet's slowest
-    batch, with the margin. Its excess is charged when it finishes."""
-    if line is None or line.largest_input <= 0:
-        return round(GPU_MARGIN * (slowest_batch_ms or GPU_UNMEASURED_MS) * 1000)
+    jobs estimated as what is left would run one at a time for good once
+    its key's requests are measured); before any is, what is left. Its
+    excess is charged when it finishes."""
     return gpu_bound(input_tokens, output_tokens, line, beyond=float("inf"))
 
 
 def gpu_least(line: CallLine | None, slowest_batch_ms: float, calls: int = 1) -> int:
     """The least a GPU reservation over what is left of a budget may be
-    cut to (``Counter.least``): what the largest request of the key's
-    measured would reserve (before any, the fleet's slowest batch, or a
-    tenth of a second, with the margin), for each of the ``calls`` it may
-    run in; so only a request estimated past what is left, where that
-    still covers the key's largest, is cut (the period's last request).
-    Another key's calls do not move it."""
+    cut to (``Counter.least``; at most ``LEAST_AT_MOST`` of the budget):
+    what the largest request of the key's measured would reserve (before
+    any, the fleet's slowest batch, or a tenth of a second, with the
+    margin), for each of the ``calls`` it may run in; so only a request
+    estimated past what is left, where that still covers the key's
+    largest, is cut (the period's last request)."""
     least = GPU_UNKNOWN_US
     if line is not None:
         least = gpu_bound(line.largest_input, line.largest_output, line)

@@ -367,14 +367,16 @@ def test_a_request_estimated_past_what_is_left_takes_the_rest_and_settles(
     assert settled < spent(c.redis_url, "gpu_us", "day") == usage_gpu_us(c.redis_url)
 
 
-def test_a_gateway_that_measured_no_call_cuts_no_less_than_the_fleets_slowest_batch(
+def test_a_key_with_no_call_measured_is_cut_to_no_less_than_a_batch_or_a_tenth(
     cluster_factory,
 ) -> None:
-    """Gateway 0 has answered nothing; the worker's batches take 400 ms and
-    200 ms of the budget is left: a request there is not cut to less than
-    the fleet's slowest batch (with the margin), so it waits and the budget
-    never ends over (cut to a tenth of a second's margin, it ran, and the
-    budget counted 1.2 of 1 s)."""
+    """Gateway 0 has measured no call of the key's; the worker's batches
+    take 400 ms and 50 ms of a 1 s budget is left: a request there is not
+    cut to less than the fleet's slowest batch (with the margin) or a tenth
+    of the budget, whichever is less, so it waits and the budget never ends
+    more than a batch over (cut to a tenth of a second's margin, it ran,
+    and the budget counted 1.2 of 1 s; the least is held to a tenth of the
+    budget so that another key's slow calls lock none out of more)."""
     budget_us = 1_000_000
     c = cluster_factory(
         budget_policy(gpu_seconds=budget_us / 1e6, period="day"), latency_ms=400, gateways=2
@@ -394,12 +396,12 @@ def test_a_gateway_that_measured_no_call_cuts_no_less_than_the_fleets_slowest_ba
     seconds, micros = client.time()
     day = str(periods.index_at(seconds * 1000 + micros // 1000, "day"))
     name = "{infergate}:quota:budget/budgeted/gpu_us/day"
-    client.hset(name, mapping={day: 800_000, "s": 800_000, "l": day})
+    client.hset(name, mapping={day: 950_000, "s": 950_000, "l": day})
     client.close()
     status, _, body = budgeted_request(c.urls[0], "x")
     assert status == 429, body
     assert body["error"]["code"] == "BUDGET_EXCEEDED"
-    assert spent(c.redis_url, "gpu_us", "day") == 800_000
+    assert spent(c.redis_url, "gpu_us", "day") == 950_000
 
 
 def test_the_openai_client_makes_one_call_for_a_spent_budget(cluster_factory) -> None:
@@ -648,6 +650,54 @@ async def requests_dropped_unrun(c: Any, client: Any) -> None:
     assert await client.hget(budget, "f") == b"0"
 
 
+async def test_a_request_given_up_on_while_it_ran_settles_by_its_late_reply(
+    cluster_factory,
+) -> None:
+    """Two requests of a key with no call measured yet (each reserves what
+    is left of its budget), given up on while their batch runs: one past
+    its deadline, one whose client left. Their replies come after; each
+    settles by what it used, so the budget counts what the workers
+    measured and holds nothing in flight, and the next request runs (kept,
+    their reservations held the whole budget and told the key to retry
+    until the period's end)."""
+    budget_us = 2_000_000
+    c = cluster_factory(budget_policy(gpu_seconds=budget_us / 1e6, period="day"), latency_ms=400)
+    client = redis.asyncio.Redis.from_url(c.redis_url)
+    try:
+        async with aiohttp.ClientSession() as session:
+            url = c.urls[0] + "/v1/inference"
+            body = {"input": "late", "timeout_ms": 200, "parameters": {"max_tokens": 4}}
+            async with session.post(url, json=body, headers=BUDGETED) as r:
+                assert r.status == 504, await r.text()
+            await wait_settled(c, client)
+            with pytest.raises(asyncio.TimeoutError):
+                async with session.post(
+                    url,
+                    json={"input": "gone", "parameters": {"max_tokens": 4}},
+                    headers=BUDGETED,
+                    timeout=aiohttp.ClientTimeout(total=0.2),
+                ):
+                    pass
+            await wait_settled(c, client)
+            assert 0 < spent(c.redis_url, "gpu_us", "day") < budget_us / 2
+            async with session.post(url, json={"input": "next"}, headers=BUDGETED) as r:
+                assert r.status == 200, await r.text()
+    finally:
+        await client.aclose()
+
+
+async def wait_settled(c: Any, client: Any) -> None:
+    """Until the key's GPU budget holds nothing in flight and counts what
+    the workers measured (10 s at most)."""
+    for _ in range(200):
+        names = [n async for n in client.scan_iter(match="*quota:budget/budgeted/gpu_us/*")]
+        held = [await client.hmget(n, "f", "s") for n in names]
+        if held and held[0][0] == b"0" and int(held[0][1]) == usage_gpu_us(c.redis_url):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the budget still holds {held} in flight")
+
+
 def test_each_prompt_of_a_list_settles_its_own_part(cluster_factory) -> None:
     """A list of prompts reserves for all of them in one step; each gives
     back what it did not use as it is answered, so the budget counts what
@@ -685,15 +735,22 @@ def test_a_job_settles_what_it_used_and_one_that_never_ran_gives_all_back(
 ) -> None:
     """A job reserves as a request does and settles as its record is
     finished (by its result's tokens and measured GPU time); one cancelled
-    while queued, or dropped past its deadline, gives all of it back."""
+    while queued, or dropped past its deadline, gives all of it back. A
+    job of a key with no request measured at its gateway reserves what is
+    left of the budget (a job teaches no line): the next waits for it."""
     c = cluster_factory(budget_policy(tokens=10_000, gpu_seconds=100, period="day"))
     status, _, job = http("POST", c.urls[0] + "/v1/jobs", {"input": "a b c"}, BUDGETED)
     assert status == 202, job
+    status, _, held = http("POST", c.urls[0] + "/v1/jobs", {"input": "d"}, BUDGETED)
+    assert (status, held["error"]["code"]) == (429, "RATE_LIMITED"), held
     view = wait_for(lambda: finished_job(c, job["job_id"]), 15, "the job to finish")
     assert view["status"] == "succeeded", view
     used = 3 + len(view["result"]["output"].split())  # (its input's words, its output's)
     assert spent(c.redis_url, "tokens", "day") == used
     assert spent(c.redis_url, "gpu_us", "day") == usage_gpu_us(c.redis_url) > 0
+    status, _, body = budgeted_request(c.urls[0], "e f", 4)  # (its key's line: measured)
+    assert status == 200, body
+    used = spent(c.redis_url, "tokens", "day")
 
     c.stop_workers()  # (the next two never run)
     ids = []
