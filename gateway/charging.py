@@ -15,6 +15,9 @@ from infergate.policies import KeyEntry, Tier
 
 log = logs.get(__name__)
 
+# The most a refusal for a budget held in flight tells its client to wait.
+HELD_RETRY_MOST_MS = 1000
+
 
 async def charge_quota(
     gw: Gateway,
@@ -181,14 +184,15 @@ def budget_held(
     """A key's budget has no room for the request while its requests in
     flight hold their reservations: counted, and a 429 worth a retry once
     they are answered (they give back what they did not use), after about
-    the slowest call the key's requests were in."""
+    the slowest call the key's requests were in (a batch's time before
+    any), a second at most: another key's slow calls may have set either."""
     gw.count_refused(key, "budget", lane, for_capacity=False)
     line = lane.quota.costs.call_line(key.id)
     slowest_ms = line.slowest_us / 1000 if line is not None else lane.fleet.batch_ms()
     return ApiError(
         "RATE_LIMITED",
         f"this key's {budget} is held by its requests in flight: retry when they are answered",
-        max(1, round(slowest_ms or 100.0)),
+        max(1, min(round(slowest_ms or 100.0), HELD_RETRY_MOST_MS)),
         headers,
     )
 
