@@ -78,11 +78,19 @@ local function write_budget(key, w)
   if w.new then redis.call('PEXPIREAT', key, w.ends + 60000) end
 end
 
+local function budget_period(key)
+  -- the period of a budget's key (quota.py names them
+  -- quota:budget/{key id}/{unit}/{period}), nil for any other key
+  local period = string.match(key, '^%b{}:quota:budget/.+/(%a+)$')
+  if period == 'day' or period == 'week' or period == 'month' then return period end
+  return nil
+end
+
 local function settled_in_flight(key, bucket, reserved)
   -- A reservation of `reserved` charged to a budget in period `bucket`
   -- settled: no longer in flight (nothing for a window's key, or a period
   -- since ended).
-  if reserved <= 0 or not string.find(key, ':quota:budget/', 1, true) then return end
+  if reserved <= 0 or not budget_period(key) then return end
   local raw = redis.pcall('HMGET', key, 'l', 'f')
   if type(raw) ~= 'table' or raw.err or raw[1] ~= bucket then return end
   local in_flight = count(raw[2] or '')
@@ -95,10 +103,9 @@ local function charge_budget_excess(key, bucket, x, reserved)
   -- What a request used over its reservation of a budget (x > 0), charged
   -- to the budget's current period, whichever its reservation (`reserved`,
   -- in period `bucket`) was charged in (one ended since counts nothing),
-  -- its reservation settled. False for a key not a budget's (quota.py
-  -- names them quota:budget/{key id}/{unit}/{period}).
-  local period = string.match(key, '^%b{}:quota:budget/.+/(%a+)$')
-  if period ~= 'day' and period ~= 'week' and period ~= 'month' then return false end
+  -- its reservation settled. False for a key not a budget's.
+  local period = budget_period(key)
+  if not period then return false end
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   local w = read_budget(key, period, now)
