@@ -1,6 +1,7 @@
-"""Builds a tiny GPT-2 on disk (random weights, a byte-level BPE tokenizer
-trained by ``tokenizers``), so the transformers backend is tested without
-downloading anything."""
+"""Builds a tiny GPT-2 on disk (random weights from a fixed seed, so every
+build is the same model; a byte-level BPE tokenizer trained by
+``tokenizers``), so the transformers backend is tested without downloading
+anything."""
 
 from pathlib import Path
 
@@ -8,6 +9,7 @@ from pathlib import Path
 def build_tiny_gpt2(
     path: Path, n_layer: int = 2, n_embd: int = 32, n_head: int = 2, n_positions: int = 256
 ) -> Path:
+    import torch
     from tokenizers import ByteLevelBPETokenizer
     from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
@@ -37,5 +39,6 @@ def build_tiny_gpt2(
         n_embd=n_embd,
         n_head=n_head,
     )
+    torch.manual_seed(0)
     GPT2LMHeadModel(config).save_pretrained(path)
     return path

@@ -233,6 +233,18 @@ def test_each_row_is_sampled_at_its_own_temperature(tiny_model: Path) -> None:
     assert greedy.startswith(text)
 
 
+def test_a_clip_never_splits_a_character(backend: TransformersBackend) -> None:
+    """A byte-level tokenizer spreads a character over several tokens: a cut
+    among them steps back to the character's start, so the clipped text is
+    the output's own beginning, never a replacement character."""
+    for text in ["ab😀cd", "é😀é", "x\U0001f9d1\u200d\U0001f680y", "ok"]:
+        for limit in range(1, 12):
+            clipped, tokens = backend.clip(text, limit)
+            assert tokens <= limit
+            assert text.startswith(clipped), (text, limit, clipped)
+            assert "\ufffd" not in clipped
+
+
 def test_a_chat_goes_through_the_tokenizers_own_template(tiny_model: Path) -> None:
     """A chat request's messages are rendered by the tokenizer's chat
     template where it has one (the gateway's rendering otherwise)."""

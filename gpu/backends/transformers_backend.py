@@ -82,8 +82,19 @@ class TransformersBackend:
         """The output cut to ``max_tokens`` of the model's tokens, and its length in them."""
         ids = self._counting(text, add_special_tokens=False)["input_ids"]
         if 0 < max_tokens < len(ids):
-            return str(self._counting.decode(ids[:max_tokens])), max_tokens
+            return self._whole_characters(text, ids, max_tokens)
         return text, len(ids)
+
+    def _whole_characters(self, text: str, ids: list[int], count: int) -> tuple[str, int]:
+        """The first ``count`` tokens decoded, stepping back while the cut
+        splits a character: a byte-level tokenizer spreads one over up to four
+        tokens, and half of one decodes to a replacement character."""
+        head = ""
+        for kept in range(count, max(count - 4, 0), -1):
+            head = str(self._counting.decode(ids[:kept]))
+            if not head.endswith("\ufffd") or text.startswith(head):
+                return head, kept
+        return head.rstrip("\ufffd"), kept
 
     def infer_sampled(self, inputs: list[str], temperatures: list[float]) -> list[str]:
         check_batch(inputs)
