@@ -45,7 +45,7 @@ def _namespace(args: argparse.Namespace) -> argparse.Namespace:
         backend_options=args.options,
         model_name="default",
         sim_latency_ms=None,
-        sim_ms_per_kchar=0.0,
+        sim_ms_per_ktoken=0.0,
         sim_fail_marker="",
         sim_hang_marker="",
         max_new_tokens=None,

@@ -101,9 +101,9 @@ def _up_parser(sub: Any) -> None:
     )
     _add(
         up,
-        "--sim-ms-per-kchar",
+        "--sim-ms-per-ktoken",
         0.0,
-        "simulated batch time per 1,000 characters in and out of it, on top (default 0)",
+        "simulated batch time per 1,000 tokens (words) in and out of it, on top (default 0)",
         float,
     )
     _add(up, "--policy", None, "policy file (default: the built-in demo policy with fresh keys)")
@@ -251,9 +251,9 @@ def _worker_parser(sub: Any) -> None:
     _add(wk, "--sim-latency-ms", None, "simulated backend: time per batch (default 100)", float)
     _add(
         wk,
-        "--sim-ms-per-kchar",
+        "--sim-ms-per-ktoken",
         0.0,
-        "simulated backend: more time per 1,000 characters in and out of a batch (default 0)",
+        "simulated backend: more time per 1,000 tokens (words) in and out of a batch (default 0)",
         float,
     )
     _add(

@@ -126,7 +126,7 @@ def build(
             args.sim_fail_marker,
             args.sim_hang_marker,
             model=named,
-            ms_per_kchar=args.sim_ms_per_kchar,
+            ms_per_ktoken=args.sim_ms_per_ktoken,
         )
     max_new_tokens = args.max_new_tokens or model.max_new_tokens
     if spec.kind == "transformers":

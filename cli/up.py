@@ -170,8 +170,8 @@ def worker_child(
     argv = ["--backend", args.backend] if args.backend else []  # (else its model's)
     if args.sim_latency_ms is not None:
         argv += ["--sim-latency-ms", str(args.sim_latency_ms)]
-    if args.sim_ms_per_kchar:
-        argv += ["--sim-ms-per-kchar", str(args.sim_ms_per_kchar)]
+    if args.sim_ms_per_ktoken:
+        argv += ["--sim-ms-per-ktoken", str(args.sim_ms_per_ktoken)]
     argv += ["--policy", policy_path]
     argv += _worker_flags(args)
     if model:

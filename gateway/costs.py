@@ -27,7 +27,7 @@ class CallLine:
     over the line the calls have been (``over``, a factor, back toward 1
     as calls within it follow); and what it has seen at most: the largest
     input and output bounds of a request answered in them (tokens:
-    ``reservations.py``), the slowest call."""
+    ``reservations.py``), the largest call, the slowest."""
 
     def __init__(self, memory: float) -> None:
         self.memory = memory
@@ -35,6 +35,7 @@ class CallLine:
         self.over = 1.0
         self.largest_input = 0
         self.largest_output = 0
+        self.largest_call = 0
         self.slowest_us = 0
 
     def add(self, tokens: int, call_us: int, bound: tuple[int, int] = (0, 0)) -> None:
@@ -45,9 +46,10 @@ class CallLine:
         self.sums = [n * m + 1.0, sx * m + x, sy * m + y, sxx * m + x * x, sxy * m + x * y]
         self.largest_input = max(self.largest_input, bound[0])
         self.largest_output = max(self.largest_output, bound[1])
+        self.largest_call = max(self.largest_call, tokens)
         self.slowest_us = max(self.slowest_us, call_us)
         fixed_us, per_token_us = self.fit() or (0.0, 0.0)
-        on_line = fixed_us + per_token_us * x
+        on_line = fixed_us + per_token_us * x  # (``time_us`` of a call as large as any)
         self.over = 1.0 + (self.over - 1.0) * m
         if on_line > 0:
             self.over = max(self.over, y / on_line)
@@ -56,8 +58,7 @@ class CallLine:
         """A call's time (µs) as its fixed part and its part per token; with
         calls all of one size, or no slope, a mean call's time as the fixed
         part, and none per token (a key cannot train its line below a
-        call's time; a larger request is drawn in proportion to the largest
-        measured, ``reservations.gpu_bound``); None before any call."""
+        call's time); None before any call."""
         n, sx, sy, sxx, sxy = self.sums
         if n <= 0 or sx <= 0:
             return None
@@ -68,6 +69,22 @@ class CallLine:
         if per_token <= 0:
             return sy / n, 0.0
         return max((sy - per_token * sx) / n, 0.0), per_token
+
+    def time_us(self, tokens: float) -> float:
+        """What a call of ``tokens`` takes by the line (0 before any call).
+        With no part per token fitted, the mean call's time up to the
+        largest call measured, and past it that time in proportion: up to
+        there tokens took no time, past it they may, and a part per token
+        is at most a call's time over its tokens (a key that trained its
+        line on calls of one size, one word of emoji, may send as many
+        bytes in many more tokens)."""
+        fit = self.fit()
+        if fit is None:
+            return 0.0
+        fixed_us, per_token_us = fit
+        if per_token_us > 0:
+            return fixed_us + per_token_us * tokens
+        return fixed_us * max(1.0, tokens / max(self.largest_call, 1))
 
 
 class CostModel:

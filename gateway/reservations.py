@@ -68,23 +68,22 @@ def gpu_bound(
     ``output_tokens`` reserves: what a call of it alone would take, by the
     line fitted to the calls measured (its fixed part and its part per
     token; a call's time is shared by tokens, so in any call its share is
-    less), as far over it as calls have been, with a margin; past the
-    largest input or output of a request measured, in proportion, up to
-    ``beyond`` times; further, or before any of the key's is measured,
-    ``GPU_UNKNOWN_US`` (what is left: a line is no bound far from what it
-    was fitted to, nor another key's for this key's). Input and output
+    less; ``CallLine.time_us``), as far over it as calls have been, with
+    a margin; past the largest input or output of a request measured, in
+    proportion, up to ``beyond`` times; further, or before any of the
+    key's is measured, ``GPU_UNKNOWN_US`` (what is left: a line is no
+    bound far from what it was fitted to, nor another key's for this
+    key's). Input and output
     apart: a key that measured only short answers has not measured what a
     long one costs. A request that used more is charged the excess when
     it is answered."""
-    fit = line.fit() if line is not None else None
-    if line is None or fit is None or line.largest_input <= 0:
+    if line is None or line.fit() is None or line.largest_input <= 0:
         return GPU_UNKNOWN_US
     past = max(input_tokens / line.largest_input, output_tokens / max(line.largest_output, 1), 1.0)
     if past > beyond:
         return GPU_UNKNOWN_US
-    fixed_us, per_token_us = fit
     within = min(input_tokens, line.largest_input) + min(output_tokens, line.largest_output)
-    return round(GPU_MARGIN * line.over * (fixed_us + per_token_us * (within + 1)) * past)
+    return round(GPU_MARGIN * line.over * line.time_us(within + 1) * past)
 
 
 def gpu_job_bound(input_tokens: int, output_tokens: int, line: CallLine | None) -> int:

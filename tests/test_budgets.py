@@ -129,7 +129,7 @@ async def test_a_gpu_budget_stops_concurrent_clients_and_counts_what_the_workers
     answered. The key stops within one reservation of the
     budget, its count in Redis is the usage record's GPU time to the
     microsecond, and no admit ever left Redis over the budget."""
-    budget_us = 600_000
+    budget_us = 1_200_000
     c = cluster_factory(
         budget_policy(gpu_seconds=budget_us / 1e6, period="week"), gateways=2, latency_ms=40
     )
@@ -190,14 +190,15 @@ async def test_a_gpu_budget_stops_concurrent_clients_and_counts_what_the_workers
 async def test_long_inputs_after_short_ones_do_not_overshoot_a_gpu_budget(cluster_factory) -> None:
     """Another key's short requests first (the measured rate a token is
     theirs), then 30 long ones of the budgeted key at once, on a model whose
-    time grows with what it reads and writes: each reserves for its own
-    tokens, so the budget holds (a reservation of a whole batch's time, as
-    measured on the short ones, let such a burst spend 11x a budget)."""
+    time grows with what it reads and writes, retried while told to: each
+    reserves for its own tokens, so the budget holds (a reservation of a
+    whole batch's time, as measured on the short ones, let such a burst
+    spend 11x a budget)."""
     budget_us = 2_000_000
     c = cluster_factory(
         budget_policy(gpu_seconds=budget_us / 1e6, period="day"),
         latency_ms=20,
-        worker_args=["--sim-ms-per-kchar", "40"],
+        worker_args=["--sim-ms-per-ktoken", "400"],
     )
     long = " ".join(["word"] * 390)  # (within the paid tier's 2000 characters)
     async with aiohttp.ClientSession() as session:
@@ -211,16 +212,27 @@ async def test_long_inputs_after_short_ones_do_not_overshoot_a_gpu_budget(cluste
         for burst in (1, 3, 8, 2, 12, 5):  # (calls of several sizes: the line is fitted)
             await asyncio.gather(*(short(burst * 100 + i) for i in range(burst)))
 
-        async def one(i: int) -> int:
-            body = {"input": f"{i} {long}", "parameters": {"max_tokens": 4}}
-            async with session.post(c.urls[0] + "/v1/inference", json=body, headers=BUDGETED) as r:
-                await r.read()
-                return r.status
+        async def one(i: int) -> list[int]:
+            statuses = []
+            for n in range(100):
+                body = {"input": f"{i}.{n} {long}", "parameters": {"max_tokens": 4}}
+                url = c.urls[0] + "/v1/inference"
+                async with session.post(url, json=body, headers=BUDGETED) as r:
+                    answer = await r.json()
+                    statuses.append(r.status)
+                    if r.status == 200:
+                        continue
+                    if answer["error"]["code"] not in ("RATE_LIMITED", "SERVICE_OVERLOADED"):
+                        return statuses
+                    await asyncio.sleep(int(r.headers.get("Retry-After-Ms", "0")) / 1000)
+            return statuses
 
-        statuses = await asyncio.gather(*(one(i) for i in range(30)))
+        statuses = [
+            status for each in await asyncio.gather(*(one(i) for i in range(30))) for status in each
+        ]
     settled = spent(c.redis_url, "gpu_us", "day")
-    print(f"statuses {sorted(statuses)}, spent {settled} of {budget_us} µs")
-    assert 200 in statuses
+    print(f"served {statuses.count(200)} of {len(statuses)}, spent {settled} of {budget_us} µs")
+    assert statuses.count(200) >= 5
     assert settled == usage_gpu_us(c.redis_url)
     assert settled <= budget_us * 1.1
 
@@ -229,14 +241,14 @@ async def test_a_key_that_trained_its_line_on_short_calls_cannot_overspend_with_
     cluster_factory,
 ) -> None:
     """The budgeted key trains its own line: one-word inputs of 450
-    characters, then 275 one-letter words (as slow, with far more tokens:
-    a line with almost no part per token), on a model whose time grows
-    with characters. Then 30 one-word inputs of 3,900 characters at once,
+    characters, then 275 one-letter words, on a model whose time grows
+    with tokens. Then 30 inputs of 1,950 one-letter words at once,
     max_tokens 1, retried while told to (the budget held in flight, the
     tier's capacity): far larger than any request measured, the first
     takes what is left of the budget and runs as the key's only one; the
     rest are drawn from the line it taught, and the budget is never
-    overspent (drawn from the short calls' line, they spent 7.3 s of 6)."""
+    overspent (drawn from the short calls' line, long inputs spent 7.3 s
+    of 6)."""
     budget_us = 6_000_000
     budgeted = key_entry(
         "budgeted", "paid", "budgeted-secret", budget={"gpu_seconds": 6, "period": "day"}
@@ -244,7 +256,7 @@ async def test_a_key_that_trained_its_line_on_short_calls_cannot_overspend_with_
     c = cluster_factory(
         policy_yaml(extra_keys=(budgeted,), tiers={"paid": {"max_input_chars": 4000}}),
         latency_ms=20,
-        worker_args=["--sim-ms-per-kchar", "40"],
+        worker_args=["--sim-ms-per-ktoken", "200"],
     )
     codes: list[str] = []
     served: list[int] = []
@@ -266,7 +278,7 @@ async def test_a_key_that_trained_its_line_on_short_calls_cannot_overspend_with_
 
         async def long(i: int) -> None:
             for _ in range(100):
-                status, body, wait_s = await send(f"{i}" + "z" * 3900, 1)
+                status, body, wait_s = await send(f"{i} " + " ".join("z" * 1950), 1)
                 if status == 200:
                     served.append(i)
                     continue
@@ -276,6 +288,62 @@ async def test_a_key_that_trained_its_line_on_short_calls_cannot_overspend_with_
                 await asyncio.sleep(wait_s)
 
         await asyncio.gather(*(long(i) for i in range(30)))
+    settled = spent(c.redis_url, "gpu_us", "day")
+    print(f"served {len(served)}, refused {len(codes)} times, spent {settled} of {budget_us} µs")
+    assert codes.count("BUDGET_EXCEEDED") == 30
+    assert len(served) >= 5
+    assert settled == usage_gpu_us(c.redis_url) <= budget_us
+
+
+async def test_a_key_that_trained_its_line_on_one_size_cannot_overspend_with_more_tokens(
+    cluster_factory,
+) -> None:
+    """The budgeted key trains its line on calls of one size, alone: one
+    word of 100 emoji (400 bytes), a few tokens a call. Then 30 inputs of
+    200 one-letter words at once (as many bytes, 50 times the tokens),
+    max_tokens 1, on a model whose time grows with tokens, retried while
+    told to: calls of one size measured no part per token, so past the
+    largest one a request is drawn in proportion to its tokens' bound, and
+    the budget is never overspent (drawn from the mean call alone, they
+    spent 1.4x the budget)."""
+    budget_us = 2_000_000
+    budgeted = key_entry(
+        "budgeted", "paid", "budgeted-secret", budget={"gpu_seconds": 2, "period": "day"}
+    )
+    c = cluster_factory(
+        policy_yaml(extra_keys=(budgeted,)),
+        latency_ms=20,
+        worker_args=["--sim-ms-per-ktoken", "400"],
+    )
+    codes: list[str] = []
+    served: list[int] = []
+    async with aiohttp.ClientSession() as session:
+
+        async def send(text: str, max_tokens: int = 0) -> tuple[int, dict[str, Any], float]:
+            body: dict[str, Any] = {"input": text}
+            if max_tokens:
+                body["parameters"] = {"max_tokens": max_tokens}
+            url = c.urls[0] + "/v1/inference"
+            async with session.post(url, json=body, headers=BUDGETED) as r:
+                wait_s = int(r.headers.get("Retry-After-Ms", "0")) / 1000
+                return r.status, await r.json(), wait_s
+
+        for i in range(12):
+            status, body, _ = await send(f"{i:02}" + "\U0001f600" * 100)
+            assert status == 200, body
+
+        async def ascii(i: int) -> None:
+            for n in range(100):
+                status, body, wait_s = await send(f"{i}.{n} " + " ".join("a" * 197), 1)
+                if status == 200:
+                    served.append(i)
+                    continue
+                codes.append(body["error"]["code"])
+                if codes[-1] not in ("RATE_LIMITED", "SERVICE_OVERLOADED"):
+                    return
+                await asyncio.sleep(wait_s)
+
+        await asyncio.gather(*(ascii(i) for i in range(30)))
     settled = spent(c.redis_url, "gpu_us", "day")
     print(f"served {len(served)}, refused {len(codes)} times, spent {settled} of {budget_us} µs")
     assert codes.count("BUDGET_EXCEEDED") == 30
@@ -305,12 +373,12 @@ async def test_another_keys_slow_calls_do_not_lock_a_budgeted_key_out(cluster_fa
             tiers={"paid": {"max_input_chars": 4000}},
         ),
         latency_ms=20,
-        worker_args=["--sim-ms-per-kchar", "40"],
+        worker_args=["--sim-ms-per-ktoken", "100"],
     )
     async with aiohttp.ClientSession() as session:
 
         async def huge(i: int) -> None:
-            body = {"input": f"{i}" + "h" * 3990}
+            body = {"input": f"{i} " + " ".join("h" * 1995)}
             url = c.urls[0] + "/v1/inference"
             async with session.post(url, json=body, headers=auth("paid")) as r:
                 assert r.status == 200, await r.text()

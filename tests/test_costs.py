@@ -66,6 +66,21 @@ def test_calls_of_one_size_cannot_train_a_line_below_a_calls_time() -> None:
     assert gpu_bound(1, 1, costs.call_line("a")) >= GPU_MARGIN * 49_999
 
 
+def test_calls_of_one_size_bound_a_request_of_as_many_bytes_and_more_tokens() -> None:
+    """Calls of one size measured no part per token: a key that trained
+    its line on one-word inputs of 400 bytes (4 tokens a call), then sends
+    400 one-byte words in as many bytes, reserves at least what their call
+    takes on a model of 20 ms a call and 1 ms a token (drawn from the mean
+    call alone, it reserved 36 ms of a 438 ms call: emoji then ASCII spent
+    1.4x a budget)."""
+    costs = CostModel()
+    for _ in range(20):
+        costs.answered("a", 400, 24_000, 4, 24_000, (416, 1))
+    line = costs.call_line("a")
+    assert gpu_bound(416, 1, line) >= 20_000 + 1_000 * (1 + 416 + 1)
+    assert gpu_bound(2, 1, line) == round(GPU_MARGIN * 24_000)  # (fewer: the mean call's)
+
+
 def test_a_request_far_larger_than_any_measured_is_not_estimated() -> None:
     """Short calls measured, a request of up to twice the input or output
     of the largest measured reserves that one's estimate in proportion;

@@ -1,10 +1,13 @@
-"""The simulated backend's cost that grows with what a batch reads and
-writes (``--sim-ms-per-kchar``): a batch of long inputs takes longer than
-one of short ones, as a real model's prefill and decode do."""
+"""The simulated backend's cost that grows with the tokens a batch reads
+and writes (``--sim-ms-per-ktoken``; its tokens are words): a batch of
+long inputs takes longer than one of short ones, as a real model's prefill
+and decode do, and a long word costs what a short one does, so the tokens
+the worker splits a call's time by are what its time follows."""
 
 import time
 
 import pytest
+from infergate.gpu.backend import Prompts
 from infergate.gpu.backends.simulated import SimulatedBackend, sim_output
 
 
@@ -14,15 +17,26 @@ def _took_s(backend: SimulatedBackend, inputs: list[str]) -> float:
     return time.monotonic() - started
 
 
-def test_a_batch_takes_its_time_and_more_per_character_in_and_out() -> None:
-    backend = SimulatedBackend(latency_ms=10, ms_per_kchar=100)
-    inputs = ["x" * 500, "y" * 500]
-    chars = 1000 + sum(len(sim_output(s)) for s in inputs)  # (some 2,000 in all)
-    assert _took_s(backend, inputs) >= 0.010 + chars * 100 / 1e6
-    assert _took_s(backend, ["z"]) < 0.010 + chars * 100 / 1e6  # (a short one: near its base)
+def test_a_batch_takes_its_time_and_more_per_token_in_and_out() -> None:
+    backend = SimulatedBackend(latency_ms=10, ms_per_ktoken=200)
+    inputs = ["x " * 250, "y " * 250]
+    tokens = 500 + sum(len(sim_output(s).split()) for s in inputs)  # (some 1,000 in all)
+    assert _took_s(backend, inputs) >= 0.010 + tokens * 200 / 1e6
+    assert _took_s(backend, ["z" * 500]) < 0.010 + tokens * 200 / 1e6  # (one word: near its base)
     assert _took_s(SimulatedBackend(latency_ms=0), inputs) < 0.1  # (none by default)
 
 
+def test_it_stops_at_each_inputs_max_tokens_and_pays_only_for_those() -> None:
+    backend = SimulatedBackend(latency_ms=0, ms_per_ktoken=1000)
+    inputs = ["a " * 400, "b c d"]
+    prompts = Prompts(inputs, inputs, max_tokens=[2, 0])
+    started = time.monotonic()
+    outputs = backend.infer(prompts)
+    took_s = time.monotonic() - started
+    assert outputs == [" ".join(sim_output(inputs[0]).split()[:2]), sim_output("b c d")]
+    assert 0.409 <= took_s < 0.409 + 0.3  # (400 and 3 words in, 2 and 4 out: a ms each)
+
+
 def test_a_cost_outside_its_range_is_refused() -> None:
-    with pytest.raises(ValueError, match="ms_per_kchar"):
-        SimulatedBackend(ms_per_kchar=-1)
+    with pytest.raises(ValueError, match="ms_per_ktoken"):
+        SimulatedBackend(ms_per_ktoken=-1)

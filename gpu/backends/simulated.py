@@ -5,7 +5,11 @@ one call at a time (a second concurrent call raises).
 Its output for ``s`` is ``sim_output(s)``, which contains ``s``, so anyone
 can see that each reply belongs to its request. Sampled at a temperature
 above 0, the output also carries a random draw, as a sampling model's
-differs from call to call; its tokens are words. To test failure handling,
+differs from call to call. Its tokens are words, and it stops at each
+input's ``max_tokens`` of them; with ``ms_per_ktoken``, a call's time
+grows with the tokens it reads and writes, as a real model's does with
+its own (a model whose time follows anything else cannot be metered by
+its tokens: ``gateway/costs.py``). To test failure handling,
 any input containing ``fail_marker`` makes the whole call raise, as a
 poisoned input does on a real model, and any input containing
 ``hang_marker`` makes the call hang for ``hang_s`` (a stuck GPU). Both are
@@ -17,7 +21,14 @@ import os
 import time
 import zlib
 
-from infergate.gpu.backend import BackendError, OneAtATime, Upstream, check_batch, clip_words
+from infergate.gpu.backend import (
+    BackendError,
+    OneAtATime,
+    Upstream,
+    check_batch,
+    clip_words,
+    max_tokens_of,
+)
 
 
 def sim_output(s: str, temperature: float = 0.0, model: str = "") -> str:
@@ -40,17 +51,17 @@ class SimulatedBackend:
         hang_marker: str | None = None,
         hang_s: float = 3600.0,
         model: str = "",
-        ms_per_kchar: float = 0.0,
+        ms_per_ktoken: float = 0.0,
     ) -> None:
         self.model = model
         # Its output depends on the input alone (and the model it names).
         self.fingerprint = "simulated/1" + (f"/{model}" if model else "")
-        if latency_ms < 0 or not 0 <= ms_per_kchar <= 60_000:
-            raise ValueError("latency_ms must be >= 0, ms_per_kchar 0-60000")
+        if latency_ms < 0 or not 0 <= ms_per_ktoken <= 60_000:
+            raise ValueError("latency_ms must be >= 0, ms_per_ktoken 0-60000")
         self.latency_s = latency_ms / 1000.0
         # A batch's time grows with what it reads and writes (a model's
-        # prefill and decode): per character in and out, on top.
-        self.s_per_char = ms_per_kchar / 1e6
+        # prefill and decode): per token in and out, on top.
+        self.s_per_token = ms_per_ktoken / 1e6
         self.fail_marker = fail_marker or None
         self.hang_marker = hang_marker or None
         self.hang_s = hang_s
@@ -62,13 +73,18 @@ class SimulatedBackend:
     def clip(self, text: str, max_tokens: int) -> tuple[str, int]:
         return clip_words(text, max_tokens)
 
+    def _output(self, s: str, temperature: float, most: int) -> str:
+        """``sim_output``, stopped at ``most`` words (0: none)."""
+        output = sim_output(s, temperature, self.model)
+        return clip_words(output, most)[0] if most > 0 else output
+
     def infer_sampled(self, inputs: list[str], temperatures: list[float]) -> list[str]:
         check_batch(inputs)
         with self._one_at_a_time:
-            model = self.model
-            outputs = [sim_output(s, t, model) for s, t in zip(inputs, temperatures, strict=True)]
-            chars = sum(map(len, inputs)) + sum(map(len, outputs)) if self.s_per_char else 0
-            time.sleep(self.latency_s + chars * self.s_per_char)
+            limits = zip(inputs, temperatures, max_tokens_of(inputs), strict=True)
+            outputs = [self._output(s, t, most) for s, t, most in limits]
+            tokens = sum(len(s.split()) for s in inputs + outputs) if self.s_per_token else 0
+            time.sleep(self.latency_s + tokens * self.s_per_token)
             if self.hang_marker is not None and any(self.hang_marker in s for s in inputs):
                 time.sleep(self.hang_s)
             if self.fail_marker is not None and any(self.fail_marker in s for s in inputs):
