@@ -27,15 +27,18 @@ class CallLine:
     over the line the calls have been (``over``, a factor, back toward 1
     as calls within it follow); and what it has seen at most: the largest
     input and output bounds of a request answered in them (tokens:
-    ``reservations.py``), the largest call, the slowest."""
+    ``reservations.py``) and the largest call, forgotten as the sums
+    forget the calls (a line no longer bounds a size its sums forgot:
+    one large request, then thousands of tiny ones, let a large one be
+    drawn from the tiny ones' mean), and the slowest call."""
 
     def __init__(self, memory: float) -> None:
         self.memory = memory
         self.sums = [0.0] * 5
         self.over = 1.0
-        self.largest_input = 0
-        self.largest_output = 0
-        self.largest_call = 0
+        self.largest_input = 0.0
+        self.largest_output = 0.0
+        self.largest_call = 0.0
         self.slowest_us = 0
 
     def add(self, tokens: int, call_us: int, bound: tuple[int, int] = (0, 0)) -> None:
@@ -44,12 +47,12 @@ class CallLine:
         x, y, m = float(tokens), float(call_us), self.memory
         n, sx, sy, sxx, sxy = self.sums
         self.sums = [n * m + 1.0, sx * m + x, sy * m + y, sxx * m + x * x, sxy * m + x * y]
-        self.largest_input = max(self.largest_input, bound[0])
-        self.largest_output = max(self.largest_output, bound[1])
-        self.largest_call = max(self.largest_call, tokens)
+        self.largest_input = max(self.largest_input * m, bound[0])
+        self.largest_output = max(self.largest_output * m, bound[1])
+        self.largest_call = max(self.largest_call * m, x)
         self.slowest_us = max(self.slowest_us, call_us)
         fixed_us, per_token_us = self.fit() or (0.0, 0.0)
-        on_line = fixed_us + per_token_us * x  # (``time_us`` of a call as large as any)
+        on_line = fixed_us + per_token_us * x  # (``time_us``: none is larger)
         self.over = 1.0 + (self.over - 1.0) * m
         if on_line > 0:
             self.over = max(self.over, y / on_line)
@@ -71,20 +74,19 @@ class CallLine:
         return max((sy - per_token * sx) / n, 0.0), per_token
 
     def time_us(self, tokens: float) -> float:
-        """What a call of ``tokens`` takes by the line (0 before any call).
-        With no part per token fitted, the mean call's time up to the
-        largest call measured, and past it that time in proportion: up to
-        there tokens took no time, past it they may, and a part per token
-        is at most a call's time over its tokens (a key that trained its
-        line on calls of one size, one word of emoji, may send as many
-        bytes in many more tokens)."""
+        """What a call of ``tokens`` takes by the line (0 before any call):
+        up to the largest call measured, the line's; past it, the line's
+        time there in proportion. A line says nothing of sizes it was not
+        fitted to (calls all of one size have no slope; two near sizes on
+        a busy machine, a slope of noise), and a part per token is at most
+        a call's time over its tokens: a key that trained its line on one
+        word of emoji may send as many bytes in many more tokens."""
         fit = self.fit()
         if fit is None:
             return 0.0
         fixed_us, per_token_us = fit
-        if per_token_us > 0:
-            return fixed_us + per_token_us * tokens
-        return fixed_us * max(1.0, tokens / max(self.largest_call, 1))
+        largest = max(self.largest_call, 1.0)
+        return (fixed_us + per_token_us * min(tokens, largest)) * max(1.0, tokens / largest)
 
 
 class CostModel:
