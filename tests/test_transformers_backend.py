@@ -233,6 +233,21 @@ def test_each_row_is_sampled_at_its_own_temperature(tiny_model: Path) -> None:
     assert greedy.startswith(text)
 
 
+def test_a_call_whose_requests_all_ask_for_few_tokens_stops_there(tiny_model: Path) -> None:
+    """Requests that all ask for a few tokens: the call makes those (and
+    enough more to end a character), the beginning of what it makes when
+    one asks for none and the whole call runs to the model's bound."""
+    from infergate.gpu.backend import Prompts
+
+    backend = TransformersBackend(str(tiny_model), max_new_tokens=32, device="cpu")
+    texts = ["hello world", "the quick brown fox"]
+    short = backend.infer(Prompts(texts, texts, max_tokens=[1, 2]))
+    whole = backend.infer(Prompts(texts, texts, max_tokens=[0, 2]))
+    for few, every in zip(short, whole, strict=True):
+        assert len(few) < len(every)
+        assert every.startswith(few.rstrip("\ufffd"))
+
+
 def test_a_clip_never_splits_a_character(backend: TransformersBackend) -> None:
     """A byte-level tokenizer spreads a character over several tokens: a cut
     among them steps back to the character's start, so the clipped text is

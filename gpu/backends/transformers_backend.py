@@ -3,7 +3,9 @@
 The only module that imports torch or transformers. A chat request's
 messages go through the tokenizer's own chat template where it has one.
 ``infer`` tokenizes the batch with left padding, generates greedily (deterministic) up to
-``max_new_tokens`` and returns each input's continuation; ``infer_sampled``
+``max_new_tokens`` (or the most any of its requests asks for, where each asks: a
+batch of short answers stops when they are made) and returns each input's
+continuation; ``infer_sampled``
 samples each row at its own temperature (0: greedy) in the same one call. Any failure in the
 model call is raised as ``BackendError`` so the worker can isolate the input
 that caused it.
@@ -15,9 +17,19 @@ import os
 from typing import Any
 
 from infergate.base import logs
-from infergate.gpu.backend import BackendError, OneAtATime, Upstream, check_batch, conversations_of
+from infergate.gpu.backend import (
+    BackendError,
+    OneAtATime,
+    Upstream,
+    check_batch,
+    conversations_of,
+    max_tokens_of,
+)
 
 log = logs.get(__name__)
+
+# A byte-level tokenizer spreads one character over up to this many tokens.
+CHARACTER_TOKENS = 4
 
 
 class TransformersBackend:
@@ -90,7 +102,7 @@ class TransformersBackend:
         splits a character: a byte-level tokenizer spreads one over up to four
         tokens, and half of one decodes to a replacement character."""
         head = ""
-        for kept in range(count, max(count - 4, 0), -1):
+        for kept in range(count, max(count - CHARACTER_TOKENS, 0), -1):
             head = str(self._counting.decode(ids[:kept]))
             if not head.endswith("\ufffd") or text.startswith(head):
                 return head, kept
@@ -132,6 +144,15 @@ class TransformersBackend:
                 f"the model's chat template refuses this conversation: {str(exc)[:200]}"
             ) from exc
 
+    def _most_new_tokens(self, inputs: list[str]) -> int:
+        """The most new tokens a call makes: where every request asks for
+        fewer, the most any asks for, and enough more to end a character
+        (each output is then cut to its own, at a character's start)."""
+        asked = max_tokens_of(inputs)
+        if min(asked) <= 0:
+            return self.max_new_tokens
+        return min(max(asked) + CHARACTER_TOKENS - 1, self.max_new_tokens)
+
     def _generate(self, inputs: list[str], temperatures: list[float]) -> list[str]:
         enc = self.tokenizer(
             self._prompts(inputs),
@@ -154,7 +175,7 @@ class TransformersBackend:
         with self._torch.inference_mode():
             out = self.model.generate(
                 **enc,
-                max_new_tokens=self.max_new_tokens,
+                max_new_tokens=self._most_new_tokens(inputs),
                 pad_token_id=self.tokenizer.pad_token_id,
                 **sampling,
             )
