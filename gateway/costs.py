@@ -25,21 +25,22 @@ class CallLine:
     """A call's time against its tokens (input and output, one more each):
     decaying sums of 1, x, y, x², xy, for a least-squares line; how far
     over the line the calls have been (``over``, a factor, back toward 1
-    as calls within it follow); and what it has seen at most: the largest
-    input and output bounds of a request answered in them (tokens:
-    ``reservations.py``) and the largest call, forgotten as the sums
-    forget the calls (a line no longer bounds a size its sums forgot:
-    one large request, then thousands of tiny ones, let a large one be
-    drawn from the tiny ones' mean), and the slowest call."""
+    as calls within it follow); the largest input and output bounds of a
+    request answered in them (tokens: ``reservations.py``) and the
+    slowest call; and the sizes the line was fitted to, the smallest
+    call and the largest, forgotten as the sums forget the calls (one
+    large request, then thousands of tiny ones, let a large one be drawn
+    from the tiny ones' mean)."""
 
     def __init__(self, memory: float) -> None:
         self.memory = memory
         self.sums = [0.0] * 5
         self.over = 1.0
-        self.largest_input = 0.0
-        self.largest_output = 0.0
-        self.largest_call = 0.0
+        self.largest_input = 0
+        self.largest_output = 0
         self.slowest_us = 0
+        self.smallest_call = float("inf")
+        self.largest_call = 0.0
 
     def add(self, tokens: int, call_us: int, bound: tuple[int, int] = (0, 0)) -> None:
         """A call of ``tokens`` that took ``call_us``, with a request in it
@@ -47,8 +48,9 @@ class CallLine:
         x, y, m = float(tokens), float(call_us), self.memory
         n, sx, sy, sxx, sxy = self.sums
         self.sums = [n * m + 1.0, sx * m + x, sy * m + y, sxx * m + x * x, sxy * m + x * y]
-        self.largest_input = max(self.largest_input * m, bound[0])
-        self.largest_output = max(self.largest_output * m, bound[1])
+        self.largest_input = max(self.largest_input, bound[0])
+        self.largest_output = max(self.largest_output, bound[1])
+        self.smallest_call = min(self.smallest_call / m, x)
         self.largest_call = max(self.largest_call * m, x)
         self.slowest_us = max(self.slowest_us, call_us)
         fixed_us, per_token_us = self.fit() or (0.0, 0.0)
@@ -75,18 +77,21 @@ class CallLine:
 
     def time_us(self, tokens: float) -> float:
         """What a call of ``tokens`` takes by the line (0 before any call):
-        up to the largest call measured, the line's; past it, the line's
-        time there in proportion. A line says nothing of sizes it was not
-        fitted to (calls all of one size have no slope; two near sizes on
-        a busy machine, a slope of noise), and a part per token is at most
-        a call's time over its tokens: a key that trained its line on one
-        word of emoji may send as many bytes in many more tokens."""
+        within the sizes it was fitted to, the line's time; below them, its
+        time at the smallest (a call takes no less for fewer tokens); past
+        them, its time at the largest in proportion (a part per token is
+        at most a call's time over its tokens). A line says nothing of
+        sizes it was not fitted to: calls of one size have no slope, and
+        near sizes on a busy machine a slope of noise, whose fixed part
+        may come out as none; and a key that trained its line on one word
+        of emoji may send as many bytes in many more tokens."""
         fit = self.fit()
         if fit is None:
             return 0.0
         fixed_us, per_token_us = fit
         largest = max(self.largest_call, 1.0)
-        return (fixed_us + per_token_us * min(tokens, largest)) * max(1.0, tokens / largest)
+        within = min(max(tokens, self.smallest_call), largest)
+        return (fixed_us + per_token_us * within) * max(1.0, tokens / largest)
 
 
 class CostModel:

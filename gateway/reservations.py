@@ -105,7 +105,7 @@ def gpu_least(line: CallLine | None, slowest_batch_ms: float, calls: int = 1) ->
     largest, is cut (the period's last request)."""
     least = GPU_UNKNOWN_US
     if line is not None:
-        least = gpu_bound(round(line.largest_input), round(line.largest_output), line)
+        least = gpu_bound(line.largest_input, line.largest_output, line)
     if least == GPU_UNKNOWN_US:
         least = round(GPU_MARGIN * (slowest_batch_ms or GPU_UNMEASURED_MS) * 1000)
     return least * calls
