@@ -198,7 +198,7 @@ async def test_long_inputs_after_short_ones_do_not_overshoot_a_gpu_budget(cluste
     c = cluster_factory(
         budget_policy(gpu_seconds=budget_us / 1e6, period="day"),
         latency_ms=20,
-        worker_args=["--sim-ms-per-ktoken", "400"],
+        worker_args=["--sim-ms-per-ktoken", "100"],
     )
     long = " ".join(["word"] * 390)  # (within the paid tier's 2000 characters)
     async with aiohttp.ClientSession() as session:
@@ -256,7 +256,7 @@ async def test_a_key_that_trained_its_line_on_short_calls_cannot_overspend_with_
     c = cluster_factory(
         policy_yaml(extra_keys=(budgeted,), tiers={"paid": {"max_input_chars": 4000}}),
         latency_ms=20,
-        worker_args=["--sim-ms-per-ktoken", "200"],
+        worker_args=["--sim-ms-per-ktoken", "100"],
     )
     codes: list[str] = []
     served: list[int] = []
@@ -299,8 +299,8 @@ async def test_a_key_that_trained_its_line_on_one_size_cannot_overspend_with_mor
     cluster_factory,
 ) -> None:
     """The budgeted key trains its line on calls of one size, alone: one
-    word of 100 emoji (400 bytes), a few tokens a call. Then 30 inputs of
-    200 one-letter words at once (as many bytes, 50 times the tokens),
+    word of 400 emoji (1,600 bytes), a few tokens a call. Then 30 inputs of
+    800 one-letter words at once (as many bytes, 200 times the tokens),
     max_tokens 1, on a model whose time grows with tokens, retried while
     told to: calls of one size measured no part per token, so past the
     largest one a request is drawn in proportion to its tokens' bound, and
@@ -313,7 +313,7 @@ async def test_a_key_that_trained_its_line_on_one_size_cannot_overspend_with_mor
     c = cluster_factory(
         policy_yaml(extra_keys=(budgeted,)),
         latency_ms=20,
-        worker_args=["--sim-ms-per-ktoken", "400"],
+        worker_args=["--sim-ms-per-ktoken", "100"],
     )
     codes: list[str] = []
     served: list[int] = []
@@ -329,12 +329,12 @@ async def test_a_key_that_trained_its_line_on_one_size_cannot_overspend_with_mor
                 return r.status, await r.json(), wait_s
 
         for i in range(12):
-            status, body, _ = await send(f"{i:02}" + "\U0001f600" * 100)
+            status, body, _ = await send(f"{i:02}" + "\U0001f600" * 400)
             assert status == 200, body
 
         async def ascii(i: int) -> None:
             for n in range(100):
-                status, body, wait_s = await send(f"{i}.{n} " + " ".join("a" * 197), 1)
+                status, body, wait_s = await send(f"{i}.{n} " + " ".join("a" * 797), 1)
                 if status == 200:
                     served.append(i)
                     continue
