@@ -73,11 +73,10 @@ def gpu_bound(
     proportion, up to ``beyond`` times; further, or before any of the
     key's is measured, ``GPU_UNKNOWN_US`` (what is left: a line is no
     bound far from what it was fitted to, nor another key's for this
-    key's). Input and output
-    apart: a key that measured only short answers has not measured what a
-    long one costs. A request that used more is charged the excess when
-    it is answered."""
-    if line is None or line.fit() is None or line.largest_input <= 0:
+    key's). Input and output apart: a key that measured only short
+    answers has not measured what a long one costs. A request that used
+    more is charged the excess when it is answered."""
+    if line is None or line.largest_input <= 0:  # (none measured: no call added)
         return GPU_UNKNOWN_US
     past = max(input_tokens / line.largest_input, output_tokens / max(line.largest_output, 1), 1.0)
     if past > beyond:

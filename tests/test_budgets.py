@@ -10,7 +10,9 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +42,59 @@ def budget_policy(**budget: Any) -> str:
 
 
 def budgeted_request(url: str, text: str, max_tokens: int = 0) -> tuple[int, dict[str, str], Any]:
+    return http("POST", url + "/v1/inference", budgeted_body(text, max_tokens), BUDGETED)
+
+
+def budgeted_body(text: str, max_tokens: int = 0) -> dict[str, Any]:
     body: dict[str, Any] = {"input": text}
     if max_tokens:
         body["parameters"] = {"max_tokens": max_tokens}
-    return http("POST", url + "/v1/inference", body, BUDGETED)
+    return body
+
+
+async def send_budgeted(
+    session: aiohttp.ClientSession, url: str, text: str, max_tokens: int = 0
+) -> tuple[int, dict[str, Any], float]:
+    """The budgeted key's request: its status, body, and how long it was
+    told to wait before a retry (s)."""
+    body = budgeted_body(text, max_tokens)
+    async with session.post(url + "/v1/inference", json=body, headers=BUDGETED) as r:
+        return r.status, await r.json(), int(r.headers.get("Retry-After-Ms", "0")) / 1000
+
+
+async def send_until_refused(
+    session: aiohttp.ClientSession, url: str, text_of: Callable[[int], str], max_tokens: int
+) -> tuple[int, list[str]]:
+    """One client of the budgeted key: ``text_of(n)`` for its n-th request,
+    retried as told while refused for what may pass (held in flight, the
+    tier's capacity), until refused for good: how many were served, and
+    the refusals' codes."""
+    served, codes = 0, []
+    for n in range(100):
+        status, body, wait_s = await send_budgeted(session, url, text_of(n), max_tokens)
+        if status == 200:
+            served += 1
+            continue
+        codes.append(body["error"]["code"])
+        if codes[-1] not in ("RATE_LIMITED", "SERVICE_OVERLOADED"):
+            break
+        await asyncio.sleep(wait_s)  # (pacing, as told)
+    return served, codes
+
+
+async def clients_until_refused(
+    session: aiohttp.ClientSession,
+    url: str,
+    text_of: Callable[[int, int], str],
+    max_tokens: int,
+    clients: int = 30,
+) -> tuple[int, list[str]]:
+    """``clients`` of the budgeted key at once (``text_of(client, n)``): all
+    they were served, and all their refusals' codes."""
+    ends = await asyncio.gather(
+        *(send_until_refused(session, url, partial(text_of, i), max_tokens) for i in range(clients))
+    )
+    return sum(served for served, _ in ends), [code for _, codes in ends for code in codes]
 
 
 def spent(redis_url: str, unit: str, period: str) -> int:
@@ -212,27 +263,12 @@ async def test_long_inputs_after_short_ones_do_not_overshoot_a_gpu_budget(cluste
         for burst in (1, 3, 8, 2, 12, 5):  # (calls of several sizes: the line is fitted)
             await asyncio.gather(*(short(burst * 100 + i) for i in range(burst)))
 
-        async def one(i: int) -> list[int]:
-            statuses = []
-            for n in range(100):
-                body = {"input": f"{i}.{n} {long}", "parameters": {"max_tokens": 4}}
-                url = c.urls[0] + "/v1/inference"
-                async with session.post(url, json=body, headers=BUDGETED) as r:
-                    answer = await r.json()
-                    statuses.append(r.status)
-                    if r.status == 200:
-                        continue
-                    if answer["error"]["code"] not in ("RATE_LIMITED", "SERVICE_OVERLOADED"):
-                        return statuses
-                    await asyncio.sleep(int(r.headers.get("Retry-After-Ms", "0")) / 1000)
-            return statuses
-
-        statuses = [
-            status for each in await asyncio.gather(*(one(i) for i in range(30))) for status in each
-        ]
+        served, codes = await clients_until_refused(
+            session, c.urls[0], lambda i, n: f"{i}.{n} {long}", 4
+        )
     settled = spent(c.redis_url, "gpu_us", "day")
-    print(f"served {statuses.count(200)} of {len(statuses)}, spent {settled} of {budget_us} µs")
-    assert statuses.count(200) >= 5
+    print(f"served {served}, refused {len(codes)} times, spent {settled} of {budget_us} µs")
+    assert served >= 5
     assert settled == usage_gpu_us(c.redis_url)
     assert settled <= budget_us * 1.1
 
@@ -258,40 +294,19 @@ async def test_a_key_that_trained_its_line_on_short_calls_cannot_overspend_with_
         latency_ms=20,
         worker_args=["--sim-ms-per-ktoken", "100"],
     )
-    codes: list[str] = []
-    served: list[int] = []
     async with aiohttp.ClientSession() as session:
-
-        async def send(text: str, max_tokens: int = 0) -> tuple[int, dict[str, Any], float]:
-            body: dict[str, Any] = {"input": text}
-            if max_tokens:
-                body["parameters"] = {"max_tokens": max_tokens}
-            url = c.urls[0] + "/v1/inference"
-            async with session.post(url, json=body, headers=BUDGETED) as r:
-                wait_s = int(r.headers.get("Retry-After-Ms", "0")) / 1000
-                return r.status, await r.json(), wait_s
-
         for i in range(12):
             text = f"{i} " + " ".join("a" * 275) if i % 2 else f"{i}" + "y" * 450
-            status, body, _ = await send(text)
+            status, body, _ = await send_budgeted(session, c.urls[0], text)
             assert status == 200, body
 
-        async def long(i: int) -> None:
-            for _ in range(100):
-                status, body, wait_s = await send(f"{i} " + " ".join("z" * 1950), 1)
-                if status == 200:
-                    served.append(i)
-                    continue
-                codes.append(body["error"]["code"])
-                if codes[-1] not in ("RATE_LIMITED", "SERVICE_OVERLOADED"):
-                    return
-                await asyncio.sleep(wait_s)
-
-        await asyncio.gather(*(long(i) for i in range(30)))
+        served, codes = await clients_until_refused(
+            session, c.urls[0], lambda i, n: f"{i} " + " ".join("z" * 1950), 1
+        )
     settled = spent(c.redis_url, "gpu_us", "day")
-    print(f"served {len(served)}, refused {len(codes)} times, spent {settled} of {budget_us} µs")
+    print(f"served {served}, refused {len(codes)} times, spent {settled} of {budget_us} µs")
     assert codes.count("BUDGET_EXCEEDED") == 30
-    assert len(served) >= 5
+    assert served >= 5
     assert settled == usage_gpu_us(c.redis_url) <= budget_us
 
 
@@ -315,39 +330,20 @@ async def test_a_key_that_trained_its_line_on_one_size_cannot_overspend_with_mor
         latency_ms=20,
         worker_args=["--sim-ms-per-ktoken", "100"],
     )
-    codes: list[str] = []
-    served: list[int] = []
     async with aiohttp.ClientSession() as session:
-
-        async def send(text: str, max_tokens: int = 0) -> tuple[int, dict[str, Any], float]:
-            body: dict[str, Any] = {"input": text}
-            if max_tokens:
-                body["parameters"] = {"max_tokens": max_tokens}
-            url = c.urls[0] + "/v1/inference"
-            async with session.post(url, json=body, headers=BUDGETED) as r:
-                wait_s = int(r.headers.get("Retry-After-Ms", "0")) / 1000
-                return r.status, await r.json(), wait_s
-
         for i in range(12):
-            status, body, _ = await send(f"{i:02}" + "\U0001f600" * 400)
+            status, body, _ = await send_budgeted(
+                session, c.urls[0], f"{i:02}" + "\U0001f600" * 400
+            )
             assert status == 200, body
 
-        async def ascii(i: int) -> None:
-            for n in range(100):
-                status, body, wait_s = await send(f"{i}.{n} " + " ".join("a" * 797), 1)
-                if status == 200:
-                    served.append(i)
-                    continue
-                codes.append(body["error"]["code"])
-                if codes[-1] not in ("RATE_LIMITED", "SERVICE_OVERLOADED"):
-                    return
-                await asyncio.sleep(wait_s)
-
-        await asyncio.gather(*(ascii(i) for i in range(30)))
+        served, codes = await clients_until_refused(
+            session, c.urls[0], lambda i, n: f"{i}.{n} " + " ".join("a" * 797), 1
+        )
     settled = spent(c.redis_url, "gpu_us", "day")
-    print(f"served {len(served)}, refused {len(codes)} times, spent {settled} of {budget_us} µs")
+    print(f"served {served}, refused {len(codes)} times, spent {settled} of {budget_us} µs")
     assert codes.count("BUDGET_EXCEEDED") == 30
-    assert len(served) >= 5
+    assert served >= 5
     assert settled == usage_gpu_us(c.redis_url) <= budget_us
 
 

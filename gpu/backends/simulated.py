@@ -81,8 +81,8 @@ class SimulatedBackend:
     def infer_sampled(self, inputs: list[str], temperatures: list[float]) -> list[str]:
         check_batch(inputs)
         with self._one_at_a_time:
-            limits = zip(inputs, temperatures, max_tokens_of(inputs), strict=True)
-            outputs = [self._output(s, t, most) for s, t, most in limits]
+            rows = zip(inputs, temperatures, max_tokens_of(inputs), strict=True)
+            outputs = [self._output(s, t, most) for s, t, most in rows]
             tokens = sum(len(s.split()) for s in inputs + outputs) if self.s_per_token else 0
             time.sleep(self.latency_s + tokens * self.s_per_token)
             if self.hang_marker is not None and any(self.hang_marker in s for s in inputs):

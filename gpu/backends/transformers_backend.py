@@ -2,13 +2,13 @@
 
 The only module that imports torch or transformers. A chat request's
 messages go through the tokenizer's own chat template where it has one.
-``infer`` tokenizes the batch with left padding, generates greedily (deterministic) up to
-``max_new_tokens`` (or the most any of its requests asks for, where each asks: a
-batch of short answers stops when they are made) and returns each input's
-continuation; ``infer_sampled``
-samples each row at its own temperature (0: greedy) in the same one call. Any failure in the
-model call is raised as ``BackendError`` so the worker can isolate the input
-that caused it.
+``infer`` tokenizes the batch with left padding, generates greedily
+(deterministic) up to ``max_new_tokens`` (or the most any of its requests
+asks for, where each asks: a batch of short answers stops when they are
+made) and returns each input's continuation; ``infer_sampled`` samples each
+row at its own temperature (0: greedy) in the same one call. Any failure in
+the model call is raised as ``BackendError`` so the worker can isolate the
+input that caused it.
 """
 
 import copy
