@@ -1,9 +1,9 @@
 """A policy that follows its file.
 
 Every ``interval_s`` the file is stat'ed, and read if that moved. When it
-changed and then stayed the same for one more interval, untouched (same
-text, same modification time: a file written in place is never taken
-half-written), it is parsed and validated off the event loop, in a thread:
+changed and then stayed the same for one more poll, ``SETTLE_S`` later,
+untouched (same text, same modification time: a file written in place is
+never taken half-written), it is parsed and validated off the event loop, in a thread:
 a 2 MB policy costs the gateway's requests nothing. A valid edit is swapped
 in whole and kept in Redis as the fleet's last valid policy, which a
 process that starts while the file is invalid comes up on. An invalid or
@@ -33,6 +33,11 @@ from infergate.policies.schema import Policy
 
 log = logs.get(__name__)
 
+# The poll while a changed file waits to be read again unchanged: an edit
+# is in force within ``interval_s + SETTLE_S`` (0.75 s by default), and a
+# process at rest wakes for the file twice a second, not four times.
+SETTLE_S = 0.25
+
 # A policy up to this size is parsed in a thread; a bigger one in a process
 # of its own, so the parse never holds the GIL that the event loop needs
 # (a thread parsing a 2 MB file stalled requests for seconds on a busy host).
@@ -50,7 +55,7 @@ class LivePolicy:
         *,
         text: str | None = None,
         error: str | None = None,
-        interval_s: float = 0.25,
+        interval_s: float = 0.5,
         max_bytes: int = MAX_POLICY_BYTES,
     ) -> None:
         self._policy = policy
@@ -74,6 +79,7 @@ class LivePolicy:
         # it the same reads nothing (a read is a thread's hop, four times a
         # second in every process). ctime moves with any write or chmod.
         self._seen: tuple[int, int, int, int, int] | None = None
+        self.interval_s = interval_s
         self.loop = Supervised("policy-watcher", self.check_file, interval_s)
 
     @property
@@ -97,7 +103,11 @@ class LivePolicy:
         """One poll: True if a new valid policy was swapped in."""
         if not self._kept and self.error is None:
             await self.keep()  # a keep that failed earlier (Redis away) is tried again
-        return await self._reload(settle=True)
+        try:
+            return await self._reload(settle=True)
+        finally:
+            settling = self._candidate is not None
+            self.loop.interval_s = min(SETTLE_S, self.interval_s) if settling else self.interval_s
 
     async def reload(self) -> bool:
         """Read the file now (an admin asked); True if a new valid policy was swapped in."""

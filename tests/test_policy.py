@@ -167,3 +167,21 @@ async def test_an_edit_in_place_that_keeps_size_and_mtime_is_still_taken(tmp_pat
     assert not await live.check_file()  # changed: taken once it reads the same again
     assert await live.check_file()
     assert live.current.document.batching.max_batch_size == 60
+
+
+async def test_the_watcher_polls_twice_a_second_and_faster_while_an_edit_settles(
+    tmp_path: Path,
+) -> None:
+    from infergate.policies.live import SETTLE_S, LivePolicy
+
+    path = tmp_path / "policy.yaml"
+    before, after = policy_yaml(max_batch_size=50), policy_yaml(max_batch_size=60)
+    path.write_text(before)
+    live = LivePolicy(parse_policy(before), str(path), text=before)
+    assert not await live.check_file()
+    assert live.loop.interval_s == 0.5  # at rest
+    path.write_text(after)
+    assert not await live.check_file()  # changed: read again once it stayed so
+    assert live.loop.interval_s == SETTLE_S == 0.25
+    assert await live.check_file()
+    assert live.loop.interval_s == 0.5
