@@ -13,8 +13,9 @@ from infergate.base.queue.store import Store
 log = logs.get(__name__)
 
 # Often enough that a step of Redis's clock reaches every process within a
-# couple of seconds (three TIME calls each time: nothing).
+# couple of seconds (a TIME each time; three the first, before the first beat).
 ALIGN_EVERY_S = 2.0
+FIRST_ALIGN_SAMPLES = 3
 # A clock off Redis's is said again this often, or when the offset moves.
 OFF_LOG_EVERY_S = 60.0
 OFF_LOG_MOVE_MS = 100.0
@@ -66,7 +67,8 @@ class Heartbeater:
         await self.store.beat(self.status(), self.ttl_ms)
 
     async def _align(self) -> None:
-        round_trip_ms = await clock.align(self.store.redis.time)
+        samples = 1 if clock.aligned() else FIRST_ALIGN_SAMPLES
+        round_trip_ms = await clock.align(self.store.redis.time, samples)
         now = time.monotonic()
         self._align_at = now + ALIGN_EVERY_S
         offset_ms = clock.offset_ms()
