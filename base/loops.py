@@ -45,9 +45,26 @@ class Backoff:
 
 Step = Callable[[], Awaitable[Any]]
 
+# A process's periodic loops step on one grid (its phase drawn at start, so
+# processes do not all wake at once): loops whose intervals are multiples of
+# one another wake together, in one turn of the event loop, and a process
+# at rest wakes once for all of them, not once for each.
+_PHASE_S = random.uniform(0.0, 60.0)
+# A tick closer than this is the one just stepped (a timer may fire a hair early).
+_SAME_TICK_S = 0.001
+
+
+def until_next_tick(interval_s: float) -> float:
+    """Seconds to the next multiple of ``interval_s`` on the process's grid
+    (the event loop's clock: what its timers are set on)."""
+    now = asyncio.get_running_loop().time()
+    wait = interval_s - (now + _PHASE_S) % interval_s
+    return wait + interval_s if wait < _SAME_TICK_S else wait
+
 
 class Supervised:
-    """Runs ``step`` every ``interval_s`` (0: again at once) until stopped."""
+    """Runs ``step`` every ``interval_s`` (0: again at once), on the
+    process's grid (``until_next_tick``), until stopped."""
 
     def __init__(
         self, name: str, step: Step, interval_s: float, backoff: Backoff | None = None
@@ -121,7 +138,7 @@ class Supervised:
             self.healthy = True
             self.backoff.reset()
             if self.interval_s > 0:
-                await asyncio.sleep(self.interval_s)
+                await asyncio.sleep(until_next_tick(self.interval_s))
 
 
 async def retry_until_done(
