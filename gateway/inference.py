@@ -13,7 +13,7 @@ import msgspec
 from infergate.base import clock, logs, tracing, wire
 from infergate.base.errors import STORE_ERRORS
 from infergate.base.metrics import NO_TIER
-from infergate.base.queue.gateway import Place
+from infergate.base.queue.gateway import Counter, Place
 from infergate.gateway import reservations
 from infergate.gateway.api import (
     BadRequestBody,
@@ -223,6 +223,11 @@ class Inference:
             collapsing.end(identity, leader, result)
 
     @staticmethod
+    def _reserved(request: "Request") -> list[tuple[Counter, int, int]]:
+        """What the request reserved, as a give-back leaves it."""
+        return request.reservation.unused(0, 0) if request.reservation else []
+
+    @staticmethod
     def _remaining_s(request: "Request") -> float:
         return request.deadline_ms / 1000.0 - clock.elapsed_s(request.started)
 
@@ -232,9 +237,14 @@ class Inference:
         lane = request.lane
         if request.quota_headers is not None:
             if envelope is not None:
+                listed = request.charged
+                if listed is not None:
+                    listed.sending.add(request.id)
                 try:
                     await self._enqueue(lane, envelope, request)
                 except ApiError:
+                    if listed is not None:  # (not queued: its list gives its part back)
+                        listed.sending.discard(request.id)
                     lane.admission.released(request.key.tier)  # counted when it was let in
                     raise
             if request.charged is not None:  # (its share of its list's charge is spent)
@@ -293,9 +303,13 @@ class Inference:
             try:
                 await self._admit(request, envelope)
             except asyncio.CancelledError:  # (its admit may still be on its way: withdrawn)
-                await cancel(request.lane.queue, envelope)
+                # (one of a list was charged with it: what it reserved is left for the take)
+                listed = request.charged is not None and request.reservation is not None
+                await cancel(
+                    request.lane.queue, envelope, self._reserved(request) if listed else []
+                )
                 raise
-            reserved = request.reservation.unused(0, 0) if request.reservation else ()
+            reserved = self._reserved(request)
             result = await wait_for_reply(
                 request.lane.queue,
                 future,

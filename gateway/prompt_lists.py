@@ -3,7 +3,8 @@
 Every prompt is checked before any is admitted. The key's quotas are
 charged for the whole list in one step, or not at all: a list over a limit
 as a whole can never be admitted and is refused at once, uncharged, and
-not worth a retry. Each prompt then queues without being charged again.
+not worth a retry. Its GPU estimate is never cut to what is left of a
+budget, as a lone request's may be: the list would run every prompt on it. Each prompt then queues without being charged again.
 If the call fails or its client leaves, every prompt is withdrawn by id
 (those whose admit was still on its way too: take drops them), and what was
 charged for the prompts that never queued is given back.
@@ -27,6 +28,13 @@ from infergate.policies import KeyEntry, Tier
 
 log = logs.get(__name__)
 
+# A list's GPU estimate must fit its budget whole (``Quota.charges``); a
+# prompt unlike the key's measured requests is estimated at all of it.
+_AS_ESTIMATED = (
+    "as estimated (a prompt unlike the key's measured requests is estimated at all of it;"
+    " sent alone, it runs on what is left)"
+)
+
 
 @dataclass
 class ListCharge:
@@ -40,16 +48,22 @@ class ListCharge:
     # each prompt settles its own part as it is answered.
     reservation: Reservation | None = None
     parts: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # The prompts whose enqueue is on its way: one the list's failure
+    # cancels meanwhile leaves its part for the take that drops it unrun
+    # (``waiting.cancel``), or settles it by its reply; never both.
+    sending: set[str] = field(default_factory=set)
 
     def use(self, request_id: str) -> None:
         self.unused.pop(request_id, None)
+        self.sending.discard(request_id)
 
-    def reservation_of(self, request_id: str) -> Reservation | None:
-        """The part of the list's reservation that is one prompt's."""
-        whole, part = self.reservation, self.parts.get(request_id)
-        if whole is None or part is None:
+    def reservation_of(self, *request_ids: str) -> Reservation | None:
+        """The part of the list's reservation that is these prompts'."""
+        whole = self.reservation
+        parts = [self.parts[rid] for rid in request_ids if rid in self.parts]
+        if whole is None or not parts:
             return None
-        tokens, gpu_us = part
+        tokens, gpu_us = sum(part[0] for part in parts), sum(part[1] for part in parts)
         return Reservation(
             tuple(c._replace(cost=tokens) for c in whole.by_tokens),
             tuple(c._replace(cost=gpu_us) for c in whole.by_gpu),
@@ -87,8 +101,9 @@ async def charge(
             gw,
             key,
             lane,
-            f"this list of {len(chars)} prompts is over the key's {over.named} as a whole: "
-            "it can never be admitted at once; send fewer prompts a call",
+            f"this list of {len(chars)} prompts is over the key's {over.named} "
+            f"{_AS_ESTIMATED if over.kind == 'gpu_budget' else 'as a whole'}: "
+            "it cannot be admitted at once; send fewer prompts a call",
             retryable=False,
         )
     try:
@@ -110,35 +125,23 @@ async def charge(
             headers,
         )
     unused = {request_id: len(text) for request_id, text in inputs.items()}
-    reservation = result.reservation
-    if reservation is not None and reservation.by_gpu and reservation.by_gpu[0].cost < gpu_us:
-        parts = _cut(parts, reservation.by_gpu[0].cost, gpu_us)
-    return ListCharge(headers, unused, reservation, parts)
-
-
-def _cut(
-    parts: dict[str, tuple[int, int]], charged: int, reserved: int
-) -> dict[str, tuple[int, int]]:
-    """Each prompt's GPU part where the list's estimate took only what was
-    left of its budget (``Counter.least``): cut in proportion, so the parts
-    still sum to what was charged (the first takes what rounding leaves)."""
-    cut = {rid: (tokens, gpu_us * charged // reserved) for rid, (tokens, gpu_us) in parts.items()}
-    first = next(iter(cut))
-    tokens, gpu_us = cut[first]
-    cut[first] = (tokens, gpu_us + charged - sum(part[1] for part in cut.values()))
-    return cut
+    return ListCharge(headers, unused, result.reservation, parts)
 
 
 async def withdraw(
     lane: ModelLane, key: KeyEntry, tier: Tier, ids: list[str], deadline_ms: int, spent: ListCharge
 ) -> None:
     """The list failed: every prompt withdrawn (take drops it), and the
-    charge of those that never queued given back."""
+    charge of those that never queued given back, their parts of the
+    list's reservation with it (but of those still on their way: their
+    own cancel leaves those)."""
     unused = list(spent.unused.values())
+    unsent = [rid for rid in spent.unused if rid not in spent.sending]
     spent.unused.clear()
     try:
         await lane.queue.cancel_all(ids, deadline_ms)
         if unused:
             await lane.quota.refund(key, tier, sum(unused), len(unused))
+        await lane.quota.settle(spent.reservation_of(*unsent), 0, 0)
     except STORE_ERRORS as exc:  # (Redis away: the prompts' deadlines end them; the charge stays)
         logs.limited(log, "request.withdraw_failed", level="warning", error=type(exc).__name__)

@@ -94,20 +94,19 @@ def gpu_job_bound(input_tokens: int, output_tokens: int, line: CallLine | None) 
     return gpu_bound(input_tokens, output_tokens, line, beyond=float("inf"))
 
 
-def gpu_least(line: CallLine | None, slowest_batch_ms: float, calls: int = 1) -> int:
-    """The least a GPU reservation over what is left of a budget may be
-    cut to (``Counter.least``; at most ``LEAST_AT_MOST`` of the budget):
-    what the largest request of the key's measured would reserve (before
-    any, the fleet's slowest batch, or a tenth of a second, with the
-    margin), for each of the ``calls`` it may run in; so only a request
-    estimated past what is left, where that still covers the key's
-    largest, is cut (the period's last request)."""
+def gpu_least(line: CallLine | None, slowest_batch_ms: float) -> int:
+    """The least a lone request's GPU reservation over what is left of a
+    budget may be cut to (``Counter.least``; at most ``LEAST_AT_MOST`` of
+    the budget): what the largest request of the key's measured would
+    reserve (before any, the fleet's slowest batch, or a tenth of a second,
+    with the margin); so only a request estimated past what is left, where
+    that still covers the key's largest, is cut (the period's last request)."""
     least = GPU_UNKNOWN_US
     if line is not None:
         least = gpu_bound(line.largest_input, line.largest_output, line)
     if least == GPU_UNKNOWN_US:
         least = round(GPU_MARGIN * (slowest_batch_ms or GPU_UNMEASURED_MS) * 1000)
-    return least * calls
+    return least
 
 
 def gpu_used(result: wire.Result) -> int:

@@ -410,7 +410,9 @@ def test_a_request_estimated_past_what_is_left_takes_the_rest_and_settles(
     (the line's, proportional beyond what was measured) is far over what is
     left of the budget: it takes what is left, runs, and settles to what it
     used. Refused instead, it waited for the period's end with most of the
-    budget unspent. A list's prompts share what their estimate was cut to."""
+    budget unspent. A list is never cut so (cut, a list of 100 prompts ran
+    on what was left of one's: 5.9 s of a 2 s budget): estimated past the
+    budget, it is refused whole, uncharged; one that fits runs."""
     budget_us = 500_000
     c = cluster_factory(budget_policy(gpu_seconds=budget_us / 1e6, period="day"), latency_ms=10)
     for i in range(10):  # (one at a time: every call of one size)
@@ -423,9 +425,13 @@ def test_a_request_estimated_past_what_is_left_takes_the_rest_and_settles(
     print(f"spent {before} µs on the short ones, {settled} after the long one")
     assert before < settled < budget_us / 2
     assert settled == usage_gpu_us(c.redis_url)
-    # A list of such prompts: its parts are cut alike, and settle to what they used.
     prompts = [f"long {i} " + "x" * 1500 for i in range(4)]
     body = {"model": "default", "prompt": prompts, "max_tokens": 2}
+    status, _, answer = http("POST", c.urls[0] + "/v1/completions", body, BUDGETED)
+    assert status == 429, answer
+    assert "as estimated" in answer["error"]["message"], answer
+    assert spent(c.redis_url, "gpu_us", "day") == settled
+    body = {"model": "default", "prompt": [f"s{i}" for i in range(10, 14)], "max_tokens": 2}
     status, _, answer = http("POST", c.urls[0] + "/v1/completions", body, BUDGETED)
     assert status == 200, answer
     assert settled < spent(c.redis_url, "gpu_us", "day") == usage_gpu_us(c.redis_url)
