@@ -11,9 +11,10 @@ from typing import Any
 
 import aiohttp
 import pytest
+import redis as sync_redis
 import redis.asyncio
 
-from tests.helpers import KEYS, as_yaml, auth, http, key_entry, policy, policy_yaml
+from tests.helpers import KEYS, as_yaml, auth, http, key_entry, policy, policy_yaml, wait_for
 
 TEMPLATE_TOKENS = 16  # (gateway/reservations.py: what an input's bound adds)
 WINDOW_S = 2
@@ -238,3 +239,46 @@ def test_a_metered_request_shares_only_an_answer_cut_as_it_reserved(cluster_fact
     assert len(uncut["output"].split()) == 41
     assert len(cut["output"].split()) == 16, cut
     assert cut["metadata"]["tokens_used"] == 16
+
+
+def test_a_list_refused_partway_gives_back_what_its_unqueued_prompts_reserved(
+    cluster_factory,
+) -> None:
+    """A key measured dear sends a list of 100 long prompts: past its share
+    of the tier some are refused as they queue, and the list is answered
+    503. The prompts that never queued give back their parts of the list's
+    reservation (before, they gave back only their request and character
+    counts: the window held 211,032 tokens against 41,976 used)."""
+    import yaml
+
+    doc = yaml.safe_load(tokens_policy("1000000/minute"))
+    doc["tiers"]["paid"]["deadline_ms"] = 60_000
+    doc.pop("limits", None)
+    c = cluster_factory(
+        yaml.safe_dump(doc), latency_ms=40, worker_args=["--sim-ms-per-ktoken", "100"]
+    )
+    words = "a " * 290
+    for i in range(8):  # (its cost measured: each asks for long answers)
+        body = {"model": "default", "prompt": f"t{i} {words}", "max_tokens": 4096}
+        status, _, answer = http("POST", c.urls[0] + "/v1/completions", body, METERED)
+        assert status == 200, answer
+    prompts = [f"p{i} {words}" for i in range(100)]
+    body = {"model": "default", "prompt": prompts, "max_tokens": 4096}
+    status, _, answer = http("POST", c.urls[0] + "/v1/completions", body, METERED)
+    assert status == 503, answer
+    client = sync_redis.Redis.from_url(c.redis_url)
+    try:
+        (window,) = client.scan_iter(match="*metered*tokens*")
+
+        def charged_is_used() -> bool:
+            used = sum(
+                int(client.hget(name, f"paid\nmetered\n{field}") or 0)
+                for name in client.scan_iter(match="*usage*")
+                if client.type(name) == b"hash"
+                for field in ("input_tokens", "output_tokens")
+            )
+            return int(client.hget(window, "s") or 0) == used
+
+        wait_for(charged_is_used, 20, "the window to hold what was used")
+    finally:
+        client.close()
