@@ -237,14 +237,11 @@ class Inference:
         lane = request.lane
         if request.quota_headers is not None:
             if envelope is not None:
-                listed = request.charged
-                if listed is not None:
-                    listed.sending.add(request.id)
+                if request.charged is not None:
+                    request.charged.sending.add(request.id)
                 try:
                     await self._enqueue(lane, envelope, request)
                 except ApiError:
-                    if listed is not None:  # (not queued: its list gives its part back)
-                        listed.sending.discard(request.id)
                     lane.admission.released(request.key.tier)  # counted when it was let in
                     raise
             if request.charged is not None:  # (its share of its list's charge is spent)
@@ -353,6 +350,8 @@ class Inference:
             logs.limited(log, "request.enqueue_failed", level="warning", error=type(exc).__name__)
             raise self.gw.store_failed(exc, lane.shard) from exc
         if not queued:
+            if request.charged is not None:  # (not queued: its list gives its part back)
+                request.charged.sending.discard(request.id)
             self.gw.count_refused(key, "key_share", lane, for_capacity=False)
             raise over_share(key, lane)
 

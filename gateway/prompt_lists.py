@@ -50,7 +50,9 @@ class ListCharge:
     parts: dict[str, tuple[int, int]] = field(default_factory=dict)
     # The prompts whose enqueue is on its way: one the list's failure
     # cancels meanwhile leaves its part for the take that drops it unrun
-    # (``waiting.cancel``), or settles it by its reply; never both.
+    # (``waiting.cancel``), or settles it by its reply; never both. One
+    # whose enqueue failed with Redis (it may have queued) keeps its part:
+    # never over.
     sending: set[str] = field(default_factory=set)
 
     def use(self, request_id: str) -> None:
