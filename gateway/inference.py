@@ -227,6 +227,17 @@ class Inference:
         """What the request reserved, as a give-back leaves it."""
         return request.reservation.unused(0, 0) if request.reservation else []
 
+    @classmethod
+    def _left_for_take(cls, request: "Request") -> list[tuple[Counter, int, int]]:
+        """What a request cancelled as it was admitted leaves for the take
+        that drops it: one of a list that may have queued, what it reserved
+        with the list (one that did not goes back with it: ``withdraw``); a
+        lone request, nothing (its admit charges and queues in one step)."""
+        listed = request.charged
+        if listed is None or (request.id in listed.unused and request.id not in listed.sending):
+            return []
+        return cls._reserved(request)
+
     @staticmethod
     def _remaining_s(request: "Request") -> float:
         return request.deadline_ms / 1000.0 - clock.elapsed_s(request.started)
@@ -240,7 +251,7 @@ class Inference:
                 if request.charged is not None:
                     request.charged.sending.add(request.id)
                 try:
-                    await self._enqueue(lane, envelope, request)
+                    await self._enqueued(lane, envelope, request)
                 except ApiError:
                     lane.admission.released(request.key.tier)  # counted when it was let in
                     raise
@@ -300,11 +311,7 @@ class Inference:
             try:
                 await self._admit(request, envelope)
             except asyncio.CancelledError:  # (its admit may still be on its way: withdrawn)
-                # (one of a list was charged with it: what it reserved is left for the take)
-                listed = request.charged is not None and request.reservation is not None
-                await cancel(
-                    request.lane.queue, envelope, self._reserved(request) if listed else []
-                )
+                await cancel(request.lane.queue, envelope, self._left_for_take(request))
                 raise
             reserved = self._reserved(request)
             result = await wait_for_reply(
@@ -331,6 +338,24 @@ class Inference:
             await settle_failed(request)
             raise error_from_result(result.error)
         return result
+
+    async def _enqueued(self, lane: ModelLane, envelope: wire.Envelope, request: "Request") -> None:
+        """``_enqueue``; one of a list, cancelled meanwhile (the list failed),
+        still waits for its answer, so that whether it queued is known
+        (``ListCharge.sending``): refused, its part goes back with the list;
+        queued, it is the take's to give back as it drops it."""
+        listed = request.charged
+        if listed is None:
+            await self._enqueue(lane, envelope, request)
+            return
+        enqueue = asyncio.ensure_future(self._enqueue(lane, envelope, request))
+        try:
+            await asyncio.shield(enqueue)
+        except asyncio.CancelledError:
+            await asyncio.wait([enqueue])  # (a round trip: its answer)
+            if not enqueue.cancelled() and enqueue.exception() is None:
+                listed.use(request.id)
+            raise
 
     async def _enqueue(self, lane: ModelLane, envelope: wire.Envelope, request: "Request") -> None:
         """Queue the envelope of a request whose quota is charged already (an

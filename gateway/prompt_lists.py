@@ -48,8 +48,9 @@ class ListCharge:
     # each prompt settles its own part as it is answered.
     reservation: Reservation | None = None
     parts: dict[str, tuple[int, int]] = field(default_factory=dict)
-    # The prompts whose enqueue is on its way: one the list's failure
-    # cancels meanwhile leaves its part for the take that drops it unrun
+    # The prompts whose enqueue is on its way (a prompt the list's failure
+    # cancels meanwhile waits for its answer: ``Inference._enqueued``). One
+    # that queued leaves its part for the take that drops it unrun
     # (``waiting.cancel``), or settles it by its reply; never both. One
     # whose enqueue failed with Redis (it may have queued) keeps its part:
     # never over.

@@ -284,9 +284,10 @@ async def test_a_window_refused_by_its_oldest_bucket_names_its_limit(store: Stor
 async def test_a_limit_lowered_live_counts_what_its_window_holds(store: Store) -> None:
     """A window is named by its period, not its amount: lowered from 5 to 3
     a minute (an operator's edit), the 4 already counted refuse the next;
-    raised to 6, they leave room for 2. (Named by its amount, each edit
-    started the count over.) Written twice, a period is one window, at the
-    smaller amount."""
+    raised to 6, they leave room for 2; rewritten as 6 a 60 seconds, none.
+    (Named by its amount, or its period as written, each edit started the
+    count over.) Written twice, a period is one window, at the smaller
+    amount."""
     quota = quota_on(store)
     results = await charge_n(quota, free_tier(rate_limits=["5/minute"]), "fre", 4)
     assert all(r.allowed for r in results)
@@ -294,6 +295,9 @@ async def test_a_limit_lowered_live_counts_what_its_window_holds(store: Store) -
     assert not lowered.allowed
     raised = await charge_n(quota, free_tier(rate_limits=["6/minute"]), "fre", 3)
     assert [r.allowed for r in raised] == [True, True, False]
-    twice = free_tier(rate_limits=["9/minute", "7/minute", "100/minute"])
+    twice = free_tier(rate_limits=["9/minute", "7/60 seconds", "100/minute"])
     (charge,) = quota.charges(key_of(twice, "fre"), twice.tiers["free"], 1)
     assert charge.counter.amount == 7
+    # Written another way, the same period is the same window.
+    (respelled,) = await charge_n(quota, free_tier(rate_limits=["6/60 seconds"]), "fre", 1)
+    assert not respelled.allowed
