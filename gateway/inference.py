@@ -204,7 +204,11 @@ class Inference:
         identity, collapsing = share.identity, request.lane.collapsing
         while collapsing.leading(identity) and self._remaining_s(request) > 0:
             await self._admit(request)  # a follower pays its own way, once
-            followed = await collapsing.follow(identity, self._remaining_s(request))
+            try:
+                followed = await collapsing.follow(identity, self._remaining_s(request))
+            except asyncio.CancelledError:  # (it ran nothing: all it reserved goes back)
+                await settle_failed(request)
+                raise
             if followed is not None:
                 self.gw.metrics.requests_joined.labels(request.key.tier).inc()
                 if followed.error is not None:
@@ -230,11 +234,13 @@ class Inference:
     @classmethod
     def _left_for_take(cls, request: "Request") -> list[tuple[Counter, int, int]]:
         """What a request cancelled as it was admitted leaves for the take
-        that drops it: one of a list that may have queued, what it reserved
-        with the list (one that did not goes back with it: ``withdraw``); a
-        lone request, nothing (its admit charges and queues in one step)."""
+        that drops it: one charged already (one of a list, a follower that
+        runs on its own) that may have queued, what it reserved (one of a
+        list that did not goes back with it: ``withdraw``); a request whose
+        admit charges and queues in one step, nothing (its reservation is
+        set as the admit answers)."""
         listed = request.charged
-        if listed is None or (request.id in listed.unused and request.id not in listed.sending):
+        if listed is not None and request.id in listed.unused and request.id not in listed.sending:
             return []
         return cls._reserved(request)
 
@@ -248,8 +254,6 @@ class Inference:
         lane = request.lane
         if request.quota_headers is not None:
             if envelope is not None:
-                if request.charged is not None:
-                    request.charged.sending.add(request.id)
                 try:
                     await self._enqueued(lane, envelope, request)
                 except ApiError:
@@ -340,20 +344,20 @@ class Inference:
         return result
 
     async def _enqueued(self, lane: ModelLane, envelope: wire.Envelope, request: "Request") -> None:
-        """``_enqueue``; one of a list, cancelled meanwhile (the list failed),
-        still waits for its answer, so that whether it queued is known
-        (``ListCharge.sending``): refused, its part goes back with the list;
-        queued, it is the take's to give back as it drops it."""
+        """``_enqueue``: cancelled meanwhile (its list failed, its client
+        left), it still waits for the answer, so that whether it queued is
+        known: refused, what it reserved goes back (with its list, or at
+        once); queued, it is the take's to give back as it drops it
+        (``_left_for_take``)."""
         listed = request.charged
-        if listed is None:
-            await self._enqueue(lane, envelope, request)
-            return
+        if listed is not None:
+            listed.sending.add(request.id)
         enqueue = asyncio.ensure_future(self._enqueue(lane, envelope, request))
         try:
             await asyncio.shield(enqueue)
         except asyncio.CancelledError:
             await asyncio.wait([enqueue])  # (a round trip: its answer)
-            if not enqueue.cancelled() and enqueue.exception() is None:
+            if listed is not None and not enqueue.cancelled() and enqueue.exception() is None:
                 listed.use(request.id)
             raise
 
@@ -377,6 +381,8 @@ class Inference:
         if not queued:
             if request.charged is not None:  # (not queued: its list gives its part back)
                 request.charged.sending.discard(request.id)
+            else:  # (charged apart: a follower that runs on its own)
+                await settle_failed(request)
             self.gw.count_refused(key, "key_share", lane, for_capacity=False)
             raise over_share(key, lane)
 
