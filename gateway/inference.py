@@ -292,7 +292,8 @@ class Inference:
         share = request.share
         # What is left of the deadline (a follower that ran on its own has used some).
         deadline_ms = round(self._remaining_s(request) * 1000)
-        if deadline_ms <= 0:
+        if deadline_ms <= 0:  # (a follower's time ran out: it never queued)
+            await settle_failed(request)
             raise ApiError("TIMEOUT", f"no result within the {request.deadline_ms} ms deadline")
         envelope = wire.Envelope(
             id=request_id,

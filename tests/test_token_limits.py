@@ -282,3 +282,37 @@ def test_a_list_refused_partway_gives_back_what_its_unqueued_prompts_reserved(
         wait_for(charged_is_used, 20, "the window to hold what was used")
     finally:
         client.close()
+
+
+def test_a_follower_whose_time_runs_out_gives_back_what_it_reserved(cluster_factory) -> None:
+    """A request identical to one in flight follows it, and its time runs
+    out while it follows: it never queued, so it gives back all it
+    reserved, and the window ends holding only what the leader used
+    (before, the follower's reservation stayed in it)."""
+    c = cluster_factory(tokens_policy("100000/minute"), latency_ms=600)
+    body = {"input": "shared words here", "parameters": {"max_tokens": 50}}
+    url = c.urls[0] + "/v1/inference"
+
+    async def both() -> list[int]:
+        async with aiohttp.ClientSession() as session:
+
+            async def send(extra: dict[str, Any], delay_s: float) -> int:
+                await asyncio.sleep(delay_s)  # pacing: the leader is in flight first
+                async with session.post(url, json={**body, **extra}, headers=METERED) as r:
+                    await r.read()
+                    return r.status
+
+            return await asyncio.gather(send({}, 0), send({"timeout_ms": 300}, 0.1))
+
+    assert asyncio.run(both()) == [200, 504]
+    client = sync_redis.Redis.from_url(c.redis_url)
+    try:
+        (window,) = client.scan_iter(match="*metered*tokens*")
+        leader = used(body["input"], 50)
+        wait_for(
+            lambda: int(client.hget(window, "s") or 0) == leader,
+            10,
+            "the window to hold the leader's",
+        )
+    finally:
+        client.close()
