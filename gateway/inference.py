@@ -8,12 +8,14 @@ disconnect, whichever comes first.
 """
 
 import asyncio
+from collections.abc import Coroutine
+from typing import Any
 
 import msgspec
 from infergate.base import clock, logs, tracing, wire
 from infergate.base.errors import STORE_ERRORS
 from infergate.base.metrics import NO_TIER
-from infergate.base.queue.gateway import Counter, Place
+from infergate.base.queue.gateway import Place
 from infergate.gateway import reservations
 from infergate.gateway.api import (
     BadRequestBody,
@@ -35,8 +37,10 @@ from infergate.gateway.models import ModelLane
 from infergate.gateway.request import Request
 from infergate.gateway.reserving import (
     answer_cut,
+    left_for_take,
     measured,
     reserve,
+    reserved_by,
     settle_failed,
     settle_when_answered,
 )
@@ -227,24 +231,6 @@ class Inference:
             collapsing.end(identity, leader, result)
 
     @staticmethod
-    def _reserved(request: "Request") -> list[tuple[Counter, int, int]]:
-        """What the request reserved, as a give-back leaves it."""
-        return request.reservation.unused(0, 0) if request.reservation else []
-
-    @classmethod
-    def _left_for_take(cls, request: "Request") -> list[tuple[Counter, int, int]]:
-        """What a request cancelled as it was admitted leaves for the take
-        that drops it: one charged already (one of a list, a follower that
-        runs on its own) that may have queued, what it reserved (one of a
-        list that did not goes back with it: ``withdraw``); a request whose
-        admit charges and queues in one step, nothing (its reservation is
-        set as the admit answers)."""
-        listed = request.charged
-        if listed is not None and request.id in listed.unused and request.id not in listed.sending:
-            return []
-        return cls._reserved(request)
-
-    @staticmethod
     def _remaining_s(request: "Request") -> float:
         return request.deadline_ms / 1000.0 - clock.elapsed_s(request.started)
 
@@ -255,7 +241,7 @@ class Inference:
         if request.quota_headers is not None:
             if envelope is not None:
                 try:
-                    await self._enqueued(lane, envelope, request)
+                    await _answered(self._enqueue(lane, envelope, request), request)
                 except ApiError:
                     lane.admission.released(request.key.tier)  # counted when it was let in
                     raise
@@ -316,9 +302,9 @@ class Inference:
             try:
                 await self._admit(request, envelope)
             except asyncio.CancelledError:  # (its admit may still be on its way: withdrawn)
-                await cancel(request.lane.queue, envelope, self._left_for_take(request))
+                await cancel(request.lane.queue, envelope, left_for_take(request))
                 raise
-            reserved = self._reserved(request)
+            reserved = reserved_by(request)
             result = await wait_for_reply(
                 request.lane.queue,
                 future,
@@ -343,24 +329,6 @@ class Inference:
             await settle_failed(request)
             raise error_from_result(result.error)
         return result
-
-    async def _enqueued(self, lane: ModelLane, envelope: wire.Envelope, request: "Request") -> None:
-        """``_enqueue``: cancelled meanwhile (its list failed, its client
-        left), it still waits for the answer, so that whether it queued is
-        known: refused, what it reserved goes back (with its list, or at
-        once); queued, it is the take's to give back as it drops it
-        (``_left_for_take``)."""
-        listed = request.charged
-        if listed is not None:
-            listed.sending.add(request.id)
-        enqueue = asyncio.ensure_future(self._enqueue(lane, envelope, request))
-        try:
-            await asyncio.shield(enqueue)
-        except asyncio.CancelledError:
-            await asyncio.wait([enqueue])  # (a round trip: its answer)
-            if listed is not None and not enqueue.cancelled() and enqueue.exception() is None:
-                listed.use(request.id)
-            raise
 
     async def _enqueue(self, lane: ModelLane, envelope: wire.Envelope, request: "Request") -> None:
         """Queue the envelope of a request whose quota is charged already (an
@@ -456,3 +424,22 @@ def respond(
         model=lane.name,
         metadata=metadata,
     )
+
+
+async def _answered(enqueue: Coroutine[Any, Any, None], request: "Request") -> None:
+    """The enqueue of a request charged already: cancelled meanwhile (its
+    list failed, its client left), it still waits for the answer, so that
+    whether it queued is known: refused, what it reserved goes back (with
+    its list, or at once: ``Inference._enqueue``); queued, it is the take's
+    to give back as it drops it (``reserving.left_for_take``)."""
+    listed = request.charged
+    if listed is not None:
+        listed.sending.add(request.id)
+    task = asyncio.ensure_future(enqueue)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.wait([task])  # (a round trip: its answer)
+        if listed is not None and not task.cancelled() and task.exception() is None:
+            listed.use(request.id)
+        raise

@@ -4,7 +4,7 @@ key's costs), all of it given back if it failed, or, for a request given
 up on while it ran, settled by its reply when that comes late."""
 
 from infergate.base import clock, wire
-from infergate.base.queue.gateway import RESERVED_KEPT_MS
+from infergate.base.queue.gateway import RESERVED_KEPT_MS, Counter
 from infergate.gateway import reservations
 from infergate.gateway.api import Parameters
 from infergate.gateway.charging import check_reservation, gpu_reservation, settle
@@ -83,3 +83,21 @@ def settle_when_answered(gw: Gateway, request: Request, deadline_ms: int) -> Non
 
     kept_s = (max(deadline_ms - clock.now_ms(), 0) + RESERVED_KEPT_MS) / 1000
     gw.replies.on_late(request.id, clock.monotonic_s() + kept_s, answered)
+
+
+def reserved_by(request: Request) -> list[tuple[Counter, int, int]]:
+    """What the request reserved, as a give-back leaves it."""
+    return request.reservation.unused(0, 0) if request.reservation else []
+
+
+def left_for_take(request: Request) -> list[tuple[Counter, int, int]]:
+    """What a request cancelled as it was admitted leaves for the take that
+    drops it: one charged already (one of a list, a follower that runs on
+    its own) that may have queued, what it reserved (one of a list that did
+    not goes back with it: ``prompt_lists.withdraw``); a request whose admit
+    charges and queues in one step, nothing (its reservation is set as the
+    admit answers)."""
+    listed = request.charged
+    if listed is not None and request.id in listed.unused and request.id not in listed.sending:
+        return []
+    return reserved_by(request)
