@@ -8,7 +8,8 @@ Redis's ``TIME`` against its own monotonic clock (``align``, from its
 heartbeat loop, every few seconds: a ``TIME`` each, the best of the last
 few kept) and ``now_ms`` carries its monotonic clock onto Redis's epoch. A
 host's wall clock may be off, or step, without effect; what is left is the
-measurement's error, under half a round trip to Redis. Durations inside a process use ``time.monotonic()``.
+measurement's error, under half a round trip to Redis. Durations inside a
+process use ``time.monotonic()``.
 """
 
 import time

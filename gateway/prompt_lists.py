@@ -4,7 +4,8 @@ Every prompt is checked before any is admitted. The key's quotas are
 charged for the whole list in one step, or not at all: a list over a limit
 as a whole can never be admitted and is refused at once, uncharged, and
 not worth a retry. Its GPU estimate is never cut to what is left of a
-budget, as a lone request's may be: the list would run every prompt on it. Each prompt then queues without being charged again.
+budget, as a lone request's may be: the list would run every prompt on it.
+Each prompt then queues without being charged again.
 If the call fails or its client leaves, every prompt is withdrawn by id
 (those whose admit was still on its way too: take drops them), and what was
 charged for the prompts that never queued is given back.
@@ -49,7 +50,7 @@ class ListCharge:
     reservation: Reservation | None = None
     parts: dict[str, tuple[int, int]] = field(default_factory=dict)
     # The prompts whose enqueue is on its way (a prompt the list's failure
-    # cancels meanwhile waits for its answer: ``Inference._enqueued``). One
+    # cancels meanwhile waits for its answer: ``inference._answered``). One
     # that queued leaves its part for the take that drops it unrun
     # (``waiting.cancel``), or settles it by its reply; never both. One
     # whose enqueue failed with Redis (it may have queued) keeps its part:
