@@ -88,10 +88,11 @@ class BatchRule:
         )
 
 
-# Holding nothing, the doorbell is waited on for this many block timeouts
-# before the queues are looked at again: what that look finds (work whose
-# ring a dispatcher took with it as it died) waits no longer than that, and
-# any request admitted meanwhile rings again.
+# Holding nothing, the doorbell is waited on for this many block timeouts,
+# in one wait (each wait that ends wakes the dispatcher and Redis), before
+# the queues are looked at again: what that look finds (work whose ring a
+# dispatcher took with it as it died) waits no longer than that, and any
+# request admitted meanwhile rings again.
 AT_REST_WAITS = 4
 
 
@@ -262,9 +263,7 @@ class Dispatcher:
             await self.queue.wait_doorbell(self.settings.block_timeout_s)
 
     async def _wait_at_rest(self) -> None:
-        for _ in range(AT_REST_WAITS):
-            if await self.queue.wait_doorbell(self.settings.block_timeout_s):
-                return
+        await self.queue.wait_doorbell(self.settings.block_timeout_s * AT_REST_WAITS)
 
     def _formed(self, credit: str, batch_id: str, taken: TakeResult, started_ns: int) -> None:
         self.batches_formed += 1
