@@ -241,32 +241,33 @@ def test_a_metered_request_shares_only_an_answer_cut_as_it_reserved(cluster_fact
     assert cut["metadata"]["tokens_used"] == 16
 
 
-def test_a_list_refused_partway_gives_back_what_its_unqueued_prompts_reserved(
-    cluster_factory,
-) -> None:
-    """A key measured dear sends a list of 100 long prompts: past its share
-    of the tier some are refused as they queue, and the list is answered
-    503. The prompts that never queued give back their parts of the list's
-    reservation (before, they gave back only their request and character
-    counts: the window held 211,032 tokens against 41,976 used)."""
+LONG_WORDS = "a " * 290
+
+
+def dear_key_cluster(cluster_factory: Any, ms_per_ktoken: int = 100) -> Any:
+    """A stack whose metered key is measured dear (it asks for long answers):
+    past its share of the tier, a list of 100 long prompts has some refused
+    as they queue, and is answered 503."""
     import yaml
 
     doc = yaml.safe_load(tokens_policy("1000000/minute"))
     doc["tiers"]["paid"]["deadline_ms"] = 60_000
     doc.pop("limits", None)
     c = cluster_factory(
-        yaml.safe_dump(doc), latency_ms=40, worker_args=["--sim-ms-per-ktoken", "100"]
+        yaml.safe_dump(doc),
+        latency_ms=40,
+        worker_args=["--sim-ms-per-ktoken", str(ms_per_ktoken)],
     )
-    words = "a " * 290
     for i in range(8):  # (its cost measured: each asks for long answers)
-        body = {"model": "default", "prompt": f"t{i} {words}", "max_tokens": 4096}
+        body = {"model": "default", "prompt": f"t{i} {LONG_WORDS}", "max_tokens": 4096}
         status, _, answer = http("POST", c.urls[0] + "/v1/completions", body, METERED)
         assert status == 200, answer
-    prompts = [f"p{i} {words}" for i in range(100)]
-    body = {"model": "default", "prompt": prompts, "max_tokens": 4096}
-    status, _, answer = http("POST", c.urls[0] + "/v1/completions", body, METERED)
-    assert status == 503, answer
-    client = sync_redis.Redis.from_url(c.redis_url)
+    return c
+
+
+def wait_until_charged_is_used(redis_url: str) -> None:
+    """The key's token window ends holding what its requests used, no more."""
+    client = sync_redis.Redis.from_url(redis_url)
     try:
         (window,) = client.scan_iter(match="*metered*tokens*")
 
@@ -282,6 +283,52 @@ def test_a_list_refused_partway_gives_back_what_its_unqueued_prompts_reserved(
         wait_for(charged_is_used, 20, "the window to hold what was used")
     finally:
         client.close()
+
+
+def test_a_list_refused_partway_gives_back_what_its_unqueued_prompts_reserved(
+    cluster_factory,
+) -> None:
+    """The dear key's list of 100 long prompts is answered 503. The prompts
+    that never queued give back their parts of the list's reservation
+    (before, they gave back only their request and character counts: the
+    window held 211,032 tokens against 41,976 used)."""
+    c = dear_key_cluster(cluster_factory)
+    prompts = [f"p{i} {LONG_WORDS}" for i in range(100)]
+    body = {"model": "default", "prompt": prompts, "max_tokens": 4096}
+    status, _, answer = http("POST", c.urls[0] + "/v1/completions", body, METERED)
+    assert status == 503, answer
+    wait_until_charged_is_used(c.redis_url)
+
+
+def test_a_follower_cancelled_with_its_list_gives_back_what_it_reserved(
+    cluster_factory,
+) -> None:
+    """One prompt of the dear key's list is identical to a request in
+    flight, so it follows that request; the list is answered 503 while it
+    follows, which cancels it. It ran nothing and gives back all it
+    reserved (before, nothing settled it: round five's race held 274 s of
+    a 300 s budget against 7 s used)."""
+    c = dear_key_cluster(cluster_factory, ms_per_ktoken=400)
+    shared = f"shared {'b ' * 990}"  # (0.8 s: the leader is in flight throughout)
+    url = c.urls[0] + "/v1/completions"
+    client = sync_redis.Redis.from_url(c.redis_url)
+    (window,) = client.scan_iter(match="*metered*tokens*")
+    trained = int(client.hget(window, "s") or 0)
+    with ThreadPoolExecutor(1) as pool:
+        leader = pool.submit(
+            http, "POST", url, {"model": "default", "prompt": shared, "max_tokens": 4096}, METERED
+        )
+        # Admitted (its reservation in the window), it leads: the list's copy follows it.
+        wait_for(lambda: int(client.hget(window, "s") or 0) > trained, 10, "the leader's admit")
+        client.close()
+        prompts = [shared] + [f"p{i} {LONG_WORDS}" for i in range(99)]
+        body = {"model": "default", "prompt": prompts, "max_tokens": 4096}
+        status, _, answer = http("POST", url, body, METERED)
+        assert status == 503, answer
+        assert not leader.done(), "the leader answered before its follower was cancelled"
+        status, _, answer = leader.result(60)
+        assert status == 200, answer
+    wait_until_charged_is_used(c.redis_url)
 
 
 def test_a_follower_whose_time_runs_out_gives_back_what_it_reserved(cluster_factory) -> None:
