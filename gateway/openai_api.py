@@ -61,14 +61,17 @@ class CompletionRequest(_Common, kw_only=True):
 
 class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
     type: str
-    text: str = ""
+    text: str
 
 
 # OpenAI's roles, and no other: a role a caller made up, written into a
-# template, could forge a turn of another (``user|>...<|system``).
+# template, could forge a turn of another (``user|>...<|system``). Content
+# is required, as OpenAI requires it of every message without tool calls
+# (which are not served): a message of none, or of no parts, is a mistake
+# to name, not an empty turn to run.
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | Annotated[list[ContentPart], msgspec.Meta(min_length=1)]
     name: str | None = None
 
 
@@ -228,8 +231,8 @@ def _fill(template: str, role: str, content: str) -> str:
 
 def _text(message: ChatMessage) -> str:
     content = message.content
-    if content is None or isinstance(content, str):
-        return content or ""
+    if isinstance(content, str):
+        return content
     if any(part.type != "text" for part in content):
         raise invalid("only text content parts are served", "messages")
     return "".join(part.text for part in content)

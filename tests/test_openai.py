@@ -337,6 +337,15 @@ def test_what_a_body_becomes() -> None:
             b'{"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}',
             "tools",
         ),
+        # A message without content, or of no parts, or a part without text
+        # (before: read as an empty turn, and the model run on the rest).
+        (b'{"messages": [{"role": "system"}, {"role": "user", "content": "a"}]}', "messages"),
+        (
+            b'{"messages": [{"role": "system", "content": null}, {"role": "user", "content": "a"}]}',
+            "messages",
+        ),
+        (b'{"messages": [{"role": "user", "content": []}]}', "messages"),
+        (b'{"messages": [{"role": "user", "content": [{"type": "text"}]}]}', "messages"),
     ):
         with pytest.raises(ApiError) as refused:
             (read_chat(body, None) if b"messages" in body else read_completion(body))
