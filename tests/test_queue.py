@@ -946,6 +946,33 @@ async def test_admit_starts_over_from_windows_it_cannot_trust(q: Faces) -> None:
     assert 0 < refused.ttls_ms[0] <= 66_000
 
 
+async def test_a_window_planted_far_below_nothing_starts_over(q: Faces) -> None:
+    """A window's sum below minus the most it may hold cannot be one of
+    refunds (they take back only charges made): planted, it starts over
+    (before, a sum of -100,000 let a key of 100 a minute past it without
+    end). A sum a little below nothing, as a late refund leaves, is kept;
+    a budget's below nothing at all starts over."""
+    now_s = (await q.redis.time())[0]
+    current = now_s * 10 // 60
+    planted, refunded = q.gateway.counter_key("planted"), q.gateway.counter_key("refunded")
+    await q.redis.hset(planted, mapping={"l": current, "s": -100_000, str(current): -100_000})
+    await q.redis.hset(refunded, mapping={"l": current, "s": -2, str(current): -2})
+    for _ in range(5):
+        assert (await q.gateway.admit([Counter(planted, 1, 5, 60)])).admitted
+        assert (await q.gateway.admit([Counter(refunded, 1, 5, 60)])).admitted
+    assert not (await q.gateway.admit([Counter(planted, 1, 5, 60)])).admitted
+    assert await charged(q, planted) == 5
+    assert await charged(q, refunded) == 3  # (-2, then five)
+    assert (await q.gateway.admit([Counter(refunded, 1, 5, 60)])).admitted
+    # A budget's sum is never below nothing (its give-backs stop there).
+    budget = q.gateway.counter_key("budget/k/gpu_us/day")
+    day = str(now_s // 86_400)
+    await q.redis.hset(budget, mapping={"l": day, "s": -100_000, day: -100_000})
+    spend = Counter(budget, 600, 1000, 0, True, "day")
+    assert (await q.gateway.admit([spend])).admitted
+    assert not (await q.gateway.admit([spend])).admitted
+
+
 @pytest.mark.parametrize("model", ["default", "large"])
 def test_the_names_admit_lua_gives_the_keys_it_hands_off_with_are_keys_names(model: str) -> None:
     """admit.lua names the keys of a straight hand-off from the model's

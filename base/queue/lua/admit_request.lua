@@ -63,7 +63,7 @@ local function checked_limits(windows, r, reply)
   local now, charged, costs, room_all, refused_by = windows.now, {}, {}, true, 0
   for i = 1, r.n do
     local key, cost, amount, allowed, span, least = limit_of(r, i)
-    local w = windows.get(key, span)
+    local w = windows.get(key, span, allowed)
     charged[i], costs[i] = w, cost
     reply[2 * i + 2] = w.eleven - w.oldest
     reply[2 * i + 3] = (w.eleven ~= 0 or w.budget) and reset_ms(w, now) or -2

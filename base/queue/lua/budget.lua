@@ -50,7 +50,8 @@ end
 local function read_budget(key, period, now)
   -- the budget's count in the current period (a call's copy, as
   -- window.lua's read_window returns a window's): a hash of another
-  -- period, or not one of counts, starts over
+  -- period, or not one of counts (a sum below nothing: give-backs stop
+  -- there), starts over
   local current, ends = period_at(now, period)
   local w = {current = current, span = period, ends = ends, budget = true, eleven = 0,
     oldest = 0, held = 0, in_flight = 0, new = true, dirty = false}
@@ -60,7 +61,7 @@ local function read_budget(key, period, now)
     return w
   end
   local last, sum = count(raw[1] or ''), count(raw[2] or '')
-  if last == current and sum ~= nil then
+  if last == current and sum ~= nil and sum >= 0 then
     w.eleven, w.held, w.new = sum, sum, false
     w.in_flight = math.max(count(raw[3] or 0) or 0, 0)
   elseif raw[1] or raw[2] or raw[3] then

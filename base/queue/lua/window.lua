@@ -52,11 +52,12 @@ local function moved_on(key, w, last)
   return sum
 end
 
-local function read_window(key, current, window_ms)
+local function read_window(key, current, window_ms, floor)
   -- the window as of bucket `current`: the eleven buckets' sum, what the
   -- oldest of them holds (so the last ten's is the difference), whether it
   -- is new, and what bucket `current` holds. The buckets that left since the
   -- sum was last moved on are taken off it then and there (refused or not).
+  -- A sum below -`floor` (the most it may hold) is planted: it starts over.
   local raw = redis.pcall('HMGET', key, 'l', 's', tostring(current - 10), tostring(current))
   if type(raw) ~= 'table' or raw.err then
     redis.call('DEL', key)
@@ -77,9 +78,8 @@ local function read_window(key, current, window_ms)
   end
   local w = {current = current, window_ms = window_ms, span = window_ms, eleven = sum,
     oldest = oldest, held = held, new = false, dirty = false}
-  if last == current then return w end
-  w.eleven = moved_on(key, w, last)
-  if w.eleven == nil then
+  if last ~= current then w.eleven = moved_on(key, w, last) end
+  if w.eleven == nil or w.eleven < -floor then
     redis.call('DEL', key)
     return empty_window(current, window_ms)
   end
@@ -129,14 +129,14 @@ local function windows_at(now)
   -- written back and read again)
   local known = {}
   local windows = {now = now}
-  function windows.get(key, span)
+  function windows.get(key, span, floor)  -- (floor: read_window's)
     local w = known[key]
     if w and w.span == span then return w end
     if w and w.dirty then write_any(key, w) end
     if type(span) == 'string' then
       w = read_budget(key, span, now)
     else
-      w = read_window(key, math.floor(now * 10 / span), span)
+      w = read_window(key, math.floor(now * 10 / span), span, floor)
     end
     known[key] = w
     return w
