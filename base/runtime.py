@@ -1,8 +1,8 @@
 """Running one component as a process: signals, a bounded shutdown, exit codes,
 and a heap that a full collection need not scan whole (``freeze_heap``).
 
-The first SIGTERM or SIGINT sets the component's ``stop`` event so it can
-drain; a second ends the process at once. A shutdown can never hang: if the
+The first SIGTERM, SIGINT or SIGHUP (a closed terminal) sets the
+component's ``stop`` event so it can drain; a second ends the process at once. A shutdown can never hang: if the
 component has not returned ``shutdown_grace_s`` after the first signal, the
 stack of every task still running is logged (``shutdown.stuck``, the await
 that did not finish) and the process exits with ``EXIT_STUCK``.
@@ -18,6 +18,9 @@ from typing import Any
 
 import uvloop
 from infergate.base import logs
+
+# The signals that drain a process (SIGHUP: its terminal closed, as SIGTERM).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 log = logs.get(__name__)
 
@@ -74,7 +77,7 @@ def run(
             grace_s = shutdown_grace_s() if callable(shutdown_grace_s) else shutdown_grace_s
             loop.call_later(grace_s, _exit_stuck, grace_s)
 
-        for signum in (signal.SIGTERM, signal.SIGINT):
+        for signum in STOP_SIGNALS:
             loop.add_signal_handler(signum, on_signal, signum)
         freeze_heap()
         return await main(stop)

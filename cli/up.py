@@ -3,9 +3,9 @@
 Starts (or uses, with REDIS_URL) Redis, then workers, dispatchers and
 gateways as ``python -m infergate <role> ...`` children; waits until the
 gateway is ready; restarts a child that dies (with backoff); with
-``--workers MIN:MAX`` follows the autoscaling signal (``scaling.py``); on SIGINT or
-SIGTERM stops every child it started (SIGTERM, then SIGKILL after a bound)
-and its own Redis.
+``--workers MIN:MAX`` follows the autoscaling signal (``scaling.py``); on
+SIGINT, SIGTERM or SIGHUP stops every child it started (SIGTERM, then
+SIGKILL after a bound) and its own Redis.
 """
 
 import argparse
@@ -322,8 +322,8 @@ def run_stack(args: argparse.Namespace) -> int:
     def on_signal(signum: int, frame: FrameType | None) -> None:
         stop_requested.append(signum)
 
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, on_signal)
     with tempfile.TemporaryDirectory(prefix="infergate-up-") as tmp:
         policy_path = _policy_path(args, Path(tmp))
         if policy_path is None:

@@ -1,7 +1,7 @@
 """Serving the gateway with uvicorn on a SO_REUSEPORT socket, so several
 gateway processes share one port and the kernel spreads connections.
 
-Drain: the first SIGTERM/SIGINT makes the gateway refuse new requests (503,
+Drain: the first SIGTERM/SIGINT/SIGHUP makes the gateway refuse new requests (503,
 ``/readyz`` not ready) while it waits, up to the drain timeout, for the
 requests it is holding; then uvicorn shuts down. A second signal ends it at
 once.
@@ -11,6 +11,8 @@ import asyncio
 import contextlib
 import signal
 import socket
+import threading
+from collections.abc import Iterator
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -145,12 +147,26 @@ class DrainingServer(uvicorn.Server):
             counter = (counter + step) % 864000
             should_exit = await self.on_tick(counter)
 
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn's (SIGINT, SIGTERM), and SIGHUP, the same drain."""
+        if threading.current_thread() is not threading.main_thread():
+            with super().capture_signals():
+                yield
+            return
+        previous = signal.signal(signal.SIGHUP, self.handle_exit)
+        try:
+            with super().capture_signals():
+                yield
+        finally:
+            signal.signal(signal.SIGHUP, previous)
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._signalled is not None:  # (a signal handler: the loop is woken safely)
             loop, signalled = self._signalled
             with contextlib.suppress(RuntimeError):  # (a loop already closed)
                 loop.call_soon_threadsafe(signalled.set)
-        if self.drain_started is None and sig in (signal.SIGTERM, signal.SIGINT):
+        if self.drain_started is None and sig in runtime.STOP_SIGNALS:
             self.drain_started = clock.monotonic_s()
             self.gateway.draining = True
             log.info("gateway.draining", pending=len(self.gateway.replies.pending))

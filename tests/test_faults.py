@@ -308,8 +308,11 @@ def test_redis_outage_fails_fast_then_recovers(tmp_path: Path, own_redis: RedisS
         c.stop()
 
 
+# SIGHUP (a terminal closed) drains as SIGTERM does; before, it ended each
+# process at once, the gateway's held requests with it.
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["TERM", "HUP"])
 def test_sigterm_drains_gateway_worker_and_dispatcher(
-    tmp_path: Path, own_redis: RedisServer, client: redis.Redis
+    tmp_path: Path, own_redis: RedisServer, client: redis.Redis, signum: int
 ) -> None:
     c = Cluster(tmp_path, own_redis.url, policy_yaml(), workers=1, latency_ms=1000)
     gateway, dispatcher, worker = c.gateways[0], c.dispatchers[0], c.workers[0]
@@ -324,7 +327,7 @@ def test_sigterm_drains_gateway_worker_and_dispatcher(
                 await asyncio.to_thread(
                     wait_for, lambda: busy_worker(client) is not None, 5, "the batch to start"
                 )
-                worker.signal(signal.SIGTERM)
+                worker.signal(signum)
                 # Draining at once: still finishing its batch, no longer capacity.
                 # (The status reads the heartbeats now; admission's capacity is
                 # the gateway's view, at most one refresh behind.)
@@ -339,8 +342,8 @@ def test_sigterm_drains_gateway_worker_and_dispatcher(
                     "the worker to report draining, and admission to stop counting it",
                 )
                 assert drained["workers"][0]["busy"]
-                gateway.signal(signal.SIGTERM)
-                dispatcher.signal(signal.SIGTERM)
+                gateway.signal(signum)
+                dispatcher.signal(signum)
                 await asyncio.to_thread(
                     wait_for,
                     lambda: http("GET", c.urls[0] + "/readyz")[0] == 503,
