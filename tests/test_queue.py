@@ -149,6 +149,29 @@ async def test_take_is_priority_ordered_and_fifo_within_a_tier(q: Faces) -> None
     assert await q.redis.llen(q.keys.doorbell) == 1
 
 
+async def test_keys_a_take_writes_planted_of_another_type_go_first(q: Faces) -> None:
+    """Redis contents are not trusted: the stats, the cancelled set, ready,
+    jobs-queued, last-dispatch or a tier's requeue list of another type
+    goes, and the take forms its batch (before: a WRONGTYPE after the
+    envelopes were popped lost them, and every take after it failed)."""
+    await q.gateway.enqueue("free", env(1, "free"))
+    await q.gateway.enqueue("paid", env(2, "paid"))
+    for name in (q.keys.stats, q.keys.cancelled, q.keys.ready, q.keys.jobs_queued):
+        await q.redis.set(name, "planted")
+    await q.redis.hset(q.keys.last_dispatch, "planted", 1)
+    await q.redis.hset(q.keys.queue("enterprise"), "planted", 1)
+    taken = await take(q, 10, min_interval_ms=100)
+    assert ids(taken.envelopes) == ["r2", "r1"]
+    assert taken.malformed == 1  # (the requeue list that was none)
+    assert (await q.stats())["requests_batched"] == 2
+    assert not await q.redis.exists(q.keys.queue("enterprise"))
+    # A credit's list planted: the dispatcher's wait for a credit clears it.
+    await q.redis.set(q.keys.ready, "planted")
+    assert await q.dispatcher.wait_credit(0.1) is None
+    await q.worker.offer_credit()
+    assert await q.dispatcher.wait_credit(1) == "w1"
+
+
 async def test_min_share_is_served_before_strict_priority(q: Faces) -> None:
     for i in range(10):
         await q.gateway.enqueue("enterprise", env(i, "enterprise"))
@@ -1020,6 +1043,17 @@ async def test_a_heartbeat_of_another_type_reads_as_expired(q: Faces) -> None:
     await q.redis.hset(q.keys.heartbeat("worker", "w-hash"), "a", "b")
     snapshot = await q.store.fleet_snapshot(now)
     assert [w.id for w in snapshot.workers] == ["w-ok"]
+
+
+async def test_a_members_set_of_another_type_is_none_and_goes(q: Faces) -> None:
+    """A planted members set blinds no gateway (before, every fleet read
+    failed: 503 for every request) and no beat: it goes, and the next beat
+    registers its process again."""
+    now = clock.now_ms()
+    await q.redis.set(q.keys.members("worker"), "planted")
+    assert (await q.store.fleet_snapshot(now)).workers == []
+    await q.store.beat(wire.Heartbeat("worker", "w-ok", now, now, batch_ms=100.0), 5_000)
+    assert [w.id for w in (await q.store.fleet_snapshot(now)).workers] == ["w-ok"]
 
 
 async def test_a_step_token_of_another_type_is_no_token(q: Faces) -> None:

@@ -14,6 +14,7 @@ from infergate.base.queue.forming import (
 )
 from infergate.base.queue.store import Store, process_ids
 from infergate.base.tiers import TIERS
+from redis.exceptions import ResponseError
 
 log = logs.get(__name__)
 
@@ -50,7 +51,13 @@ class DispatcherQueue:
         """Block until an idle worker's credit is free, and hold it in
         ``credits:{dispatcher}`` (returned to ``ready`` if this dispatcher dies)."""
         credits = self.keys.credits(self.dispatcher_id)
-        credit = await self.store.move_oldest(self.keys.ready, credits, timeout_s)
+        try:
+            credit = await self.store.move_oldest(self.keys.ready, credits, timeout_s)
+        except ResponseError as exc:
+            if not str(exc).startswith("WRONGTYPE"):
+                raise
+            await self._planted_gone(self.keys.ready, credits)
+            return None
         if credit is None:
             return None
         ids, planted = process_ids([credit])
@@ -60,6 +67,15 @@ class DispatcherQueue:
             log.warning("credit.unreadable")
             return None
         return ids[0]
+
+    async def _planted_gone(self, *names: str) -> None:
+        """Those of ``names`` that are not lists (planted: Redis's contents
+        are not trusted) go; idle workers offer their credits again."""
+        for name in names:
+            kind = await self.store.redis.type(name)
+            if kind not in (b"list", b"none"):
+                await self.store.redis.delete(name)
+                log.warning("credits.planted_key_gone", key=name, type=str(kind))
 
     async def take(
         self,

@@ -8,7 +8,11 @@
 -- id)  ARGV[2] the gateways'
 -- Returns {worker ids (sorted), their heartbeats, depths, gateway ids, theirs}
 local function beats_of(members, prefix)
-  local ids = redis.call('SMEMBERS', members)
+  local ids = redis.pcall('SMEMBERS', members)
+  if ids.err then  -- (a key of another type, planted, is no members set: it goes)
+    redis.call('DEL', members)
+    ids = {}
+  end
   table.sort(ids)
   local beats = {}
   for i, id in ipairs(ids) do

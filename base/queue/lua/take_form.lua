@@ -35,7 +35,8 @@ local function offer_credit(t)
   -- the worker's credit onto `ready`, once; with work waiting (pacing held
   -- it back, no rule, jobs waiting for headroom), ring the doorbell: a
   -- dispatcher waits on it holding no credit
-  redis.call('LREM', t.ready, 0, t.credit)
+  -- (a `ready` of another type, planted, goes: takes offer onto it)
+  if type(redis.pcall('LREM', t.ready, 0, t.credit)) ~= 'number' then redis.call('DEL', t.ready) end
   redis.call('LPUSH', t.ready, t.credit)
   if not t.none_queued and work_waits(t) then ring(t) end
 end
@@ -45,14 +46,16 @@ local function paced_ms(t)
   -- an interval ago; come back after that long. (The last hand-off, as the
   -- clock of whoever made it said; one ahead of ours holds pacing back by
   -- at most one interval, not by the skew.)
-  t.last = math.min(tonumber(redis.call('GET', t.last_dispatch)) or 0, t.now)
+  local last = redis.pcall('GET', t.last_dispatch)  -- (planted: none)
+  t.last = math.min(type(last) == 'string' and tonumber(last) or 0, t.now)
   if t.interval <= 0 then return 0 end
   local wait = t.last + t.interval - t.now
   if wait <= 0 then return 0 end
   local queued = 0
   for i = 1, t.ntiers do
-    local fair = redis.pcall('ZCARD', t.fair_queues[i])
-    queued = queued + redis.call('LLEN', t.queues[i]) + (type(fair) == 'number' and fair or 0)
+    for _, n in ipairs({redis.pcall('ZCARD', t.fair_queues[i]), redis.pcall('LLEN', t.queues[i])}) do
+      queued = queued + (type(n) == 'number' and n or 0)
+    end
   end
   return (queued > 0 and queued < t.n) and wait or 0
 end
@@ -73,6 +76,7 @@ local function formed(t)
     t.none_queued = true
     return false
   end
+  planted_gone(t)
   t.check_cancelled = redis.call('ZCARD', t.cancelled_set) > 0
   for i = 1, t.ntiers do
     if t.min_slots[i] > 0 then pop_tier(t, i, t.min_slots[i]) end

@@ -43,14 +43,33 @@ local function new_take(KEYS, ARGV, own_keys)
   return t
 end
 
+-- The keys a take writes besides the queues, by the type it writes them as.
+local TAKE_KINDS = {stats = 'hash', cancelled_set = 'zset', ready = 'list',
+  jobs_queued = 'hash', last_dispatch = 'string'}
+
+local function planted_gone(t)
+  -- each of those of another type (planted) goes before anything moves (a
+  -- write refused after envelopes were popped would lose them)
+  for field, kind in pairs(TAKE_KINDS) do
+    local found = redis.call('TYPE', t[field])['ok']
+    if found ~= kind and found ~= 'none' then redis.call('DEL', t[field]) end
+  end
+end
+
 local function pop_from(t, queue, limit)
   -- the oldest envelopes, a chunk at a time (no more than could be taken,
   -- so each one read leaves the queue), trimmed off together; a queue
-  -- found short is not read again in this take (t.drained)
+  -- found short is not read again in this take (t.drained); one of another
+  -- type (planted) goes, counted
   local got = 0
   while got < limit and #t.taken < t.n and not t.drained[queue] do
     local want = math.min(limit - got, t.n - #t.taken)
-    local chunk = redis.call('LRANGE', queue, -want, -1)
+    local chunk = redis.pcall('LRANGE', queue, -want, -1)
+    if chunk.err then
+      redis.call('DEL', queue)
+      t.malformed, t.drained[queue] = t.malformed + 1, true
+      break
+    end
     if #chunk < want then t.drained[queue] = true end
     if #chunk == 0 then break end
     for j = #chunk, 1, -1 do got = got + consider(t, chunk[j]) end
