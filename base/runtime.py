@@ -22,6 +22,15 @@ from infergate.base import logs
 # The signals that drain a process (SIGHUP: its terminal closed, as SIGTERM).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
+
+def stop_signals() -> tuple[signal.Signals, ...]:
+    """``STOP_SIGNALS``, less SIGHUP where the process was started ignoring
+    it (``nohup``: it outlives its terminal, as it was asked to)."""
+    if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+        return (signal.SIGTERM, signal.SIGINT)
+    return STOP_SIGNALS
+
+
 log = logs.get(__name__)
 
 EXIT_STUCK = 4
@@ -77,7 +86,7 @@ def run(
             grace_s = shutdown_grace_s() if callable(shutdown_grace_s) else shutdown_grace_s
             loop.call_later(grace_s, _exit_stuck, grace_s)
 
-        for signum in STOP_SIGNALS:
+        for signum in stop_signals():
             loop.add_signal_handler(signum, on_signal, signum)
         freeze_heap()
         return await main(stop)

@@ -24,7 +24,7 @@ import urllib.request
 from pathlib import Path
 from types import FrameType
 
-from infergate.base import logs
+from infergate.base import logs, runtime
 from infergate.base.queue import redis_url, shards
 from infergate.base.queue.scale_signal import SignalReader
 from infergate.base.queue.warming import WarmingWord
@@ -322,7 +322,7 @@ def run_stack(args: argparse.Namespace) -> int:
     def on_signal(signum: int, frame: FrameType | None) -> None:
         stop_requested.append(signum)
 
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    for signum in runtime.stop_signals():
         signal.signal(signum, on_signal)
     with tempfile.TemporaryDirectory(prefix="infergate-up-") as tmp:
         policy_path = _policy_path(args, Path(tmp))

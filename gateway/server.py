@@ -150,7 +150,10 @@ class DrainingServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         """uvicorn's (SIGINT, SIGTERM), and SIGHUP, the same drain."""
-        if threading.current_thread() is not threading.main_thread():
+        if (
+            threading.current_thread() is not threading.main_thread()
+            or signal.SIGHUP not in runtime.stop_signals()
+        ):
             with super().capture_signals():
                 yield
             return

@@ -513,6 +513,42 @@ def test_a_shutdown_that_hangs_is_ended_and_says_where(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.parametrize("ignored", [False, True], ids=["terminal", "nohup"])
+def test_sighup_drains_unless_the_process_was_started_ignoring_it(ignored: bool) -> None:
+    """A terminal that closes sends SIGHUP: the process drains as for
+    SIGTERM (before, it died at once). One started under nohup (SIGHUP
+    ignored) outlives its terminal, as it was asked to."""
+    code = (
+        "import asyncio\n"
+        "from infergate.base import runtime\n"
+        "async def main(stop):\n"
+        "    print('started', flush=True)\n"
+        "    await stop.wait()\n"
+        "    print('drained', flush=True)\n"
+        "    return 0\n"
+        "raise SystemExit(runtime.run(main))\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=(lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if ignored else None,
+    )
+    assert proc.stdout is not None
+    try:
+        assert proc.stdout.readline().strip() == "started"
+        proc.send_signal(signal.SIGHUP)
+        if ignored:
+            with pytest.raises(subprocess.TimeoutExpired):
+                proc.wait(1)  # (bounded: it must still be running)
+            proc.send_signal(signal.SIGTERM)
+        assert proc.stdout.readline().strip() == "drained"
+        assert proc.wait(10) == 0
+    finally:
+        proc.kill()
+        proc.stdout.close()
+
+
 def test_deeply_nested_json_from_redis_is_unreadable_not_a_crash() -> None:
     """msgspec raises RecursionError on deep nesting; every decoder of bytes
     from Redis turns it into the DecodeError its callers handle."""
