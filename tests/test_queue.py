@@ -151,25 +151,31 @@ async def test_take_is_priority_ordered_and_fifo_within_a_tier(q: Faces) -> None
 
 async def test_keys_a_take_writes_planted_of_another_type_go_first(q: Faces) -> None:
     """Redis contents are not trusted: the stats, the cancelled set, ready,
-    jobs-queued, last-dispatch or a tier's requeue list of another type
-    goes, and the take forms its batch (before: a WRONGTYPE after the
+    jobs-queued, last-dispatch, the doorbell or a tier's requeue list of
+    another type goes, and the take forms its batch (before: a WRONGTYPE after the
     envelopes were popped lost them, and every take after it failed)."""
     await q.gateway.enqueue("free", env(1, "free"))
     await q.gateway.enqueue("paid", env(2, "paid"))
-    for name in (q.keys.stats, q.keys.cancelled, q.keys.ready, q.keys.jobs_queued):
+    shared = (q.keys.stats, q.keys.cancelled, q.keys.ready, q.keys.jobs_queued, q.keys.doorbell)
+    for name in shared:
         await q.redis.set(name, "planted")
     await q.redis.hset(q.keys.last_dispatch, "planted", 1)
     await q.redis.hset(q.keys.queue("enterprise"), "planted", 1)
-    taken = await take(q, 10, min_interval_ms=100)
-    assert ids(taken.envelopes) == ["r2", "r1"]
+    taken = await take(q, 1, min_interval_ms=100)
+    assert ids(taken.envelopes) == ["r2"]
     assert taken.malformed == 1  # (the requeue list that was none)
+    assert await q.redis.lrange(q.keys.doorbell, 0, -1) == [b"1"]  # (work is left: rung)
+    assert ids((await take(q, 10)).envelopes) == ["r1"]
     assert (await q.stats())["requests_batched"] == 2
     assert not await q.redis.exists(q.keys.queue("enterprise"))
-    # A credit's list planted: the dispatcher's wait for a credit clears it.
+    # A credit's list or the doorbell planted: the dispatcher's waits clear them.
     await q.redis.set(q.keys.ready, "planted")
     assert await q.dispatcher.wait_credit(0.1) is None
     await q.worker.offer_credit()
     assert await q.dispatcher.wait_credit(1) == "w1"
+    await q.redis.set(q.keys.doorbell, "planted")
+    assert await q.dispatcher.wait_doorbell(0.1)
+    assert not await q.redis.exists(q.keys.doorbell)
 
 
 async def test_min_share_is_served_before_strict_priority(q: Faces) -> None:

@@ -40,11 +40,13 @@ class Window:
         """Whether ``cost`` fits; the last ten buckets' sum; the ms of the
         reply as if refused (until room, or until the window empties)."""
         current = now * 10 // self.window_ms
+        allowed = self.amount if self.hard else self.amount + self.amount // 10
+        if self._sum(current - 10, current) < -allowed:
+            self.buckets.clear()  # (below what refunds can leave: planted, it starts over)
         eleven, ten = self._sum(current - 10, current), self._sum(current - 9, current)
         reset = math.ceil((current + 10) * self.window_ms / 10) - now
         if cost <= 0:
             return True, ten, reset if eleven != 0 else -2
-        allowed = self.amount if self.hard else self.amount + self.amount // 10
         if eleven + cost <= allowed and ten + cost <= self.amount:
             return True, ten, reset if eleven != 0 else -2
         for later in range(1, 12):

@@ -70,12 +70,13 @@ class DispatcherQueue:
 
     async def _planted_gone(self, *names: str) -> None:
         """Those of ``names`` that are not lists (planted: Redis's contents
-        are not trusted) go; idle workers offer their credits again."""
+        are not trusted) go (idle workers offer their credits again; the
+        next admit rings again)."""
         for name in names:
             kind = await self.store.redis.type(name)
             if kind not in (b"list", b"none"):
                 await self.store.redis.delete(name)
-                log.warning("credits.planted_key_gone", key=name, type=str(kind))
+                log.warning("dispatcher.planted_key_gone", key=name, type=str(kind))
 
     async def take(
         self,
@@ -108,7 +109,13 @@ class DispatcherQueue:
         await self.store.redis.lrem(self.keys.credits(self.dispatcher_id), 0, credit)
 
     async def wait_doorbell(self, timeout_s: float) -> bool:
-        return await self.store.pop_first(self.keys.doorbell, timeout_s) is not None
+        try:
+            return await self.store.pop_first(self.keys.doorbell, timeout_s) is not None
+        except ResponseError as exc:
+            if not str(exc).startswith("WRONGTYPE"):
+                raise
+            await self._planted_gone(self.keys.doorbell)
+            return True  # (a ring may have been lost with it: look at the queues)
 
     async def requeue_own(self) -> tuple[int, int]:
         return await requeue(self.store, self.dispatcher_id)

@@ -21,8 +21,11 @@ local function waiting(t, ...)
 end
 
 local function ring(t)
-  -- the doorbell, kept at one ring
-  redis.call('LPUSH', t.doorbell, '1')
+  -- the doorbell, kept at one ring (one of another type, planted, goes)
+  if type(redis.pcall('LPUSH', t.doorbell, '1')) ~= 'number' then
+    redis.call('DEL', t.doorbell)
+    redis.call('LPUSH', t.doorbell, '1')
+  end
   redis.call('LTRIM', t.doorbell, 0, 0)
 end
 
