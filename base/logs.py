@@ -6,13 +6,14 @@ key or an input text (lengths and hashes only); fields are text, numbers,
 and lists and dicts of them (bytes would be written as base64).
 """
 
+import contextlib
 import json
 import logging
 import os
 import sys
 import time
 from collections.abc import MutableMapping
-from typing import Any
+from typing import Any, BinaryIO, TextIO, cast
 
 import msgspec
 import structlog
@@ -27,9 +28,10 @@ def configure(role: str, process_id: str, level: str | None = None) -> None:
     # where stderr is unbuffered, as PYTHONUNBUFFERED makes it).
     renderer: Any = _json_line if json_lines else structlog.dev.ConsoleRenderer(colors=False)
     factory: Any = (
-        structlog.BytesLoggerFactory(file=sys.stderr.buffer)
+        # (structlog's loggers call a file's write and flush, and no more)
+        structlog.BytesLoggerFactory(file=cast(BinaryIO, WhileThere(sys.stderr.buffer)))
         if json_lines
-        else structlog.PrintLoggerFactory(file=sys.stderr)
+        else structlog.PrintLoggerFactory(file=cast(TextIO, WhileThere(sys.stderr)))
     )
     structlog.configure(
         processors=[
@@ -46,6 +48,25 @@ def configure(role: str, process_id: str, level: str | None = None) -> None:
     structlog.contextvars.bind_contextvars(role=role, pid=os.getpid(), process_id=process_id)
     # Libraries that use stdlib logging (uvicorn) go to stderr at warning and above.
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(message)s")
+
+
+class WhileThere:
+    """stderr, written to while it is there: once it is gone (its terminal
+    closed, its reader left) a line is lost, not the process (a drain after
+    SIGHUP logs as it goes)."""
+
+    def __init__(self, file: Any) -> None:
+        self._file = file
+
+    def write(self, data: Any) -> int:
+        try:
+            return int(self._file.write(data))
+        except OSError:
+            return 0
+
+    def flush(self) -> None:
+        with contextlib.suppress(OSError):
+            self._file.flush()
 
 
 _encoder = msgspec.json.Encoder(enc_hook=repr)

@@ -2,7 +2,8 @@
 and a heap that a full collection need not scan whole (``freeze_heap``).
 
 The first SIGTERM, SIGINT or SIGHUP (a closed terminal) sets the
-component's ``stop`` event so it can drain; a second ends the process at once. A shutdown can never hang: if the
+component's ``stop`` event so it can drain; a second SIGTERM or SIGINT ends
+the process at once. A shutdown can never hang: if the
 component has not returned ``shutdown_grace_s`` after the first signal, the
 stack of every task still running is logged (``shutdown.stuck``, the await
 that did not finish) and the process exits with ``EXIT_STUCK``.
@@ -78,6 +79,8 @@ def run(
         loop = asyncio.get_running_loop()
 
         def on_signal(signum: int) -> None:
+            if stop.is_set() and signum == signal.SIGHUP:
+                return  # (a closed terminal may send it twice: the drain goes on)
             if stop.is_set():
                 log.warning("shutdown.forced", signal=signum)
                 sys.stderr.flush()

@@ -3,8 +3,8 @@ gateway processes share one port and the kernel spreads connections.
 
 Drain: the first SIGTERM/SIGINT/SIGHUP makes the gateway refuse new requests (503,
 ``/readyz`` not ready) while it waits, up to the drain timeout, for the
-requests it is holding; then uvicorn shuts down. A second signal ends it at
-once.
+requests it is holding; then uvicorn shuts down. A second SIGTERM or
+SIGINT ends it at once.
 """
 
 import asyncio
@@ -174,6 +174,8 @@ class DrainingServer(uvicorn.Server):
             self.gateway.draining = True
             log.info("gateway.draining", pending=len(self.gateway.replies.pending))
             return
+        if sig == signal.SIGHUP:
+            return  # (a closed terminal may send it twice: the drain goes on)
         self.should_exit = True
         self.force_exit = self.force_exit or self.drain_started is not None
 

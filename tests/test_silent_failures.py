@@ -532,7 +532,10 @@ def test_sighup_drains_unless_the_process_was_started_ignoring_it(ignored: bool)
         [sys.executable, "-c", code],
         stdout=subprocess.PIPE,
         text=True,
-        preexec_fn=(lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if ignored else None,
+        # (set both ways: the runner itself may run under nohup)
+        preexec_fn=lambda: signal.signal(
+            signal.SIGHUP, signal.SIG_IGN if ignored else signal.SIG_DFL
+        ),
     )
     assert proc.stdout is not None
     try:
@@ -542,6 +545,43 @@ def test_sighup_drains_unless_the_process_was_started_ignoring_it(ignored: bool)
             with pytest.raises(subprocess.TimeoutExpired):
                 proc.wait(1)  # (bounded: it must still be running)
             proc.send_signal(signal.SIGTERM)
+        assert proc.stdout.readline().strip() == "drained"
+        assert proc.wait(10) == 0
+    finally:
+        proc.kill()
+        proc.stdout.close()
+
+
+def test_a_process_whose_stderr_is_gone_still_drains() -> None:
+    """Its terminal closed (or its log reader left): log lines are lost,
+    the drain is not (before, the first line after it raised)."""
+    code = (
+        "import asyncio\n"
+        "from infergate.base import logs, runtime\n"
+        "logs.configure('test', 'gone')\n"
+        "log = logs.get('test')\n"
+        "async def main(stop):\n"
+        "    print('started', flush=True)\n"
+        "    await stop.wait()\n"
+        "    for _ in range(100):\n"
+        "        log.info('draining', padding='x' * 1000)\n"
+        "    print('drained', flush=True)\n"
+        "    return 0\n"
+        "raise SystemExit(runtime.run(main))\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "INFERGATE_LOG_FORMAT": "json"},
+    )
+    assert proc.stdout is not None
+    assert proc.stderr is not None
+    try:
+        assert proc.stdout.readline().strip() == "started"
+        proc.stderr.close()  # (its reader gone: a write is EPIPE)
+        proc.send_signal(signal.SIGTERM)
         assert proc.stdout.readline().strip() == "drained"
         assert proc.wait(10) == 0
     finally:
