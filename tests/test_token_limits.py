@@ -308,8 +308,8 @@ def test_a_follower_cancelled_with_its_list_gives_back_what_it_reserved(
     follows, which cancels it. It ran nothing and gives back all it
     reserved (before, nothing settled it: round five's race held 274 s of
     a 300 s budget against 7 s used)."""
-    c = dear_key_cluster(cluster_factory, ms_per_ktoken=400)
-    shared = f"shared {'b ' * 990}"  # (0.8 s: the leader is in flight throughout)
+    c = dear_key_cluster(cluster_factory, ms_per_ktoken=800)
+    shared = f"shared {'b ' * 990}"  # (1.6 s: the leader is in flight throughout)
     url = c.urls[0] + "/v1/completions"
     client = sync_redis.Redis.from_url(c.redis_url)
     (window,) = client.scan_iter(match="*metered*tokens*")
