@@ -9,7 +9,10 @@
 -- Returns {worker ids (sorted), their heartbeats, depths, gateway ids, theirs}
 local function beats_of(members, prefix)
   local ids = redis.pcall('SMEMBERS', members)
-  if ids.err then  -- (a key of another type, planted, is no members set: it goes)
+  if ids.err then
+    -- (a key of another type, planted, is no members set: it goes; any
+    -- other error is the call's)
+    if not string.find(ids.err, 'WRONGTYPE', 1, true) then error(ids) end
     redis.call('DEL', members)
     ids = {}
   end

@@ -22,7 +22,7 @@ end
 
 local function ring(t)
   -- the doorbell, kept at one ring (one of another type, planted, goes)
-  if type(redis.pcall('LPUSH', t.doorbell, '1')) ~= 'number' then
+  if wrong_type(redis.pcall('LPUSH', t.doorbell, '1')) then
     redis.call('DEL', t.doorbell)
     redis.call('LPUSH', t.doorbell, '1')
   end
@@ -39,7 +39,7 @@ local function offer_credit(t)
   -- it back, no rule, jobs waiting for headroom), ring the doorbell: a
   -- dispatcher waits on it holding no credit
   -- (a `ready` of another type, planted, goes: takes offer onto it)
-  if type(redis.pcall('LREM', t.ready, 0, t.credit)) ~= 'number' then redis.call('DEL', t.ready) end
+  if wrong_type(redis.pcall('LREM', t.ready, 0, t.credit)) then redis.call('DEL', t.ready) end
   redis.call('LPUSH', t.ready, t.credit)
   if not t.none_queued and work_waits(t) then ring(t) end
 end

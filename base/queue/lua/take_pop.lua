@@ -47,6 +47,12 @@ end
 local TAKE_KINDS = {stats = 'hash', cancelled_set = 'zset', ready = 'list',
   jobs_queued = 'hash', last_dispatch = 'string'}
 
+local function wrong_type(reply)
+  -- a pcall's reply is WRONGTYPE (planted); any other error is raised
+  if type(reply) ~= 'table' or not reply.err then return false end
+  return string.find(reply.err, 'WRONGTYPE', 1, true) ~= nil or error(reply)
+end
+
 local function planted_gone(t)
   -- each of those of another type (planted) goes before anything moves (a
   -- write refused after envelopes were popped would lose them)
@@ -65,7 +71,7 @@ local function pop_from(t, queue, limit)
   while got < limit and #t.taken < t.n and not t.drained[queue] do
     local want = math.min(limit - got, t.n - #t.taken)
     local chunk = redis.pcall('LRANGE', queue, -want, -1)
-    if chunk.err then
+    if wrong_type(chunk) then
       redis.call('DEL', queue)
       t.malformed, t.drained[queue] = t.malformed + 1, true
       break
