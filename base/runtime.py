@@ -3,10 +3,10 @@ and a heap that a full collection need not scan whole (``freeze_heap``).
 
 The first SIGTERM, SIGINT or SIGHUP (a closed terminal) sets the
 component's ``stop`` event so it can drain; a second SIGTERM or SIGINT ends
-the process at once. A shutdown can never hang: if the
-component has not returned ``shutdown_grace_s`` after the first signal, the
-stack of every task still running is logged (``shutdown.stuck``, the await
-that did not finish) and the process exits with ``EXIT_STUCK``.
+the process at once. A shutdown can never hang: if the component has not
+returned ``shutdown_grace_s`` after the first signal, the stack of every
+task still running is logged (``shutdown.stuck``, the await that did not
+finish) and the process exits with ``EXIT_STUCK``.
 """
 
 import asyncio

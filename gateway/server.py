@@ -1,10 +1,10 @@
 """Serving the gateway with uvicorn on a SO_REUSEPORT socket, so several
 gateway processes share one port and the kernel spreads connections.
 
-Drain: the first SIGTERM/SIGINT/SIGHUP makes the gateway refuse new requests (503,
-``/readyz`` not ready) while it waits, up to the drain timeout, for the
-requests it is holding; then uvicorn shuts down. A second SIGTERM or
-SIGINT ends it at once.
+Drain: the first SIGTERM/SIGINT/SIGHUP makes the gateway refuse new
+requests (503, ``/readyz`` not ready) while it waits, up to the drain
+timeout, for the requests it is holding; then uvicorn shuts down. A second
+SIGTERM or SIGINT ends it at once.
 """
 
 import asyncio

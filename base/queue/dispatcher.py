@@ -54,9 +54,7 @@ class DispatcherQueue:
         try:
             credit = await self.store.move_oldest(self.keys.ready, credits, timeout_s)
         except ResponseError as exc:
-            if not str(exc).startswith("WRONGTYPE"):
-                raise
-            await self._planted_gone(self.keys.ready, credits)
+            await self._planted_gone(exc, self.keys.ready, credits)
             return None
         if credit is None:
             return None
@@ -68,10 +66,13 @@ class DispatcherQueue:
             return None
         return ids[0]
 
-    async def _planted_gone(self, *names: str) -> None:
-        """Those of ``names`` that are not lists (planted: Redis's contents
-        are not trusted) go (idle workers offer their credits again; the
-        next admit rings again)."""
+    async def _planted_gone(self, exc: ResponseError, *names: str) -> None:
+        """After a blocking pop's WRONGTYPE, those of ``names`` that are not
+        lists (planted: Redis's contents are not trusted) go (idle workers
+        offer their credits again; the next admit rings again); any other
+        error is raised."""
+        if not str(exc).startswith("WRONGTYPE"):
+            raise exc
         for name in names:
             kind = await self.store.redis.type(name)
             if kind not in (b"list", b"none"):
@@ -112,9 +113,7 @@ class DispatcherQueue:
         try:
             return await self.store.pop_first(self.keys.doorbell, timeout_s) is not None
         except ResponseError as exc:
-            if not str(exc).startswith("WRONGTYPE"):
-                raise
-            await self._planted_gone(self.keys.doorbell)
+            await self._planted_gone(exc, self.keys.doorbell)
             return True  # (a ring may have been lost with it: look at the queues)
 
     async def requeue_own(self) -> tuple[int, int]:
