@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import msgspec
@@ -475,29 +476,46 @@ def test_a_process_runs_with_what_it_started_with_out_of_the_collector_s_way() -
     assert int(done.stdout) > 10_000  # (the modules imported, at least)
 
 
-def test_a_shutdown_that_hangs_is_ended_and_says_where(tmp_path: Path) -> None:
+def started_process(
+    after_stop: str, *, before: str = "", run_args: str = "", **popen: Any
+) -> "subprocess.Popen[str]":
+    """A process whose ``runtime.run(main)`` prints 'started', waits for its
+    stop, then runs ``after_stop`` (lines of main's body) and returns 0;
+    ``before``: lines ahead of main. Returned once it has started (stdout
+    a pipe, read as text)."""
     code = (
         "import asyncio\n"
         "from infergate.base import logs, runtime\n"
-        "logs.configure('test', 'stuck')\n"
-        "async def never_finishes_its_cleanup():\n"
-        "    await asyncio.Event().wait()\n"
+        f"{before}"
         "async def main(stop):\n"
         "    print('started', flush=True)\n"
         "    await stop.wait()\n"
-        "    await never_finishes_its_cleanup()\n"
+        f"{after_stop}"
         "    return 0\n"
-        "raise SystemExit(runtime.run(main, shutdown_grace_s=1.0))\n"
+        f"raise SystemExit(runtime.run(main{run_args}))\n"
     )
     proc = subprocess.Popen(
-        [sys.executable, "-c", code],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "INFERGATE_LOG_FORMAT": "json"},
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, **popen
     )
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "started"
+    return proc
+
+
+def test_a_shutdown_that_hangs_is_ended_and_says_where(tmp_path: Path) -> None:
+    proc = started_process(
+        "    await never_finishes_its_cleanup()\n",
+        before=(
+            "logs.configure('test', 'stuck')\n"
+            "async def never_finishes_its_cleanup():\n"
+            "    await asyncio.Event().wait()\n"
+        ),
+        run_args=", shutdown_grace_s=1.0",
+        stderr=subprocess.PIPE,
+        env={**os.environ, "INFERGATE_LOG_FORMAT": "json"},
+    )
+    assert proc.stdout is not None
+    assert proc.stderr is not None
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(10) == 4
     stderr = proc.stderr.read()
@@ -517,20 +535,8 @@ def test_sighup_drains_unless_the_process_was_started_ignoring_it(ignored: bool)
     """A terminal that closes sends SIGHUP: the process drains as for
     SIGTERM (before, it died at once). One started under nohup (SIGHUP
     ignored) outlives its terminal, as it was asked to."""
-    code = (
-        "import asyncio\n"
-        "from infergate.base import runtime\n"
-        "async def main(stop):\n"
-        "    print('started', flush=True)\n"
-        "    await stop.wait()\n"
-        "    print('drained', flush=True)\n"
-        "    return 0\n"
-        "raise SystemExit(runtime.run(main))\n"
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code],
-        stdout=subprocess.PIPE,
-        text=True,
+    proc = started_process(
+        "    print('drained', flush=True)\n",
         # (set both ways: the runner itself may run under nohup)
         preexec_fn=lambda: signal.signal(
             signal.SIGHUP, signal.SIG_IGN if ignored else signal.SIG_DFL
@@ -538,7 +544,6 @@ def test_sighup_drains_unless_the_process_was_started_ignoring_it(ignored: bool)
     )
     assert proc.stdout is not None
     try:
-        assert proc.stdout.readline().strip() == "started"
         proc.send_signal(signal.SIGHUP)
         if ignored:
             with pytest.raises(subprocess.TimeoutExpired):
@@ -554,31 +559,17 @@ def test_sighup_drains_unless_the_process_was_started_ignoring_it(ignored: bool)
 def test_a_process_whose_stderr_is_gone_still_drains() -> None:
     """Its terminal closed (or its log reader left): log lines are lost,
     the drain is not (before, the first line after it raised)."""
-    code = (
-        "import asyncio\n"
-        "from infergate.base import logs, runtime\n"
-        "logs.configure('test', 'gone')\n"
-        "log = logs.get('test')\n"
-        "async def main(stop):\n"
-        "    print('started', flush=True)\n"
-        "    await stop.wait()\n"
+    proc = started_process(
         "    for _ in range(100):\n"
         "        log.info('draining', padding='x' * 1000)\n"
-        "    print('drained', flush=True)\n"
-        "    return 0\n"
-        "raise SystemExit(runtime.run(main))\n"
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code],
-        stdout=subprocess.PIPE,
+        "    print('drained', flush=True)\n",
+        before="logs.configure('test', 'gone')\nlog = logs.get('test')\n",
         stderr=subprocess.PIPE,
-        text=True,
         env={**os.environ, "INFERGATE_LOG_FORMAT": "json"},
     )
     assert proc.stdout is not None
     assert proc.stderr is not None
     try:
-        assert proc.stdout.readline().strip() == "started"
         proc.stderr.close()  # (its reader gone: a write is EPIPE)
         proc.send_signal(signal.SIGTERM)
         assert proc.stdout.readline().strip() == "drained"
