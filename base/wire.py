@@ -116,9 +116,11 @@ class Result(msgspec.Struct, frozen=True, omit_defaults=True):
     # The input's, when its envelope asked (``count_input``).
     input_tokens: int = 0
     # Its share of the backend call's time (usage, a GPU budget's settling),
-    # by its tokens; and the call's tokens (input and output, one more each).
+    # by its tokens; and the call's tokens (input and output, one more each),
+    # a new token counted as this many input tokens (``gpu/token_weight.py``).
     gpu_us: int = 0
     call_tokens: int = 0
+    new_token_weight: float = 1.0
 
 
 def new_job_id() -> str:

@@ -106,6 +106,13 @@ def _up_parser(sub: Any) -> None:
         "simulated batch time per 1,000 tokens (words) in and out of it, on top (default 0)",
         float,
     )
+    _add(
+        up,
+        "--sim-new-token-weight",
+        1.0,
+        "simulated: a token out costs this many tokens in (default 1)",
+        float,
+    )
     _add(up, "--policy", None, "policy file (default: the built-in demo policy with fresh keys)")
     _add(up, "--keys-out", None, "write the demo keys as JSON to this file")
     _add(up, "--namespace", "infergate", "key namespace of this deployment")
@@ -254,6 +261,13 @@ def _worker_parser(sub: Any) -> None:
         "--sim-ms-per-ktoken",
         0.0,
         "simulated backend: more time per 1,000 tokens (words) in and out of a batch (default 0)",
+        float,
+    )
+    _add(
+        wk,
+        "--sim-new-token-weight",
+        1.0,
+        "simulated backend: a token out costs this many tokens in (default 1)",
         float,
     )
     _add(

@@ -127,6 +127,7 @@ def build(
             args.sim_hang_marker,
             model=named,
             ms_per_ktoken=args.sim_ms_per_ktoken,
+            new_token_weight=args.sim_new_token_weight,
         )
     max_new_tokens = args.max_new_tokens or model.max_new_tokens
     if spec.kind == "transformers":

@@ -172,6 +172,8 @@ def worker_child(
         argv += ["--sim-latency-ms", str(args.sim_latency_ms)]
     if args.sim_ms_per_ktoken:
         argv += ["--sim-ms-per-ktoken", str(args.sim_ms_per_ktoken)]
+    if args.sim_new_token_weight != 1.0:
+        argv += ["--sim-new-token-weight", str(args.sim_new_token_weight)]
     argv += ["--policy", policy_path]
     argv += _worker_flags(args)
     if model:

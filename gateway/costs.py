@@ -22,7 +22,7 @@ MOST_FACTOR = 64.0
 
 
 class CallLine:
-    """A call's time against its tokens (input and output, one more each):
+    """A call's time against its tokens (input and weighed output, one more each):
     decaying sums of 1, x, y, x², xy, for a least-squares line; how far
     over the line the calls have been (``over``, a factor, back toward 1
     as calls within it follow); the largest input and output bounds of a
@@ -41,10 +41,21 @@ class CallLine:
         self.slowest_us = 0
         self.smallest_call = float("inf")
         self.largest_call = 0.0
+        self.new_token_weight = 1.0
 
-    def add(self, tokens: int, call_us: int, bound: tuple[int, int] = (0, 0)) -> None:
+    def add(
+        self,
+        tokens: int,
+        call_us: int,
+        bound: tuple[int, int] = (0, 0),
+        new_token_weight: float = 1.0,
+    ) -> None:
         """A call of ``tokens`` that took ``call_us``, with a request in it
-        of at most ``bound`` tokens of input and of output."""
+        of at most ``bound`` tokens of input and of output; its worker
+        counts a new token as ``new_token_weight`` input tokens (the
+        latest is what a bound is drawn by: ``tokens_of``)."""
+        w = new_token_weight  # (held to 1-MOST_FACTOR; NaN, as any other planted, is 1)
+        self.new_token_weight = MOST_FACTOR if w > MOST_FACTOR else (w if w >= 1.0 else 1.0)
         x, y, m = float(tokens), float(call_us), self.memory
         n, sx, sy, sxx, sxy = self.sums
         self.sums = [n * m + 1.0, sx * m + x, sy * m + y, sxx * m + x * x, sxy * m + x * y]
@@ -58,6 +69,11 @@ class CallLine:
         self.over = 1.0 + (self.over - 1.0) * m
         if on_line > 0:
             self.over = max(self.over, y / on_line)
+
+    def tokens_of(self, input_tokens: int, output_tokens: int) -> float:
+        """A request's tokens in the calls' units: its new tokens weighed
+        as its worker weighs them, one more."""
+        return 1 + input_tokens + self.new_token_weight * output_tokens
 
     def fit(self) -> tuple[float, float] | None:
         """A call's time (µs) as its fixed part and its part per token; with
@@ -111,10 +127,12 @@ class CostModel:
         call_tokens: int = 0,
         call_us: int = 0,
         bound: tuple[int, int] = (0, 0),
+        new_token_weight: float = 1.0,
     ) -> None:
         """A request of the key's with ``chars`` input characters (and at
         most ``bound`` tokens of input and of output) used ``gpu_us``, in a
-        call of ``call_tokens`` that took ``call_us``."""
+        call of ``call_tokens`` (a new token weighing ``new_token_weight``)
+        that took ``call_us``."""
         if gpu_us <= 0:
             return  # (a cached or joined answer: the GPU did not run it)
         sums = self._keys.get(key_id)
@@ -128,7 +146,7 @@ class CostModel:
             own = self._key_calls.get(key_id)
             if own is None:
                 own = self._key_calls[key_id] = CallLine(KEY_MEMORY)
-            own.add(call_tokens, call_us, bound)
+            own.add(call_tokens, call_us, bound, new_token_weight)
         for held, memory in ((sums, KEY_MEMORY), (self._model, MODEL_MEMORY)):
             held[0] = held[0] * memory + gpu_us
             held[1] = held[1] * memory + chars + 1

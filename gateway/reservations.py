@@ -81,8 +81,10 @@ def gpu_bound(
     past = max(input_tokens / line.largest_input, output_tokens / max(line.largest_output, 1), 1.0)
     if past > beyond:
         return GPU_UNKNOWN_US
-    within = min(input_tokens, line.largest_input) + min(output_tokens, line.largest_output)
-    return round(GPU_MARGIN * line.over * line.time_us(within + 1) * past)
+    within = line.tokens_of(
+        min(input_tokens, line.largest_input), min(output_tokens, line.largest_output)
+    )
+    return round(GPU_MARGIN * line.over * line.time_us(within) * past)
 
 
 def gpu_job_bound(input_tokens: int, output_tokens: int, line: CallLine | None) -> int:

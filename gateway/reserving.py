@@ -53,7 +53,13 @@ def measured(request: Request, result: wire.Result, gpu_us: int) -> None:
     if not request.reserve:
         bound = (len(text) + reservations.TEMPLATE_TOKENS, result.tokens)
     request.lane.quota.costs.answered(
-        request.key.id, len(text), gpu_us, result.call_tokens, result.infer_ms * 1000, bound
+        request.key.id,
+        len(text),
+        gpu_us,
+        result.call_tokens,
+        result.infer_ms * 1000,
+        bound,
+        result.new_token_weight,
     )
 
 

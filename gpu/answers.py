@@ -18,6 +18,7 @@ from infergate.base.queue.usage import Charge, weighted_shares
 from infergate.base.queue.worker import KeptAnswer
 from infergate.gpu.backend import Backend, BackendError, Counted, UpstreamError
 from infergate.gpu.backend_thread import slot_key
+from infergate.gpu.token_weight import NewTokenWeight
 
 log = logs.get(__name__)
 
@@ -100,6 +101,7 @@ class Answers:
         self.backend = backend  # its fingerprint names the model in what the cache keeps
         self.metrics = metrics
         self.tally = tally
+        self.new_token = NewTokenWeight()
 
     def _clipped(
         self, outcome: str | BackendError, max_tokens: int
@@ -147,9 +149,12 @@ class Answers:
             input_tokens = self._input_tokens(env, outcome)
             tokens.append((input_tokens, 0 if isinstance(clipped, BackendError) else clipped[1]))
             outcomes.append((clipped, input_tokens))
-        # (each request's share of the call: by its tokens, one more each)
-        weights = [1 + i + o for i, o in tokens]
+        # (each request's share of the call: by its tokens, a new one weighed
+        # against an input one as the calls measured it, one more each)
+        new_token_weight = self.new_token.weight
+        weights = [self.new_token.weighed(i, o) for i, o in tokens]
         gpu, call_tokens = weighted_shares(infer_ms * 1000, weights), sum(weights)
+        self._measure(live, outcome_of, tokens, infer_ms)
         for env, (clipped, input_tokens), gpu_us in zip(live, outcomes, gpu, strict=True):
             # Reported as served by the model, whichever copy ran: the keys of a
             # batch must not learn from served_by that another sent the same input.
@@ -164,6 +169,7 @@ class Answers:
                 input_tokens if env.count_input else 0,  # (where its envelope asks)
                 gpu_us,
                 call_tokens,
+                new_token_weight,
             )
             results.append((wire.destination(env), result))
             if (
@@ -183,6 +189,26 @@ class Answers:
         self.tally.batch_served(len(live))
         answer.report = partial(self._report, batch, live, outcome_of, infer_ms, idle_ms)
         return answer
+
+    def _measure(
+        self,
+        live: list[wire.Envelope],
+        outcome_of: dict[Hashable, str | BackendError],
+        tokens: list[tuple[int, int]],
+        infer_ms: int,
+    ) -> None:
+        """What the call read and wrote, once per input the backend ran
+        (identical ones collapse onto one), for the new token's weight; a
+        call that failed wrote nothing to learn from."""
+        ran: dict[Hashable, tuple[int, int]] = {}
+        for env, counted in zip(live, tokens, strict=True):
+            key = slot_key(env)
+            if isinstance(outcome_of[key], BackendError):
+                return
+            ran.setdefault(key, counted)
+        if ran and infer_ms > 0:
+            read, wrote = sum(i for i, _ in ran.values()), sum(o for _, o in ran.values())
+            self.new_token.took(read, wrote, infer_ms * 1000)
 
     def lost(self, batch: wire.Batch, lost: list[wire.Envelope], started_ms: int) -> Answer:
         """A batch whose every live request's input is gone (or with none
@@ -251,6 +277,7 @@ class Answers:
             infer_ms=infer_ms,
             idle_ms=idle_ms,
             failed=failed,
+            new_token_weight=round(self.new_token.weight, 2),
         )
 
 
@@ -283,6 +310,7 @@ def _result(
     input_tokens: int,
     gpu_us: int,
     call_tokens: int,
+    new_token_weight: float,
 ) -> wire.Result:
     common = dict(
         id=env.id,
@@ -293,6 +321,7 @@ def _result(
         infer_ms=infer_ms,
         gpu_us=gpu_us,
         call_tokens=call_tokens,
+        new_token_weight=new_token_weight,
     )
     if isinstance(outcome, BackendError):
         # (an upstream that did not answer: no input is at fault, retry)

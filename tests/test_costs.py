@@ -4,7 +4,7 @@ calls' measured time against their tokens, whose calls move it, and what it
 bounds: nothing larger than it has seen, nothing slower than it has seen."""
 
 import pytest
-from infergate.gateway.costs import CostModel
+from infergate.gateway.costs import MOST_FACTOR, CostModel
 from infergate.gateway.reservations import (
     GPU_MARGIN,
     GPU_UNKNOWN_US,
@@ -179,3 +179,24 @@ def test_a_job_larger_than_any_request_measured_reserves_in_proportion() -> None
     assert gpu_job_bound(36, 4, line) == gpu_bound(36, 4, line)
     assert gpu_job_bound(3_600, 4, line) == pytest.approx(100 * gpu_bound(36, 4, line), rel=0.01)
     assert gpu_job_bound(3_600, 4, line) > 50 * 20_400
+
+
+def test_a_long_answer_reserves_what_its_new_tokens_cost() -> None:
+    """A worker that weighs a new token as ten input tokens reports its
+    calls in those units: a request of a few input tokens and a long answer
+    reserves what its call takes (its tokens counted alike, a fifth)."""
+    costs, weight = CostModel(), 10.0
+    for i in range(40):  # (alone in calls of 8-48 tokens in, 4-44 out)
+        read, wrote = 8 + i, 4 + i
+        tokens = round(1 + read + weight * wrote)
+        call_us = 20_000 + 100 * tokens
+        costs.answered("a", 40, call_us, tokens, call_us, (read, wrote), weight)
+    line = costs.call_line("a")
+    assert line is not None and line.new_token_weight == weight
+    takes_us = 20_000 + 100 * (1 + 10 + weight * 40)
+    assert takes_us <= gpu_bound(10, 40, line) <= GPU_MARGIN * 1.01 * takes_us
+    # A weight from a planted reply is held to its bounds.
+    costs.answered("a", 40, 1, 10, 1, (1, 1), float("nan"))
+    assert line.new_token_weight == 1.0
+    costs.answered("a", 40, 1, 10, 1, (1, 1), 1e9)
+    assert line.new_token_weight == MOST_FACTOR

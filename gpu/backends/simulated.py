@@ -9,7 +9,8 @@ differs from call to call. Its tokens are words, and it stops at each
 input's ``max_tokens`` of them; with ``ms_per_ktoken``, a call's time
 grows with the tokens it reads and writes, as a real model's does with
 its own (a model whose time follows anything else cannot be metered by
-its tokens: ``gateway/costs.py``). To test failure handling,
+its tokens: ``gateway/costs.py``), a new token ``new_token_weight`` times
+an input token's (a real model writes its answer a step at a time). To test failure handling,
 any input containing ``fail_marker`` makes the whole call raise, as a
 poisoned input does on a real model, and any input containing
 ``hang_marker`` makes the call hang for ``hang_s`` (a stuck GPU). Both are
@@ -52,16 +53,20 @@ class SimulatedBackend:
         hang_s: float = 3600.0,
         model: str = "",
         ms_per_ktoken: float = 0.0,
+        new_token_weight: float = 1.0,
     ) -> None:
         self.model = model
         # Its output depends on the input alone (and the model it names).
         self.fingerprint = "simulated/1" + (f"/{model}" if model else "")
         if latency_ms < 0 or not 0 <= ms_per_ktoken <= 60_000:
             raise ValueError("latency_ms must be >= 0, ms_per_ktoken 0-60000")
+        if not 1 <= new_token_weight <= 1000:
+            raise ValueError("new_token_weight must be 1-1000")
         self.latency_s = latency_ms / 1000.0
         # A batch's time grows with what it reads and writes (a model's
         # prefill and decode): per token in and out, on top.
         self.s_per_token = ms_per_ktoken / 1e6
+        self.new_token_weight = new_token_weight
         self.fail_marker = fail_marker or None
         self.hang_marker = hang_marker or None
         self.hang_s = hang_s
@@ -78,13 +83,20 @@ class SimulatedBackend:
         output = sim_output(s, temperature, self.model)
         return clip_words(output, most)[0] if most > 0 else output
 
+    def _token_s(self, inputs: list[str], outputs: list[str]) -> float:
+        """A call's time for the tokens it reads and writes."""
+        if not self.s_per_token:
+            return 0.0
+        read = sum(len(s.split()) for s in inputs)
+        wrote = sum(len(s.split()) for s in outputs)
+        return (read + self.new_token_weight * wrote) * self.s_per_token
+
     def infer_sampled(self, inputs: list[str], temperatures: list[float]) -> list[str]:
         check_batch(inputs)
         with self._one_at_a_time:
             rows = zip(inputs, temperatures, max_tokens_of(inputs), strict=True)
             outputs = [self._output(s, t, most) for s, t, most in rows]
-            tokens = sum(len(s.split()) for s in inputs + outputs) if self.s_per_token else 0
-            time.sleep(self.latency_s + tokens * self.s_per_token)
+            time.sleep(self.latency_s + self._token_s(inputs, outputs))
             if self.hang_marker is not None and any(self.hang_marker in s for s in inputs):
                 time.sleep(self.hang_s)
             if self.fail_marker is not None and any(self.fail_marker in s for s in inputs):
