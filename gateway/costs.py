@@ -5,11 +5,14 @@ model's. So a key whose requests cost four times more per character
 (short prompts with long answers) moves its fair tag four times as fast,
 and takes a quarter of the slots while others wait. A key not answered
 here yet is charged its characters. Each gateway learns from the answers
-it receives; decaying sums forget a key's old requests (some hundred count).
+it receives; decaying sums forget a key's old requests (some hundred count),
+and its line the calls they were in (some hundred).
 A GPU budget's reservation follows the calls the key's own requests were
 in: another key moves it only by sharing those calls, where it moves the
 key's measured share, and so its charge, alike; a key with none measured
 here has no line (``reservations.gpu_bound``)."""
+
+from typing import NamedTuple
 
 # Each answer's weight in a key's sums decays by this per later answer of
 # the key; in the model's, per later answer of any key.
@@ -21,6 +24,16 @@ MOST_KEYS = 10_000
 MOST_FACTOR = 64.0
 
 
+class MeasuredCall(NamedTuple):
+    """The backend call a request was answered in, as its answer says: its
+    tokens, weighed as its worker weighs a new token (``tokens_of``)."""
+
+    batch_id: str
+    tokens: int
+    us: int
+    new_token_weight: float = 1.0
+
+
 class CallLine:
     """A call's time against its tokens (input and weighed output, one more each):
     decaying sums of 1, x, y, x², xy, for a least-squares line; how far
@@ -30,7 +43,8 @@ class CallLine:
     slowest call; and the sizes the line was fitted to, the smallest
     call and the largest, forgotten as the sums forget the calls (one
     large request, then thousands of tiny ones, let a large one be drawn
-    from the tiny ones' mean)."""
+    from the tiny ones' mean). A call is added once however many of the
+    key's requests it answered (a batch of a hundred forgot the rest)."""
 
     def __init__(self, memory: float) -> None:
         self.memory = memory
@@ -42,28 +56,25 @@ class CallLine:
         self.smallest_call = float("inf")
         self.largest_call = 0.0
         self.new_token_weight = 1.0
+        self.last_batch = ""
 
-    def add(
-        self,
-        tokens: int,
-        call_us: int,
-        bound: tuple[int, int] = (0, 0),
-        new_token_weight: float = 1.0,
-    ) -> None:
-        """A call of ``tokens`` that took ``call_us``, with a request in it
-        of at most ``bound`` tokens of input and of output; its worker
-        counts a new token as ``new_token_weight`` input tokens (the
-        latest is what a bound is drawn by: ``tokens_of``)."""
-        w = new_token_weight  # (held to 1-MOST_FACTOR; NaN, as any other planted, is 1)
-        self.new_token_weight = MOST_FACTOR if w > MOST_FACTOR else (w if w >= 1.0 else 1.0)
-        x, y, m = float(tokens), float(call_us), self.memory
-        n, sx, sy, sxx, sxy = self.sums
-        self.sums = [n * m + 1.0, sx * m + x, sy * m + y, sxx * m + x * x, sxy * m + x * y]
+    def add(self, call: MeasuredCall, bound: tuple[int, int] = (0, 0)) -> None:
+        """A call with a request in it of at most ``bound`` tokens of input
+        and of output; its worker's weight of a new token is what a bound is
+        drawn by from now (``tokens_of``)."""
         self.largest_input = max(self.largest_input, bound[0])
         self.largest_output = max(self.largest_output, bound[1])
+        if call.batch_id and call.batch_id == self.last_batch:
+            return  # (another of the key's requests in the call just added)
+        self.last_batch = call.batch_id
+        w = call.new_token_weight  # (held to 1-MOST_FACTOR; NaN, as any planted, is 1)
+        self.new_token_weight = MOST_FACTOR if w > MOST_FACTOR else (w if w >= 1.0 else 1.0)
+        x, y, m = float(call.tokens), float(call.us), self.memory
+        n, sx, sy, sxx, sxy = self.sums
+        self.sums = [n * m + 1.0, sx * m + x, sy * m + y, sxx * m + x * x, sxy * m + x * y]
         self.smallest_call = min(self.smallest_call / m, x)
         self.largest_call = max(self.largest_call * m, x)
-        self.slowest_us = max(self.slowest_us, call_us)
+        self.slowest_us = max(self.slowest_us, call.us)
         fixed_us, per_token_us = self.fit() or (0.0, 0.0)
         on_line = fixed_us + per_token_us * x  # (``time_us``: none is larger)
         self.over = 1.0 + (self.over - 1.0) * m
@@ -124,15 +135,12 @@ class CostModel:
         key_id: str,
         chars: int,
         gpu_us: int,
-        call_tokens: int = 0,
-        call_us: int = 0,
+        call: MeasuredCall | None = None,
         bound: tuple[int, int] = (0, 0),
-        new_token_weight: float = 1.0,
     ) -> None:
         """A request of the key's with ``chars`` input characters (and at
-        most ``bound`` tokens of input and of output) used ``gpu_us``, in a
-        call of ``call_tokens`` (a new token weighing ``new_token_weight``)
-        that took ``call_us``."""
+        most ``bound`` tokens of input and of output) used ``gpu_us`` of
+        ``call``."""
         if gpu_us <= 0:
             return  # (a cached or joined answer: the GPU did not run it)
         sums = self._keys.get(key_id)
@@ -142,14 +150,24 @@ class CostModel:
                 del self._keys[forgotten]
                 self._key_calls.pop(forgotten, None)
             sums = self._keys[key_id] = [0.0, 0.0]
-        if call_tokens > 0 and call_us > 0:
-            own = self._key_calls.get(key_id)
-            if own is None:
-                own = self._key_calls[key_id] = CallLine(KEY_MEMORY)
-            own.add(call_tokens, call_us, bound, new_token_weight)
+        if call is not None:
+            self.learned(key_id, call, bound)
         for held, memory in ((sums, KEY_MEMORY), (self._model, MODEL_MEMORY)):
             held[0] = held[0] * memory + gpu_us
             held[1] = held[1] * memory + chars + 1
+
+    def learned(self, key_id: str, call: MeasuredCall, bound: tuple[int, int]) -> None:
+        """A call one of the key's requests (at most ``bound`` tokens of
+        input and of output) was in, for its line alone (a job's: its fair
+        cost is learned from requests)."""
+        if call.tokens <= 0 or call.us <= 0:
+            return
+        own = self._key_calls.get(key_id)
+        if own is None:
+            if len(self._key_calls) >= MOST_KEYS:  # (a key of jobs alone has no sums)
+                del self._key_calls[next(iter(self._key_calls))]
+            own = self._key_calls[key_id] = CallLine(KEY_MEMORY)
+        own.add(call, bound)
 
     def call_line(self, key_id: str) -> CallLine | None:
         """The calls ``key_id``'s requests were in (a GPU reservation's

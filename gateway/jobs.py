@@ -26,6 +26,7 @@ from infergate.gateway.api import InferenceResponse, JobAccepted, JobView, Param
 from infergate.gateway.calls import Call, OnDisconnect
 from infergate.gateway.charging import charge_quota, check_reservation, gpu_job_reservation
 from infergate.gateway.checks import check_memory
+from infergate.gateway.costs import MeasuredCall
 from infergate.gateway.errors import (
     ERRORS,
     ApiError,
@@ -114,6 +115,7 @@ class Jobs:
                 Place(key.id, cost, key.weight),
                 quota.reservation.units() if quota.reservation else (),
                 input_bound,
+                lane.name,
             )
             if not accepted:
                 await shard.quota.refund(key, tier, len(body.input))
@@ -207,7 +209,25 @@ class Jobs:
         if not _JOB_ID.match(job_id):
             raise _not_found()
         _, record = await self._locate(job_id, key_id)
-        return _view(job_id, record)
+        view = _view(job_id, record)
+        if view.result is not None and view.result.served_by == "model":
+            self._learn(key_id, record)
+        return view
+
+    def _learn(self, key_id: str, record: dict[str, str]) -> None:
+        """What a job that reserved teaches its key's costs, as a request's
+        answer does (``reserving.measured``): a key that sends only jobs is
+        estimated once one is read, not held to one job at a time with what
+        is left of its budget. Its call is learned once, however often the
+        job is read again (``CallLine.add``)."""
+        lane = self.gateway.lanes.of_key(record.get("model", ""), key_id)
+        if lane is None or "input_bound" not in record:
+            return  # (no reservation: nothing drawn from the line)
+        result = wire.decode_result(record["result"])
+        call = MeasuredCall(
+            result.batch_id, result.call_tokens, result.infer_ms * 1000, result.new_token_weight
+        )
+        lane.quota.costs.learned(key_id, call, (_int(record["input_bound"]), result.tokens))
 
     async def _locate(
         self, job_id: str, key_id: str, skip: Shard | None = None

@@ -175,6 +175,12 @@ class Lanes:
             lanes = self.by_name[name]
         return lanes[self._shard_of(key.id)]
 
+    def of_key(self, name: str, key_id: str) -> ModelLane | None:
+        """The lane a key's requests for model ``name`` take; None for a
+        model not served here (no more, or a name read from Redis)."""
+        lanes = self.by_name.get(name)
+        return None if lanes is None else lanes[self._shard_of(key_id)]
+
     def named(self, policy: Policy, model: str | None, shard: int = 0) -> ModelLane:
         """An operator's view of one model (the default when none is named) on one shard."""
         name = policy.default_model if model is None else model

@@ -89,9 +89,9 @@ def gpu_bound(
 
 def gpu_job_bound(input_tokens: int, output_tokens: int, line: CallLine | None) -> int:
     """What a job reserves: ``gpu_bound``, in proportion however far past
-    the largest request measured (a job teaches no gateway its cost, so
-    jobs estimated as what is left would run one at a time for good once
-    its key's requests are measured); before any is, what is left. Its
+    the largest request measured (a job teaches its line only once its
+    result is read, which may be long after: jobs estimated as what is
+    left would run one at a time); before any is, what is left. Its
     excess is charged when it finishes."""
     return gpu_bound(input_tokens, output_tokens, line, beyond=float("inf"))
 

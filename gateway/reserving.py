@@ -8,6 +8,7 @@ from infergate.base.queue.gateway import RESERVED_KEPT_MS, Counter
 from infergate.gateway import reservations
 from infergate.gateway.api import Parameters
 from infergate.gateway.charging import check_reservation, gpu_reservation, settle
+from infergate.gateway.costs import MeasuredCall
 from infergate.gateway.models import ModelLane
 from infergate.gateway.request import Request
 from infergate.gateway.service import Gateway
@@ -52,15 +53,10 @@ def measured(request: Request, result: wire.Result, gpu_us: int) -> None:
     bound = (request.input_bound, request.max_tokens)
     if not request.reserve:
         bound = (len(text) + reservations.TEMPLATE_TOKENS, result.tokens)
-    request.lane.quota.costs.answered(
-        request.key.id,
-        len(text),
-        gpu_us,
-        result.call_tokens,
-        result.infer_ms * 1000,
-        bound,
-        result.new_token_weight,
+    call = MeasuredCall(
+        result.batch_id, result.call_tokens, result.infer_ms * 1000, result.new_token_weight
     )
+    request.lane.quota.costs.answered(request.key.id, len(text), gpu_us, call, bound)
 
 
 async def settle_failed(request: Request) -> None:

@@ -806,8 +806,10 @@ def test_a_job_settles_what_it_used_and_one_that_never_ran_gives_all_back(
     """A job reserves as a request does and settles as its record is
     finished (by its result's tokens and measured GPU time); one cancelled
     while queued, or dropped past its deadline, gives all of it back. A
-    job of a key with no request measured at its gateway reserves what is
-    left of the budget (a job teaches no line): the next waits for it."""
+    job of a key with nothing measured at its gateway reserves what is
+    left of the budget: the next waits for it, until a job's result read
+    at the gateway teaches it the key's line (before, a key of jobs alone
+    ran one at a time for good)."""
     c = cluster_factory(budget_policy(tokens=10_000, gpu_seconds=100, period="day"))
     status, _, job = http("POST", c.urls[0] + "/v1/jobs", {"input": "a b c"}, BUDGETED)
     assert status == 202, job
@@ -818,6 +820,10 @@ def test_a_job_settles_what_it_used_and_one_that_never_ran_gives_all_back(
     used = 3 + len(view["result"]["output"].split())  # (its input's words, its output's)
     assert spent(c.redis_url, "tokens", "day") == used
     assert spent(c.redis_url, "gpu_us", "day") == usage_gpu_us(c.redis_url) > 0
+    more = [http("POST", c.urls[0] + "/v1/jobs", {"input": f"g{i} h"}, BUDGETED) for i in range(2)]
+    assert [status for status, _, _ in more] == [202, 202], more  # (estimated: both at once)
+    for _, _, job in more:
+        wait_for(lambda job=job: finished_job(c, job["job_id"]), 15, "the jobs to finish")
     status, _, body = budgeted_request(c.urls[0], "e f", 4)  # (its key's line: measured)
     assert status == 200, body
     used = spent(c.redis_url, "tokens", "day")

@@ -4,7 +4,7 @@ calls' measured time against their tokens, whose calls move it, and what it
 bounds: nothing larger than it has seen, nothing slower than it has seen."""
 
 import pytest
-from infergate.gateway.costs import MOST_FACTOR, CostModel
+from infergate.gateway.costs import MOST_FACTOR, CostModel, MeasuredCall
 from infergate.gateway.reservations import (
     GPU_MARGIN,
     GPU_UNKNOWN_US,
@@ -19,7 +19,7 @@ def answer(costs: CostModel, key_id: str, calls: int, fixed_us: float, per_token
     for i in range(calls):
         tokens = 10 + i % 31
         call_us = round(fixed_us + per_token_us * tokens)
-        costs.answered(key_id, 20, call_us, tokens, call_us, (tokens - 4, 4))
+        costs.answered(key_id, 20, call_us, MeasuredCall("", tokens, call_us), (tokens - 4, 4))
 
 
 def fitted(costs: CostModel, key_id: str) -> tuple[float, float]:
@@ -62,7 +62,7 @@ def test_calls_of_one_size_cannot_train_a_line_below_a_calls_time() -> None:
     part let tiny jobs reserve a sixth of what they then used)."""
     costs = CostModel()
     for _ in range(20):
-        costs.answered("a", 4000, 50_000, 900, 50_000, (896, 4))
+        costs.answered("a", 4000, 50_000, MeasuredCall("", 900, 50_000), (896, 4))
     fixed_us, _ = fitted(costs, "a")
     assert fixed_us == pytest.approx(50_000)
     assert gpu_bound(1, 1, costs.call_line("a")) >= GPU_MARGIN * 49_999
@@ -77,7 +77,7 @@ def test_calls_of_one_size_bound_a_request_of_as_many_bytes_and_more_tokens() ->
     1.4x a budget)."""
     costs = CostModel()
     for _ in range(20):
-        costs.answered("a", 400, 24_000, 4, 24_000, (416, 1))
+        costs.answered("a", 400, 24_000, MeasuredCall("", 4, 24_000), (416, 1))
     line = costs.call_line("a")
     assert gpu_bound(416, 1, line) >= 20_000 + 1_000 * (1 + 416 + 1)
     assert gpu_bound(2, 1, line) == round(GPU_MARGIN * 24_000)  # (fewer: the mean call's)
@@ -92,7 +92,7 @@ def test_a_slope_of_noise_is_not_carried_past_the_calls_measured() -> None:
     for i in range(40):
         tokens = 3 + i % 2
         call_us = 22_000 + 100 * (tokens - 3)
-        costs.answered("a", 400, call_us, tokens, call_us, (416, 1))
+        costs.answered("a", 400, call_us, MeasuredCall("", tokens, call_us), (416, 1))
     line = costs.call_line("a")
     assert line is not None
     assert 0 < fitted(costs, "a")[1] < 400
@@ -105,9 +105,9 @@ def test_a_size_the_sums_forgot_is_not_bounded_by_them() -> None:
     proportion (the largest call kept for good let it be drawn from the
     tiny calls' mean, 17x under), on a model of 20 ms and 0.4 ms a token."""
     costs = CostModel()
-    costs.answered("a", 1999, 820_400, 2001, 820_400, (2015, 1000))
+    costs.answered("a", 1999, 820_400, MeasuredCall("", 2001, 820_400), (2015, 1000))
     for _ in range(3000):
-        costs.answered("a", 1, 21_200, 3, 21_200, (17, 1))
+        costs.answered("a", 1, 21_200, MeasuredCall("", 3, 21_200), (17, 1))
     assert gpu_bound(2015, 1000, costs.call_line("a")) >= 820_400
 
 
@@ -120,7 +120,7 @@ def test_a_size_below_the_calls_measured_is_held_to_the_smallest() -> None:
     costs = CostModel()
     for i in range(40):
         tokens, call_us = (1_980, 195_000) if i % 2 else (2_000, 205_000)
-        costs.answered("a", 20, call_us, tokens, call_us, (28, 16))
+        costs.answered("a", 20, call_us, MeasuredCall("", tokens, call_us), (28, 16))
     assert fitted(costs, "a")[0] == 0.0
     assert gpu_bound(28, 16, costs.call_line("a")) >= 100_000 + 50 * 45
 
@@ -154,7 +154,7 @@ def test_calls_over_the_line_raise_what_it_reserves_for_calls_like_them() -> Non
     for i in range(40):
         tokens = 10 + 10 * (i % 4)
         call_us = 100 * tokens * (4 if i % 8 < 4 else 1)
-        costs.answered("a", 20, call_us, tokens, call_us, (tokens - 4, 4))
+        costs.answered("a", 20, call_us, MeasuredCall("", tokens, call_us), (tokens - 4, 4))
     line = costs.call_line("a")
     assert line is not None
     fixed_us, per_token_us = line.fit() or (0.0, 0.0)
@@ -190,13 +190,32 @@ def test_a_long_answer_reserves_what_its_new_tokens_cost() -> None:
         read, wrote = 8 + i, 4 + i
         tokens = round(1 + read + weight * wrote)
         call_us = 20_000 + 100 * tokens
-        costs.answered("a", 40, call_us, tokens, call_us, (read, wrote), weight)
+        costs.answered("a", 40, call_us, MeasuredCall("", tokens, call_us, weight), (read, wrote))
     line = costs.call_line("a")
-    assert line is not None and line.new_token_weight == weight
+    assert line is not None
+    assert line.new_token_weight == weight
     takes_us = 20_000 + 100 * (1 + 10 + weight * 40)
     assert takes_us <= gpu_bound(10, 40, line) <= GPU_MARGIN * 1.01 * takes_us
     # A weight from a planted reply is held to its bounds.
-    costs.answered("a", 40, 1, 10, 1, (1, 1), float("nan"))
+    costs.answered("a", 40, 1, MeasuredCall("", 10, 1, float("nan")), (1, 1))
     assert line.new_token_weight == 1.0
-    costs.answered("a", 40, 1, 10, 1, (1, 1), 1e9)
+    costs.answered("a", 40, 1, MeasuredCall("", 10, 1, 1e9), (1, 1))
     assert line.new_token_weight == MOST_FACTOR
+
+
+def test_a_call_is_added_once_however_many_of_the_keys_requests_it_answered() -> None:
+    """A key's batch of a hundred requests is one call on its line: the
+    calls before it are not forgotten a hundred times over, and the
+    requests' bounds all count."""
+    once, each = CostModel(), CostModel()
+    for costs, batch_id in ((once, "b2"), (each, "")):
+        for _ in range(40):
+            costs.answered("a", 20, 1_000, MeasuredCall("b1", 40, 30_000), (30, 8))
+        for i in range(100):  # (one call of 100 requests, twice as slow)
+            costs.answered("a", 20, 600, MeasuredCall(batch_id, 1_000, 60_000), (8, 2 + i))
+    line_once, line_each = once.call_line("a"), each.call_line("a")
+    assert line_once is not None
+    assert line_each is not None
+    assert line_once.sums[0] == pytest.approx(1 + 0.99)  # (b1, then b2: two calls)
+    assert line_each.sums[0] > 60  # (each answer a call: b1 nearly forgotten)
+    assert line_once.largest_output == 101

@@ -259,6 +259,7 @@ class GatewayQueue:
         place: Place = ANYWHERE,
         reserved: Sequence[tuple[Counter, int, str]] = (),
         input_bound: int = 0,
+        model: str = "",
     ) -> bool:
         """Accept a job: its record and its envelope, in one step, in its
         key's fair order of its tier's jobs (``place``: its cost and its
@@ -266,7 +267,8 @@ class GatewayQueue:
         ``max_queued`` jobs queued. What it ``reserved`` (each counter,
         Redis's clock as charged, its unit: "t" tokens, "g" GPU µs) and its
         input's bound in tokens stay on its record, for the script that
-        finishes, cancels or drops it to settle (``give_back.lua``)."""
+        finishes, cancels or drops it to settle (``give_back.lua``), with
+        its ``model``."""
         keys = self.keys
         depth = await self.store.scripts.enqueue_job(
             keys=[
@@ -288,6 +290,7 @@ class GatewayQueue:
                 round(place.weight * 1000),
                 " ".join(f"{c.key} {_bucket(c, ms)} {c.cost} {unit}" for c, ms, unit in reserved),
                 input_bound,
+                model,
             ],
         )
         return int(depth) >= 0

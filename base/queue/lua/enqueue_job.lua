@@ -11,7 +11,8 @@
 -- ARGV[7] result ttl (ms)  ARGV[8] its cost  ARGV[9] its key's weight
 -- (thousandths)  ARGV[10] what it reserved of its key's token limits and
 -- budgets ('key bucket amount unit' each: give_back.lua's settle_job; ''
--- for none)  ARGV[11] its input's bound in tokens
+-- for none)  ARGV[11] its input's bound in tokens  ARGV[12] its model (a
+-- gateway that reads its result learns what it cost: gateway/jobs.py)
 -- Returns the job queue's length, or -1 if refused.
 local queued = tonumber(redis.call('HGET', KEYS[4], ARGV[2]) or '0')
 if queued >= tonumber(ARGV[3]) then return -1 end
@@ -19,7 +20,7 @@ local keep_ms = tonumber(ARGV[6]) - tonumber(ARGV[5]) + tonumber(ARGV[7])
 redis.call('HSET', KEYS[3], 'key_id', ARGV[2], 'tier', ARGV[4], 'status', 'queued',
   'created_ms', ARGV[5], 'deadline_ms', ARGV[6], 'result_ttl_ms', ARGV[7])
 if ARGV[10] ~= '' then
-  redis.call('HSET', KEYS[3], 'reserved', ARGV[10], 'input_bound', ARGV[11])
+  redis.call('HSET', KEYS[3], 'reserved', ARGV[10], 'input_bound', ARGV[11], 'model', ARGV[12])
 end
 redis.call('PEXPIRE', KEYS[3], keep_ms)
 redis.call('HINCRBY', KEYS[4], ARGV[2], 1)
