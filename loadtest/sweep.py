@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shlex
+import socket
 import subprocess
 import sys
 import tempfile
@@ -176,6 +177,36 @@ def _run_rate(
     return report
 
 
+def echo_cpu_us(args: argparse.Namespace, rate: float) -> float:
+    """A do-nothing echo server's CPU a request at ``rate`` (``echo_server``),
+    on the same load generator, run just after the stack's."""
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "infergate.loadtest.echo_server", "--port", str(port)]
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise SystemExit("sweep: the echo server did not start") from None
+                time.sleep(0.1)
+        started = cpu_s(server.pid)
+        load = ["--url", f"http://127.0.0.1:{port}", "--keys", args.keys, "--rate", str(rate)]
+        load += ["--duration", str(args.duration), "--mix", args.mix]
+        load += ["--input-chars", str(args.input_chars)]
+        bench = [sys.executable, "-m", "infergate.loadtest.bench", *load]
+        subprocess.run(bench, stdout=subprocess.DEVNULL, check=True)
+        sent = rate * float(args.duration)
+        return (cpu_s(server.pid) - started) / sent * 1e6
+    finally:
+        server.terminate()
+        server.wait()
+
+
 def machine_speed_s() -> float:
     """Seconds this machine takes for a fixed pure-Python loop (best of
     three): the same code's numbers move with it from one sitting to the
@@ -285,6 +316,11 @@ def main(argv: list[str] | None = None) -> int:
         help="more flags for `infergate up`, e.g. '--backend http:http://127.0.0.1:9100/infer'",
     )
     p.add_argument("--log", default=None, help="append the stack's log lines to this file")
+    p.add_argument(
+        "--echo",
+        action="store_true",
+        help="after each rate, a do-nothing echo server's CPU a request at it (the yardstick)",
+    )
     p.add_argument("--json-out", default=None)
     p.add_argument(
         "--costs-out",
@@ -312,6 +348,15 @@ def main(argv: list[str] | None = None) -> int:
             report = run_rate(args, url, args.keys, rate, up_pid, redis_pid)
             report["machine_speed_s"] = speed_s
             print(render(report), flush=True)
+            if args.echo:
+                echo_us = report["echo_cpu_us_per_request"] = round(echo_cpu_us(args, rate), 1)
+                cpu = report["cpu_us_per_request"]
+                stack_us = sum(cpu[k] for k in KINDS if k != "loadgen")
+                print(
+                    f"{'':>13}echo server {echo_us:.0f} µs/req: the stack "
+                    f"{stack_us / echo_us:.2f}x, the gateways {cpu['gateway'] / echo_us:.2f}x",
+                    flush=True,
+                )
             reports.append(report)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(reports, indent=2))
