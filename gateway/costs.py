@@ -14,6 +14,8 @@ here has no line (``reservations.gpu_bound``)."""
 
 from typing import NamedTuple
 
+from infergate.base import wire
+
 # Each answer's weight in a key's sums decays by this per later answer of
 # the key; in the model's, per later answer of any key.
 KEY_MEMORY = 0.99
@@ -32,6 +34,12 @@ class MeasuredCall(NamedTuple):
     tokens: int
     us: int
     new_token_weight: float = 1.0
+
+    @classmethod
+    def of(cls, result: wire.Result) -> "MeasuredCall":
+        return cls(
+            result.batch_id, result.call_tokens, result.infer_ms * 1000, result.new_token_weight
+        )
 
 
 class CallLine:

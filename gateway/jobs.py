@@ -224,10 +224,8 @@ class Jobs:
         if lane is None or "input_bound" not in record:
             return  # (no reservation: nothing drawn from the line)
         result = wire.decode_result(record["result"])
-        call = MeasuredCall(
-            result.batch_id, result.call_tokens, result.infer_ms * 1000, result.new_token_weight
-        )
-        lane.quota.costs.learned(key_id, call, (_int(record["input_bound"]), result.tokens))
+        bound = (_int(record["input_bound"]), result.tokens)
+        lane.quota.costs.learned(key_id, MeasuredCall.of(result), bound)
 
     async def _locate(
         self, job_id: str, key_id: str, skip: Shard | None = None

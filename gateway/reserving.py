@@ -53,9 +53,7 @@ def measured(request: Request, result: wire.Result, gpu_us: int) -> None:
     bound = (request.input_bound, request.max_tokens)
     if not request.reserve:
         bound = (len(text) + reservations.TEMPLATE_TOKENS, result.tokens)
-    call = MeasuredCall(
-        result.batch_id, result.call_tokens, result.infer_ms * 1000, result.new_token_weight
-    )
+    call = MeasuredCall.of(result)
     request.lane.quota.costs.answered(request.key.id, len(text), gpu_us, call, bound)
 
 
