@@ -116,11 +116,32 @@ class Result(msgspec.Struct, frozen=True, omit_defaults=True):
     # The input's, when its envelope asked (``count_input``).
     input_tokens: int = 0
     # Its share of the backend call's time (usage, a GPU budget's settling),
-    # by its tokens; and the call's tokens (input and output, one more each),
-    # a new token counted as this many input tokens (``gpu/token_weight.py``).
+    # by its tokens weighed (``weighed``); the call's tokens (input and
+    # output, one more each), plain and weighed (0: as plain, by a worker
+    # that weighs none), and the weight of a new token it was weighed by.
     gpu_us: int = 0
     call_tokens: int = 0
+    weighed_call_tokens: int = 0
     new_token_weight: float = 1.0
+
+
+# A new token weighs at least an input token (writing one reads it too),
+# at most this many (``gpu/token_weight.py``).
+MOST_NEW_TOKEN_WEIGHT = 64.0
+
+
+def weighed(input_tokens: int, new_tokens: int, new_token_weight: float) -> int:
+    """A request's tokens as input tokens' worth, its new tokens weighed,
+    one more (an empty one has a share of its call too)."""
+    return 1 + input_tokens + round(new_token_weight * new_tokens)
+
+
+def held_weight(weight: float) -> float:
+    """A new token's weight held to 1-``MOST_NEW_TOKEN_WEIGHT`` (NaN, as
+    anything else planted in a result, weighs one)."""
+    if weight > MOST_NEW_TOKEN_WEIGHT:
+        return MOST_NEW_TOKEN_WEIGHT
+    return weight if weight >= 1.0 else 1.0
 
 
 def new_job_id() -> str:

@@ -110,7 +110,7 @@ def _up_parser(sub: Any) -> None:
         up,
         "--sim-new-token-weight",
         1.0,
-        "simulated: a token out costs this many tokens in (default 1)",
+        "simulated: a token out costs this many tokens in, with --sim-ms-per-ktoken (default 1)",
         float,
     )
     _add(up, "--policy", None, "policy file (default: the built-in demo policy with fresh keys)")
@@ -267,7 +267,8 @@ def _worker_parser(sub: Any) -> None:
         wk,
         "--sim-new-token-weight",
         1.0,
-        "simulated backend: a token out costs this many tokens in (default 1)",
+        "simulated backend: a token out costs this many tokens in, with --sim-ms-per-ktoken "
+        "(default 1)",
         float,
     )
     _add(

@@ -29,6 +29,7 @@ from infergate.base.queue import redis_url, shards
 from infergate.base.queue.scale_signal import SignalReader
 from infergate.base.queue.warming import WarmingWord
 from infergate.children import Child, Stack
+from infergate.gpu.backends.simulated import SimulatedBackend
 from infergate.policies import PolicyError, load_policy
 from infergate.policies.demo import ADMIN_TIER, demo_policy
 from infergate.policies.loader import public_error
@@ -268,6 +269,14 @@ def _preflight(args: argparse.Namespace) -> str | None:
     keys): the backend's spec and options, the gateway's port."""
     if args.concurrency is not None and not 1 <= args.concurrency <= MAX_CONCURRENCY:
         return f"--concurrency must be 1-{MAX_CONCURRENCY}"
+    try:  # (the simulated backend's own checks, before its workers make one)
+        SimulatedBackend(
+            args.sim_latency_ms or 0.0,
+            ms_per_ktoken=args.sim_ms_per_ktoken,
+            new_token_weight=args.sim_new_token_weight,
+        )
+    except ValueError as exc:
+        return f"simulated backend: {exc}"
     if args.backend:  # (a policy's own backends are checked with the policy)
         try:
             spec = checked_spec(args.backend, args.backend_options or {})

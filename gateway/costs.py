@@ -12,6 +12,7 @@ in: another key moves it only by sharing those calls, where it moves the
 key's measured share, and so its charge, alike; a key with none measured
 here has no line (``reservations.gpu_bound``)."""
 
+from collections import deque
 from typing import NamedTuple
 
 from infergate.base import wire
@@ -24,6 +25,9 @@ MODEL_MEMORY = 0.999
 MOST_KEYS = 10_000
 # A key's cost per character is held within this factor of the model's.
 MOST_FACTOR = 64.0
+# The calls a line knows it has added, the latest (answers of a call come
+# together, or nearly: a late reply's, a follower's, a job's read again).
+RECENT_CALLS = 64
 
 
 class MeasuredCall(NamedTuple):
@@ -37,9 +41,12 @@ class MeasuredCall(NamedTuple):
 
     @classmethod
     def of(cls, result: wire.Result) -> "MeasuredCall":
-        return cls(
-            result.batch_id, result.call_tokens, result.infer_ms * 1000, result.new_token_weight
-        )
+        """The call a result says it was in (its tokens weighed where its
+        worker weighs them; a worker of an earlier release weighs none)."""
+        if result.weighed_call_tokens > 0:
+            weighed, weight = result.weighed_call_tokens, result.new_token_weight
+            return cls(result.batch_id, weighed, result.infer_ms * 1000, weight)
+        return cls(result.batch_id, result.call_tokens, result.infer_ms * 1000)
 
 
 class CallLine:
@@ -52,7 +59,10 @@ class CallLine:
     call and the largest, forgotten as the sums forget the calls (one
     large request, then thousands of tiny ones, let a large one be drawn
     from the tiny ones' mean). A call is added once however many of the
-    key's requests it answered (a batch of a hundred forgot the rest)."""
+    key's requests it answered (a batch of a hundred forgot the rest). A
+    bound is drawn in the calls' units with the largest weight of a new
+    token among the calls it remembers (its workers may weigh them apart:
+    one just started weighs one)."""
 
     def __init__(self, memory: float) -> None:
         self.memory = memory
@@ -64,20 +74,25 @@ class CallLine:
         self.smallest_call = float("inf")
         self.largest_call = 0.0
         self.new_token_weight = 1.0
-        self.last_batch = ""
+        self._recent: deque[str] = deque()  # (in the order added; a set to look in)
+        self._recent_set: set[str] = set()
 
     def add(self, call: MeasuredCall, bound: tuple[int, int] = (0, 0)) -> None:
         """A call with a request in it of at most ``bound`` tokens of input
-        and of output; its worker's weight of a new token is what a bound is
-        drawn by from now (``tokens_of``)."""
+        and of output, added unless it is one of the recent calls."""
         self.largest_input = max(self.largest_input, bound[0])
         self.largest_output = max(self.largest_output, bound[1])
-        if call.batch_id and call.batch_id == self.last_batch:
-            return  # (another of the key's requests in the call just added)
-        self.last_batch = call.batch_id
-        w = call.new_token_weight  # (held to 1-MOST_FACTOR; NaN, as any planted, is 1)
-        self.new_token_weight = MOST_FACTOR if w > MOST_FACTOR else (w if w >= 1.0 else 1.0)
-        x, y, m = float(call.tokens), float(call.us), self.memory
+        if call.batch_id:
+            if call.batch_id in self._recent_set:
+                return  # (another of the key's requests in a call added)
+            self._recent.append(call.batch_id)
+            self._recent_set.add(call.batch_id)
+            if len(self._recent) > RECENT_CALLS:
+                self._recent_set.discard(self._recent.popleft())
+        m = self.memory
+        remembered = 1.0 + (self.new_token_weight - 1.0) * m
+        self.new_token_weight = max(wire.held_weight(call.new_token_weight), remembered)
+        x, y = float(call.tokens), float(call.us)
         n, sx, sy, sxx, sxy = self.sums
         self.sums = [n * m + 1.0, sx * m + x, sy * m + y, sxx * m + x * x, sxy * m + x * y]
         self.smallest_call = min(self.smallest_call / m, x)
@@ -89,10 +104,9 @@ class CallLine:
         if on_line > 0:
             self.over = max(self.over, y / on_line)
 
-    def tokens_of(self, input_tokens: int, output_tokens: int) -> float:
-        """A request's tokens in the calls' units: its new tokens weighed
-        as its worker weighs them, one more."""
-        return 1 + input_tokens + self.new_token_weight * output_tokens
+    def tokens_of(self, input_tokens: int, output_tokens: int) -> int:
+        """A request's tokens in the calls' units (``wire.weighed``)."""
+        return wire.weighed(input_tokens, output_tokens, self.new_token_weight)
 
     def fit(self) -> tuple[float, float] | None:
         """A call's time (µs) as its fixed part and its part per token; with

@@ -15,7 +15,7 @@ other key gets 404, exactly as for an id that never existed.
 
 import asyncio
 import re
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 
 import msgspec
 from infergate.base import clock, logs, wire
@@ -53,11 +53,15 @@ _IS = defaultdict(
     },
 )
 RETRY_TOO_MANY_JOBS_MS = 5_000
+# The jobs whose results this gateway learned from, the latest (a job read
+# again teaches nothing more).
+LEARNED_JOBS = 10_000
 
 
 class Jobs:
     def __init__(self, gateway: Gateway, inference: Inference) -> None:
         self.gateway = gateway
+        self._learned: OrderedDict[str, None] = OrderedDict()
         self.inference = inference
 
     async def submit(self, call: Call) -> tuple[JobAccepted, dict[str, str]]:
@@ -209,21 +213,22 @@ class Jobs:
         if not _JOB_ID.match(job_id):
             raise _not_found()
         _, record = await self._locate(job_id, key_id)
-        view = _view(job_id, record)
-        if view.result is not None and view.result.served_by == "model":
-            self._learn(key_id, record)
+        view, result = _view(job_id, record)
+        if view.result is not None and result is not None and result.served_by == "model":
+            self._learn(job_id, key_id, record, result)
         return view
 
-    def _learn(self, key_id: str, record: dict[str, str]) -> None:
+    def _learn(self, job_id: str, key_id: str, record: dict[str, str], result: wire.Result) -> None:
         """What a job that reserved teaches its key's costs, as a request's
         answer does (``reserving.measured``): a key that sends only jobs is
         estimated once one is read, not held to one job at a time with what
-        is left of its budget. Its call is learned once, however often the
-        job is read again (``CallLine.add``)."""
+        is left of its budget. Once a job, however often it is read."""
         lane = self.gateway.lanes.of_key(record.get("model", ""), key_id)
-        if lane is None or "input_bound" not in record:
+        if lane is None or "input_bound" not in record or job_id in self._learned:
             return  # (no reservation: nothing drawn from the line)
-        result = wire.decode_result(record["result"])
+        self._learned[job_id] = None
+        if len(self._learned) > LEARNED_JOBS:
+            self._learned.popitem(last=False)
         bound = (_int(record["input_bound"]), result.tokens)
         lane.quota.costs.learned(key_id, MeasuredCall.of(result), bound)
 
@@ -269,23 +274,25 @@ def _not_found() -> ApiError:
     return ApiError("NOT_FOUND", "no such job (or it expired, or it is another key's)")
 
 
-def _view(job_id: str, record: dict[str, str]) -> JobView:
+def _view(job_id: str, record: dict[str, str]) -> tuple[JobView, wire.Result | None]:
+    """The job as its owner sees it, and its result as the worker wrote it
+    (None before it finished, or unreadable)."""
     created_ms = _int(record.get("created_ms"))
     status = record.get("status", "queued")
     if status == "queued" and clock.now_ms() >= _int(record.get("deadline_ms")):
         status = "expired"  # not started in time: ``take`` drops it when it gets there
     view = JobView(job_id, status, record.get("tier", ""), created_ms)
     if status not in ("succeeded", "failed") or "result" not in record:
-        return view
+        return view, None
     try:
         result = wire.decode_result(record["result"])
     except msgspec.DecodeError:
         log.error("job.result_unreadable", job_id=job_id)
-        return msgspec.structs.replace(view, status="failed", error=_detail(job_id, None))
+        return msgspec.structs.replace(view, status="failed", error=_detail(job_id, None)), None
     done_ms = _int(record.get("done_ms"))
     view = msgspec.structs.replace(view, done_ms=done_ms)
     if result.error is not None:
-        return msgspec.structs.replace(view, error=_detail(job_id, result.error))
+        return msgspec.structs.replace(view, error=_detail(job_id, result.error)), result
     response = InferenceResponse(
         request_id=job_id,
         output=result.output or "",
@@ -295,7 +302,7 @@ def _view(job_id: str, record: dict[str, str]) -> JobView:
         queue_ms=result.queue_ms,
         served_by=result.served_by,
     )
-    return msgspec.structs.replace(view, result=response)
+    return msgspec.structs.replace(view, result=response), result
 
 
 def _detail(job_id: str, error: wire.ErrorInfo | None) -> ErrorDetail:

@@ -8,6 +8,7 @@ from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 from infergate.base import clock, logs, wire
 from infergate.base.keys import Keys
@@ -101,7 +102,7 @@ class Answers:
         self.backend = backend  # its fingerprint names the model in what the cache keeps
         self.metrics = metrics
         self.tally = tally
-        self.new_token = NewTokenWeight()
+        self.new_token_weight = NewTokenWeight()
 
     def _clipped(
         self, outcome: str | BackendError, max_tokens: int
@@ -151,9 +152,10 @@ class Answers:
             outcomes.append((clipped, input_tokens))
         # (each request's share of the call: by its tokens, a new one weighed
         # against an input one as the calls measured it, one more each)
-        new_token_weight = self.new_token.weight
-        weights = [self.new_token.weighed(i, o) for i, o in tokens]
-        gpu, call_tokens = weighted_shares(infer_ms * 1000, weights), sum(weights)
+        weight = self.new_token_weight.value
+        weights = [wire.weighed(i, o, weight) for i, o in tokens]
+        gpu = weighted_shares(infer_ms * 1000, weights)
+        call = _call_fields(tokens, weights, weight)
         self._measure(live, outcome_of, tokens, infer_ms)
         for env, (clipped, input_tokens), gpu_us in zip(live, outcomes, gpu, strict=True):
             # Reported as served by the model, whichever copy ran: the keys of a
@@ -168,8 +170,7 @@ class Answers:
                 infer_ms,
                 input_tokens if env.count_input else 0,  # (where its envelope asks)
                 gpu_us,
-                call_tokens,
-                new_token_weight,
+                call,
             )
             results.append((wire.destination(env), result))
             if (
@@ -187,7 +188,7 @@ class Answers:
         # (the batch leaves processing with its answer: none of them runs again)
         answer.inputs_done = inputs.input_keys(self.keys, batch.envelopes)
         self.tally.batch_served(len(live))
-        answer.report = partial(self._report, batch, live, outcome_of, infer_ms, idle_ms)
+        answer.report = partial(self._report, batch, live, outcome_of, infer_ms, idle_ms, weight)
         return answer
 
     def _measure(
@@ -208,7 +209,7 @@ class Answers:
             ran.setdefault(key, counted)
         if ran and infer_ms > 0:
             read, wrote = sum(i for i, _ in ran.values()), sum(o for _, o in ran.values())
-            self.new_token.took(read, wrote, infer_ms * 1000)
+            self.new_token_weight.took(read, wrote, infer_ms * 1000)
 
     def lost(self, batch: wire.Batch, lost: list[wire.Envelope], started_ms: int) -> Answer:
         """A batch whose every live request's input is gone (or with none
@@ -262,8 +263,9 @@ class Answers:
         outcome_of: dict[Hashable, str | BackendError],
         infer_ms: int,
         idle_ms: float | None,
+        new_token_weight: float,
     ) -> None:
-        """A batch's metrics and log line."""
+        """A batch's metrics and log line (with the weight it was split by)."""
         failed = sum(isinstance(outcome_of[slot_key(e)], BackendError) for e in live)
         self.metrics.backend_inputs.inc(len(outcome_of))
         self.metrics.requests_collapsed.inc(len(live) - len(outcome_of))
@@ -277,7 +279,7 @@ class Answers:
             infer_ms=infer_ms,
             idle_ms=idle_ms,
             failed=failed,
-            new_token_weight=round(self.new_token.weight, 2),
+            new_token_weight=new_token_weight,
         )
 
 
@@ -299,6 +301,17 @@ def charges(
     return [Charge(key, tier, *counts) for (key, tier), counts in per_key.items()]
 
 
+def _call_fields(
+    tokens: list[tuple[int, int]], weights: list[int], weight: float
+) -> dict[str, Any]:
+    """What every result of a call says of it: its tokens, plain and (where
+    a new token weighs more than one) weighed, and the weight."""
+    fields: dict[str, Any] = {"call_tokens": sum(1 + i + o for i, o in tokens)}
+    if weight != 1.0:
+        fields.update(weighed_call_tokens=sum(weights), new_token_weight=weight)
+    return fields
+
+
 def _result(
     env: wire.Envelope,
     outcome: tuple[str, int] | BackendError,
@@ -309,10 +322,9 @@ def _result(
     infer_ms: int,
     input_tokens: int,
     gpu_us: int,
-    call_tokens: int,
-    new_token_weight: float,
+    call: dict[str, Any],
 ) -> wire.Result:
-    common = dict(
+    common: dict[str, Any] = dict(
         id=env.id,
         batch_id=batch_id,
         batch_size=batch_size,
@@ -320,13 +332,12 @@ def _result(
         queue_ms=max(0, started_ms - env.enqueued_ms),
         infer_ms=infer_ms,
         gpu_us=gpu_us,
-        call_tokens=call_tokens,
-        new_token_weight=new_token_weight,
+        **call,
     )
     if isinstance(outcome, BackendError):
         # (an upstream that did not answer: no input is at fault, retry)
         code = "SERVICE_OVERLOADED" if isinstance(outcome, UpstreamError) else "INFERENCE_FAILED"
         error = wire.ErrorInfo(code, str(outcome)[:500] or "the backend failed")
-        return wire.Result(**common, error=error)  # type: ignore[arg-type]
+        return wire.Result(**common, error=error)
     output, tokens = outcome
-    return wire.Result(**common, output=output, tokens=tokens, input_tokens=input_tokens)  # type: ignore[arg-type]
+    return wire.Result(**common, output=output, tokens=tokens, input_tokens=input_tokens)

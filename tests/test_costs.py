@@ -3,8 +3,13 @@ GPU budget's reservation is drawn from (gateway/reservations.py), fitted to
 calls' measured time against their tokens, whose calls move it, and what it
 bounds: nothing larger than it has seen, nothing slower than it has seen."""
 
+from collections import OrderedDict
+from types import SimpleNamespace
+
 import pytest
-from infergate.gateway.costs import MOST_FACTOR, CostModel, MeasuredCall
+from infergate.base import wire
+from infergate.gateway.costs import RECENT_CALLS, CostModel, MeasuredCall
+from infergate.gateway.jobs import Jobs
 from infergate.gateway.reservations import (
     GPU_MARGIN,
     GPU_UNKNOWN_US,
@@ -196,11 +201,14 @@ def test_a_long_answer_reserves_what_its_new_tokens_cost() -> None:
     assert line.new_token_weight == weight
     takes_us = 20_000 + 100 * (1 + 10 + weight * 40)
     assert takes_us <= gpu_bound(10, 40, line) <= GPU_MARGIN * 1.01 * takes_us
+    # A call from a worker just started (it weighs one, until it fits its
+    # own) moves the weight a bound is drawn by only as the line forgets.
+    costs.answered("a", 40, 1, MeasuredCall("", 10, 1), (1, 1))
+    assert line.new_token_weight == pytest.approx(1 + 9 * 0.99)
+    assert gpu_bound(10, 40, line) >= 0.99 * takes_us
     # A weight from a planted reply is held to its bounds.
-    costs.answered("a", 40, 1, MeasuredCall("", 10, 1, float("nan")), (1, 1))
-    assert line.new_token_weight == 1.0
     costs.answered("a", 40, 1, MeasuredCall("", 10, 1, 1e9), (1, 1))
-    assert line.new_token_weight == MOST_FACTOR
+    assert line.new_token_weight == wire.MOST_NEW_TOKEN_WEIGHT
 
 
 def test_a_call_is_added_once_however_many_of_the_keys_requests_it_answered() -> None:
@@ -219,3 +227,44 @@ def test_a_call_is_added_once_however_many_of_the_keys_requests_it_answered() ->
     assert line_once.sums[0] == pytest.approx(1 + 0.99)  # (b1, then b2: two calls)
     assert line_each.sums[0] > 60  # (each answer a call: b1 nearly forgotten)
     assert line_once.largest_output == 101
+
+
+def test_a_call_read_again_among_others_is_not_added_again() -> None:
+    """Answers of calls that interleave (a late reply's, jobs read in turn)
+    add each call once while it is among the line's recent calls."""
+    costs = CostModel()
+    for _ in range(50):
+        for batch_id in ("b1", "b2"):
+            costs.answered("a", 20, 1_000, MeasuredCall(batch_id, 40, 30_000), (30, 8))
+    line = costs.call_line("a")
+    assert line is not None
+    assert line.sums[0] == pytest.approx(1.99)
+    for i in range(RECENT_CALLS):
+        costs.learned("a", MeasuredCall(f"c{i}", 40, 30_000), (30, 8))
+    costs.learned("a", MeasuredCall("b1", 40, 30_000), (30, 8))  # (forgotten: a call again)
+    assert line.sums[0] == pytest.approx(sum(0.99**i for i in range(RECENT_CALLS + 3)))
+
+
+def test_a_job_read_again_teaches_its_keys_line_once() -> None:
+    """However often, and in whatever turn, its owner reads a finished job,
+    its gateway learns its call once (reads cost nothing: a client reading
+    two cheap jobs in turn had each read add a call, its line drawn down)."""
+    costs = CostModel()
+    lane = SimpleNamespace(quota=SimpleNamespace(costs=costs))
+    lanes = SimpleNamespace(of_key=lambda name, key_id: lane if name == "default" else None)
+    jobs = Jobs.__new__(Jobs)  # (what _learn reads of it: its gateway's lanes)
+    jobs.gateway, jobs._learned = SimpleNamespace(lanes=lanes), OrderedDict()
+    record = {"model": "default", "input_bound": "30"}
+    results = {
+        job_id: wire.Result(job_id, f"batch-{job_id}", 1, "w", 0, 30, "x", call_tokens=40)
+        for job_id in ("j1", "j2")
+    }
+    for _ in range(100):
+        for job_id, result in results.items():
+            jobs._learn(job_id, "a", record, result)
+    line = costs.call_line("a")
+    assert line is not None
+    assert line.sums[0] == pytest.approx(1.99)
+    jobs._learn("j3", "a", {"input_bound": "30"}, results["j1"])  # (no model: none learned)
+    jobs._learn("j3", "a", {**record, "model": "gone"}, results["j1"])
+    assert line.sums[0] == pytest.approx(1.99)

@@ -8,15 +8,22 @@ import random
 import aiohttp
 import pytest
 import redis
-from infergate.gpu.token_weight import LEAST_CALLS, MOST_WEIGHT, NewTokenWeight
+from infergate.base import wire
+from infergate.base.keys import Keys
+from infergate.gpu.answers import Answers
+from infergate.gpu.backend import BackendError
+from infergate.gpu.backend_thread import slot_key
+from infergate.gpu.backends.simulated import SimulatedBackend
+from infergate.gpu.token_weight import LEAST_CALLS, NewTokenWeight
 
 from tests.helpers import key_entry, policy_yaml, wait_for
 
 
-def _calls(weight: NewTokenWeight, rng: random.Random, us_of, count: int = 400) -> None:
-    for _ in range(count):
-        read, wrote = rng.randint(1, 2_000), rng.randint(1, 300)
-        weight.took(read, wrote, round(us_of(read, wrote)))
+def _calls(weight: NewTokenWeight, rng: random.Random, us_of, wrote: int = 0) -> None:
+    """400 calls of 1-2,000 tokens in and 1-300 out (or ``wrote`` each)."""
+    for _ in range(400):
+        read, new = rng.randint(1, 2_000), wrote or rng.randint(1, 300)
+        weight.took(read, new, round(us_of(read, new)))
 
 
 @pytest.mark.parametrize("true_weight", [1.0, 5.0, 39.0])
@@ -29,27 +36,35 @@ def test_the_weight_of_calls_whose_time_follows_their_tokens(true_weight: float)
         return exact * rng.uniform(0.9, 1.1)  # (a busy machine's noise)
 
     _calls(weight, rng, us_of)
-    assert true_weight * 0.85 <= weight.weight <= true_weight * 1.15
+    assert true_weight * 0.85 <= weight.value <= true_weight * 1.15
+    assert weight.value == round(weight.value, 2)  # (sent with every answer)
     # A request's tokens as input tokens' worth, one more.
-    assert weight.weighed(100, 10) == 101 + round(weight.weight * 10)
+    assert wire.weighed(100, 10, weight.value) == 101 + round(weight.value * 10)
 
 
 def test_one_until_enough_calls_and_when_the_calls_cannot_tell() -> None:
     rng, weight = random.Random(2), NewTokenWeight()
     for _ in range(LEAST_CALLS - 1):
-        read = rng.randint(1, 2_000)
-        weight.took(read, 30, 1_000 * read + 40_000 * 30)
-    assert weight.weight == 1.0  # (too few calls)
+        read, wrote = rng.randint(1, 2_000), rng.randint(1, 300)
+        weight.took(read, wrote, 1_000 * read + 40_000 * wrote)
+    assert weight.value == 1.0  # (too few calls)
+    weight.took(10, 10, 10_000 + 400_000)
+    assert weight.value == 40.0  # (fitted, at the 16th)
     # Answers as long as their inputs, always: either could be what costs.
     weight = NewTokenWeight()
     for _ in range(400):
         read = rng.randint(1, 2_000)
         weight.took(read, read // 4, round(1_000 * read + 40_000 * (read // 4)))
-    assert weight.weight == 1.0
+    assert weight.value == 1.0
+    # Every answer of one length (a classifier's one token, a fixed max_tokens).
+    for wrote in (1, 64):
+        weight = NewTokenWeight()
+        _calls(weight, rng, lambda read, _: 1_000 * read + rng.uniform(0, 5_000), wrote=wrote)
+        assert weight.value == 1.0
     # A model whose time follows nothing of the tokens: noise has no weight.
     weight = NewTokenWeight()
     _calls(weight, rng, lambda read, wrote: rng.uniform(90_000, 110_000))
-    assert weight.weight == 1.0
+    assert weight.value == 1.0
 
 
 def test_held_within_its_bounds() -> None:
@@ -57,10 +72,32 @@ def test_held_within_its_bounds() -> None:
     # Writing costs nothing at all (a new token is at least an input token's).
     cheap = NewTokenWeight()
     _calls(cheap, rng, lambda read, wrote: 1_000 * read + 1 * wrote + rng.uniform(0, 100))
-    assert cheap.weight == 1.0
+    assert cheap.value == 1.0
     dear = NewTokenWeight()
     _calls(dear, rng, lambda read, wrote: read + 100_000 * wrote)
-    assert dear.weight == MOST_WEIGHT
+    assert dear.value == wire.MOST_NEW_TOKEN_WEIGHT
+    # Reading costs nothing measurable (a prefill on a GPU): the most.
+    free = NewTokenWeight()
+    _calls(free, rng, lambda read, wrote: 20_000 + 5_000 * wrote + rng.uniform(0, 2_000))
+    assert free.value == wire.MOST_NEW_TOKEN_WEIGHT
+    # What a planted result may say weighs within them too.
+    assert [wire.held_weight(w) for w in (float("nan"), -3.0, 1e9, 7.5)] == [1.0, 1.0, 64.0, 7.5]
+
+
+def test_a_call_is_measured_as_the_backend_ran_it() -> None:
+    """Identical inputs collapse onto one of the backend's inputs: the call
+    read and wrote its tokens once. A call with an input that failed says
+    nothing of what writing costs (its failed input wrote none)."""
+    answers = Answers("w", Keys(), SimulatedBackend(0), None, None)  # type: ignore[arg-type]
+    fit = answers.new_token_weight
+    same = [wire.Envelope(f"r{i}", "g", "paid", "k", "a b c", 0, 1) for i in range(3)]
+    other = wire.Envelope("r3", "g", "paid", "k", "d e", 0, 1)
+    outcome_of: dict = {slot_key(same[0]): "sim: a b c", slot_key(other): "sim: d e"}
+    answers._measure([*same, other], outcome_of, [(3, 4)] * 3 + [(2, 3)], 50)
+    assert fit._sums[:4] == [1.0, 5.0, 7.0, 50_000.0]  # (a call of 3 + 2 in, 4 + 3 out)
+    outcome_of[slot_key(other)] = BackendError("failed")
+    answers._measure([*same, other], outcome_of, [(3, 4)] * 3 + [(2, 0)], 50)
+    assert fit._sums[0] == 1.0  # (not measured)
 
 
 # (the simulated model: 2 ms a call, 0.1 ms an input token, 1 ms a new one)
