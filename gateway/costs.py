@@ -25,6 +25,10 @@ MODEL_MEMORY = 0.999
 MOST_KEYS = 10_000
 # A key's cost per character is held within this factor of the model's.
 MOST_FACTOR = 64.0
+# A call past these (µs, tokens) is none a worker measured: a result
+# planted in Redis (a day's call; a hundred requests of a million tokens).
+MOST_CALL_US = 86_400 * 10**6
+MOST_CALL_TOKENS = 2**40
 # The calls a line knows it has added, the latest (answers of a call come
 # together, or nearly: a late reply's, a follower's, a job's read again).
 RECENT_CALLS = 64
@@ -182,8 +186,8 @@ class CostModel:
         """A call one of the key's requests (at most ``bound`` tokens of
         input and of output) was in, for its line alone (a job's: its fair
         cost is learned from requests)."""
-        if call.tokens <= 0 or call.us <= 0:
-            return
+        if not (0 < call.tokens <= MOST_CALL_TOKENS and 0 < call.us <= MOST_CALL_US):
+            return  # (none measured, or planted)
         own = self._key_calls.get(key_id)
         if own is None:
             if len(self._key_calls) >= MOST_KEYS:  # (a key of jobs alone has no sums)

@@ -35,6 +35,10 @@ LEAST_AT_MOST = 0.1
 # budget of one GPU has in 200 days, so it takes what is left.
 BEYOND_MEASURED = 2.0
 GPU_UNKNOWN_US = 2**44
+# The most a reservation or a settlement asks of a limit or budget, in its
+# unit (a result planted in Redis may say anything; the scripts count to
+# 2^50 and read nothing past 18 digits).
+MOST_AMOUNT = GPU_UNKNOWN_US
 
 
 def input_bound(text: str, conversation: str | None = None) -> int:
@@ -58,7 +62,7 @@ def output_bound(max_tokens: int, model: Model) -> int:
 def used(result: wire.Result, bound: int) -> int:
     """The tokens an answered request used: the worker's count of its input
     (``bound`` where none was made: a cached or joined answer) and output."""
-    return (result.input_tokens or bound) + result.tokens
+    return _held((result.input_tokens or bound) + result.tokens)
 
 
 def gpu_bound(
@@ -84,7 +88,7 @@ def gpu_bound(
     within = line.tokens_of(
         min(input_tokens, line.largest_input), min(output_tokens, line.largest_output)
     )
-    return round(GPU_MARGIN * line.over * line.time_us(within) * past)
+    return _held(GPU_MARGIN * line.over * line.time_us(within) * past)
 
 
 def gpu_job_bound(input_tokens: int, output_tokens: int, line: CallLine | None) -> int:
@@ -114,4 +118,9 @@ def gpu_least(line: CallLine | None, slowest_batch_ms: float) -> int:
 def gpu_used(result: wire.Result) -> int:
     """The GPU time (µs) an answered request used: its share of its batch
     (none for an answer it joined or found in the cache)."""
-    return result.gpu_us if result.served_by == "model" else 0
+    return _held(result.gpu_us) if result.served_by == "model" else 0
+
+
+def _held(amount: float) -> int:
+    """An amount held to 0-``MOST_AMOUNT`` (NaN: the most)."""
+    return round(amount) if 0 <= amount <= MOST_AMOUNT else (0 if amount < 0 else MOST_AMOUNT)

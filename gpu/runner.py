@@ -248,9 +248,9 @@ class BatchRunner:
         outputs = await self._infer_isolating(distinct, then, running)
         outcome_of = dict(zip(slot_keys(distinct), outputs, strict=True))
         self._backend_free_since = self._returned_at
-        infer_ms = round((self._returned_at - started) * 1000.0)
+        infer_us = round((self._returned_at - started) * 1e6)
         build = partial(
-            self.answers.of, batch, live, outcome_of, started_ms, infer_ms, idle_ms, lost
+            self.answers.of, batch, live, outcome_of, started_ms, infer_us, idle_ms, lost
         )
         return Finished(len(live) + len(lost), build)
 

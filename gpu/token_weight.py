@@ -4,7 +4,9 @@ step at a time, so on a real model a new token costs several input
 tokens' time (5 to 39 for SmolLM2-135M on CPU, docs/performance.md). A
 call's share per request is split by input tokens plus new tokens times
 this weight, fitted to the worker's own calls, ``us = a + b * input +
-c * new`` by least squares over decaying sums; the weight is ``c / b``.
+c * new`` by least squares over decaying sums; the weight is ``c / b``,
+each drawn two standard errors toward a weight of one (calls of a few
+tokens on a noisy machine made a weight of noise, up to the most).
 Until the calls tell the two apart (inputs and answers of varied
 lengths, time that follows them), a new token weighs one; once fitted,
 the weight stays while later calls cannot tell them apart."""
@@ -21,6 +23,9 @@ MOST_CORRELATION = 0.95
 # The tokens must explain at least this share of the calls' spread in time
 # (a model whose time does not follow its tokens has no weight to fit).
 LEAST_EXPLAINED = 0.5
+# The weight is drawn this many standard errors toward one: the least
+# slope per new token over the most per input token the calls allow.
+ERRORS = 2.0
 # A spread below this share of its sum of squares is rounding, not spread.
 LEAST_SPREAD = 1e-9
 # Calls before the weight is fitted at all, and between fits.
@@ -67,7 +72,15 @@ def fitted(sums: list[float]) -> float | None:
         return None
     b = (vxy * vzz - vzy * vxz) / spread
     c = (vzy * vxx - vxy * vxz) / spread
-    if not (c > 0 and b * vxy + c * vzy >= LEAST_EXPLAINED * vyy):
+    explained = b * vxy + c * vzy
+    if not (c > 0 and explained >= LEAST_EXPLAINED * vyy):
         return None
-    weight = c / b if b > 0 else MOST_NEW_TOKEN_WEIGHT
+    # (the slopes' errors: where a few tokens' time is lost in a call's
+    # noise, the weight leans to one, not to whatever noise's ratio is)
+    noise = max(vyy - explained, 0.0) / max(n - 3, 1.0)
+    error_b, error_c = (math.sqrt(noise * v / spread) for v in (vzz, vxx))
+    least_c, most_b = c - ERRORS * error_c, max(b, 0.0) + ERRORS * error_b
+    if most_b <= 0:
+        return MOST_NEW_TOKEN_WEIGHT  # (reading measured as free, exactly)
+    weight = max(least_c, 0.0) / most_b
     return held_weight(weight) if math.isfinite(weight) else MOST_NEW_TOKEN_WEIGHT

@@ -13,9 +13,12 @@ from infergate.gateway.jobs import Jobs
 from infergate.gateway.reservations import (
     GPU_MARGIN,
     GPU_UNKNOWN_US,
+    MOST_AMOUNT,
     gpu_bound,
     gpu_job_bound,
     gpu_least,
+    gpu_used,
+    used,
 )
 
 
@@ -268,3 +271,26 @@ def test_a_job_read_again_teaches_its_keys_line_once() -> None:
     jobs._learn("j3", "a", {"input_bound": "30"}, results["j1"])  # (no model: none learned)
     jobs._learn("j3", "a", {**record, "model": "gone"}, results["j1"])
     assert line.sums[0] == pytest.approx(1.99)
+
+
+def test_a_planted_call_neither_teaches_a_line_nor_overflows_a_budget() -> None:
+    """A result planted in Redis (a job's record) saying its call took 2^63
+    ms is no call a worker measured: the line ignores it; and whatever a
+    reservation or a settlement comes to, it stays within what the budget
+    scripts count (a 23-digit reservation read as none let a key's GPU
+    budget go unmetered, and its give-back reset the period's spending)."""
+    costs = CostModel()
+    answer(costs, "a", 40, 20_000, 500)
+    line = costs.call_line("a")
+    assert line is not None
+    before = list(line.sums)
+    costs.learned("a", MeasuredCall("planted", 40, 2**63 * 1000), (30, 8))
+    costs.learned("a", MeasuredCall("planted2", 2**63, 30_000), (30, 8))
+    assert line.sums == before
+    line.over = 1e30  # (however far over its line a key's calls went)
+    assert gpu_bound(30, 8, line) == MOST_AMOUNT
+    planted = wire.Result(
+        "r", "b", 1, "w", 0, 1, "x", tokens=2**62, input_tokens=2**62, gpu_us=2**63 - 1
+    )
+    assert used(planted, 10) == MOST_AMOUNT
+    assert gpu_used(planted) == MOST_AMOUNT

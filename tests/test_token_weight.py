@@ -93,10 +93,10 @@ def test_a_call_is_measured_as_the_backend_ran_it() -> None:
     same = [wire.Envelope(f"r{i}", "g", "paid", "k", "a b c", 0, 1) for i in range(3)]
     other = wire.Envelope("r3", "g", "paid", "k", "d e", 0, 1)
     outcome_of: dict = {slot_key(same[0]): "sim: a b c", slot_key(other): "sim: d e"}
-    answers._measure([*same, other], outcome_of, [(3, 4)] * 3 + [(2, 3)], 50)
+    answers._measure([*same, other], outcome_of, [(3, 4)] * 3 + [(2, 3)], 50_000)
     assert fit._sums[:4] == [1.0, 5.0, 7.0, 50_000.0]  # (a call of 3 + 2 in, 4 + 3 out)
     outcome_of[slot_key(other)] = BackendError("failed")
-    answers._measure([*same, other], outcome_of, [(3, 4)] * 3 + [(2, 0)], 50)
+    answers._measure([*same, other], outcome_of, [(3, 4)] * 3 + [(2, 0)], 50_000)
     assert fit._sums[0] == 1.0  # (not measured)
 
 
