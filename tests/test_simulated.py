@@ -40,3 +40,14 @@ def test_it_stops_at_each_inputs_max_tokens_and_pays_only_for_those() -> None:
 def test_a_cost_outside_its_range_is_refused() -> None:
     with pytest.raises(ValueError, match="ms_per_ktoken"):
         SimulatedBackend(ms_per_ktoken=-1)
+
+
+def test_a_token_out_costs_its_weight_in_tokens_in() -> None:
+    backend = SimulatedBackend(latency_ms=0, ms_per_ktoken=1000, new_token_weight=50)
+    prompts = Prompts(["a b c"], ["a b c"], max_tokens=[2])
+    started = time.monotonic()
+    backend.infer(prompts)
+    assert time.monotonic() - started >= 0.003 + 50 * 0.002  # (3 words in, 2 out)
+    for weight in (0.5, float("nan"), 1001):
+        with pytest.raises(ValueError, match="new_token_weight"):
+            SimulatedBackend(new_token_weight=weight)
