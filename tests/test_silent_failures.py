@@ -502,6 +502,20 @@ def started_process(
     return proc
 
 
+def assert_drained(proc: "subprocess.Popen[str]") -> None:
+    """``proc`` (``started_process``) drained, said so, and exited 0."""
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "drained"
+    assert proc.wait(10) == 0
+
+
+def ended(proc: "subprocess.Popen[str]") -> None:
+    """``proc`` is gone, and its pipe closed (whatever the test found)."""
+    proc.kill()
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
 def test_a_shutdown_that_hangs_is_ended_and_says_where(tmp_path: Path) -> None:
     proc = started_process(
         "    await never_finishes_its_cleanup()\n",
@@ -549,11 +563,9 @@ def test_sighup_drains_unless_the_process_was_started_ignoring_it(ignored: bool)
             with pytest.raises(subprocess.TimeoutExpired):
                 proc.wait(1)  # (bounded: it must still be running)
             proc.send_signal(signal.SIGTERM)
-        assert proc.stdout.readline().strip() == "drained"
-        assert proc.wait(10) == 0
+        assert_drained(proc)
     finally:
-        proc.kill()
-        proc.stdout.close()
+        ended(proc)
 
 
 def test_a_process_whose_stderr_is_gone_still_drains() -> None:
@@ -572,11 +584,9 @@ def test_a_process_whose_stderr_is_gone_still_drains() -> None:
     try:
         proc.stderr.close()  # (its reader gone: a write is EPIPE)
         proc.send_signal(signal.SIGTERM)
-        assert proc.stdout.readline().strip() == "drained"
-        assert proc.wait(10) == 0
+        assert_drained(proc)
     finally:
-        proc.kill()
-        proc.stdout.close()
+        ended(proc)
 
 
 def test_deeply_nested_json_from_redis_is_unreadable_not_a_crash() -> None:
