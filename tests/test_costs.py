@@ -258,19 +258,22 @@ def test_a_job_read_again_teaches_its_keys_line_once() -> None:
     jobs = Jobs.__new__(Jobs)  # (what _learn reads of it: its gateway's lanes)
     jobs.gateway, jobs._learned = SimpleNamespace(lanes=lanes), OrderedDict()
     record = {"model": "default", "input_bound": "30"}
+    # (more jobs than the calls a line knows it added: the gateway's own
+    # record of the jobs it learned from is what keeps a call from coming back)
     results = {
-        job_id: wire.Result(job_id, f"batch-{job_id}", 1, "w", 0, 30, "x", call_tokens=40)
-        for job_id in ("j1", "j2")
+        f"j{i}": wire.Result(f"j{i}", f"batch-{i}", 1, "w", 0, 30, "x", call_tokens=40)
+        for i in range(RECENT_CALLS + 6)
     }
-    for _ in range(100):
+    for _ in range(5):
         for job_id, result in results.items():
             jobs._learn(job_id, "a", record, result)
     line = costs.call_line("a")
     assert line is not None
-    assert line.sums[0] == pytest.approx(1.99)
-    jobs._learn("j3", "a", {"input_bound": "30"}, results["j1"])  # (no model: none learned)
-    jobs._learn("j3", "a", {**record, "model": "gone"}, results["j1"])
-    assert line.sums[0] == pytest.approx(1.99)
+    once = sum(0.99**i for i in range(len(results)))
+    assert line.sums[0] == pytest.approx(once)
+    jobs._learn("new", "a", {"input_bound": "30"}, results["j1"])  # (no model: none learned)
+    jobs._learn("new", "a", {**record, "model": "gone"}, results["j1"])
+    assert line.sums[0] == pytest.approx(once)
 
 
 def test_a_planted_call_neither_teaches_a_line_nor_overflows_a_budget() -> None:
