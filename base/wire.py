@@ -118,7 +118,8 @@ class Result(msgspec.Struct, frozen=True, omit_defaults=True):
     # Its share of the backend call's time (usage, a GPU budget's settling),
     # by its tokens weighed (``weighed``); the call's tokens (input and
     # output, one more each), plain and weighed (0: as plain, by a worker
-    # that weighs none), and the weight of a new token it was weighed by.
+    # that weighs none), and the weight of a new token written alone (the
+    # most one of its request's new tokens weighed).
     gpu_us: int = 0
     call_tokens: int = 0
     weighed_call_tokens: int = 0
@@ -130,10 +131,19 @@ class Result(msgspec.Struct, frozen=True, omit_defaults=True):
 MOST_NEW_TOKEN_WEIGHT = 64.0
 
 
-def weighed(input_tokens: int, new_tokens: int, new_token_weight: float) -> int:
+def weighed(
+    input_tokens: int,
+    new_tokens: int,
+    new_token_weight: float,
+    steps: float = 0.0,
+    step_weight: float = 0.0,
+) -> int:
     """A request's tokens as input tokens' worth, its new tokens weighed,
-    one more (an empty one has a share of its call too)."""
-    return 1 + input_tokens + round(new_token_weight * new_tokens)
+    and its share of its call's decoding ``steps`` where they are weighed
+    apart (``gpu/token_weight.py``); one more (an empty one has a share of
+    its call too). A request alone takes all its steps: its new tokens
+    weighed by the two weights' sum."""
+    return 1 + input_tokens + round(new_token_weight * new_tokens + step_weight * steps)
 
 
 def held_weight(weight: float) -> float:

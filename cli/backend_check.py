@@ -47,6 +47,7 @@ def _namespace(args: argparse.Namespace) -> argparse.Namespace:
         sim_latency_ms=None,
         sim_ms_per_ktoken=0.0,
         sim_new_token_weight=1.0,
+        sim_step_weight=0.0,
         sim_fail_marker="",
         sim_hang_marker="",
         max_new_tokens=None,

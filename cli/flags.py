@@ -113,6 +113,13 @@ def _up_parser(sub: Any) -> None:
         "simulated: a token out costs this many tokens in, with --sim-ms-per-ktoken (default 1)",
         float,
     )
+    _add(
+        up,
+        "--sim-step-weight",
+        0.0,
+        "simulated: each decoding step of a batch costs this many tokens in more (default 0)",
+        float,
+    )
     _add(up, "--policy", None, "policy file (default: the built-in demo policy with fresh keys)")
     _add(up, "--keys-out", None, "write the demo keys as JSON to this file")
     _add(up, "--namespace", "infergate", "key namespace of this deployment")
@@ -269,6 +276,14 @@ def _worker_parser(sub: Any) -> None:
         1.0,
         "simulated backend: a token out costs this many tokens in, with --sim-ms-per-ktoken "
         "(default 1)",
+        float,
+    )
+    _add(
+        wk,
+        "--sim-step-weight",
+        0.0,
+        "simulated backend: each decoding step of a batch (its longest answer's words) costs "
+        "this many tokens in more, with --sim-ms-per-ktoken (default 0)",
         float,
     )
     _add(

@@ -18,6 +18,7 @@ from infergate.policies.schema import Model
 
 if TYPE_CHECKING:
     from infergate.gpu.backend import Backend
+    from infergate.gpu.backends.simulated import SimulatedBackend
     from infergate.policies.live import LivePolicy
 
 
@@ -113,22 +114,35 @@ def backend_for(
         return None
 
 
+def simulated(
+    args: argparse.Namespace,
+    latency_ms: float,
+    model: str = "",
+    fail_marker: str | None = None,
+    hang_marker: str | None = None,
+) -> "SimulatedBackend":
+    """The simulated backend of the ``--sim-*`` flags (``up`` makes one to
+    check them before it starts anything)."""
+    from infergate.gpu.backends.simulated import SimulatedBackend
+
+    return SimulatedBackend(
+        latency_ms,
+        fail_marker,
+        hang_marker,
+        model=model,
+        ms_per_ktoken=args.sim_ms_per_ktoken,
+        new_token_weight=args.sim_new_token_weight,
+        step_weight=args.sim_step_weight,
+    )
+
+
 def build(
     args: argparse.Namespace, model: Model, spec: BackendSpec, options: dict[str, Any]
 ) -> "Backend":
     if spec.kind == "simulated":
-        from infergate.gpu.backends.simulated import SimulatedBackend
-
         latency_ms = model.sim_latency_ms if args.sim_latency_ms is None else args.sim_latency_ms
         named = "" if args.model_name == "default" else args.model_name
-        return SimulatedBackend(
-            latency_ms,
-            args.sim_fail_marker,
-            args.sim_hang_marker,
-            model=named,
-            ms_per_ktoken=args.sim_ms_per_ktoken,
-            new_token_weight=args.sim_new_token_weight,
-        )
+        return simulated(args, latency_ms, named, args.sim_fail_marker, args.sim_hang_marker)
     max_new_tokens = args.max_new_tokens or model.max_new_tokens
     if spec.kind == "transformers":
         path = args.model or model.path

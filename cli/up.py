@@ -29,7 +29,6 @@ from infergate.base.queue import redis_url, shards
 from infergate.base.queue.scale_signal import SignalReader
 from infergate.base.queue.warming import WarmingWord
 from infergate.children import Child, Stack
-from infergate.gpu.backends.simulated import SimulatedBackend
 from infergate.policies import PolicyError, load_policy
 from infergate.policies.demo import ADMIN_TIER, demo_policy
 from infergate.policies.loader import public_error
@@ -38,7 +37,7 @@ from infergate.policies.schema import Model
 from infergate.private_file import write_private
 from infergate.redis_server import RedisServer
 from infergate.scaling import WorkerScaler
-from infergate.serving import checked_spec
+from infergate.serving import checked_spec, simulated
 
 log = logs.get(__name__)
 
@@ -175,6 +174,8 @@ def worker_child(
         argv += ["--sim-ms-per-ktoken", str(args.sim_ms_per_ktoken)]
     if args.sim_new_token_weight != 1.0:
         argv += ["--sim-new-token-weight", str(args.sim_new_token_weight)]
+    if args.sim_step_weight:
+        argv += ["--sim-step-weight", str(args.sim_step_weight)]
     argv += ["--policy", policy_path]
     argv += _worker_flags(args)
     if model:
@@ -270,11 +271,7 @@ def _preflight(args: argparse.Namespace) -> str | None:
     if args.concurrency is not None and not 1 <= args.concurrency <= MAX_CONCURRENCY:
         return f"--concurrency must be 1-{MAX_CONCURRENCY}"
     try:  # (the simulated backend's own checks, before its workers make one)
-        SimulatedBackend(
-            args.sim_latency_ms or 0.0,
-            ms_per_ktoken=args.sim_ms_per_ktoken,
-            new_token_weight=args.sim_new_token_weight,
-        )
+        simulated(args, args.sim_latency_ms or 0.0)
     except ValueError as exc:
         return f"simulated backend: {exc}"
     if args.backend:  # (a policy's own backends are checked with the policy)

@@ -153,11 +153,16 @@ class Answers:
             tokens.append((input_tokens, 0 if isinstance(clipped, BackendError) else clipped[1]))
             outcomes.append((clipped, input_tokens))
         # (each request's share of the call: by its tokens, a new one weighed
-        # against an input one as the calls measured it, one more each)
-        weight = self.new_token_weight.value
-        weights = [wire.weighed(i, o, weight) for i, o in tokens]
+        # against an input one as the calls measured it, and its share of
+        # the decoding steps, one more each)
+        fit = self.new_token_weight
+        steps = step_shares([o for _, o in tokens])
+        weights = [
+            wire.weighed(i, o, fit.per_token, share, fit.per_step)
+            for (i, o), share in zip(tokens, steps, strict=True)
+        ]
         gpu = weighted_shares(infer_ms * 1000, weights)
-        call = _call_fields(tokens, weights, weight)
+        call = _call_fields(tokens, weights, fit.alone)
         self._measure(live, outcome_of, tokens, infer_us)
         for env, (clipped, input_tokens), gpu_us in zip(live, outcomes, gpu, strict=True):
             # Reported as served by the model, whichever copy ran: the keys of a
@@ -190,7 +195,10 @@ class Answers:
         # (the batch leaves processing with its answer: none of them runs again)
         answer.inputs_done = inputs.input_keys(self.keys, batch.envelopes)
         self.tally.batch_served(len(live))
-        answer.report = partial(self._report, batch, live, outcome_of, infer_ms, idle_ms, weight)
+        weighed_by = (fit.per_token, fit.per_step)
+        answer.report = partial(
+            self._report, batch, live, outcome_of, infer_ms, idle_ms, weighed_by
+        )
         return answer
 
     def _measure(
@@ -213,7 +221,8 @@ class Answers:
             ran.setdefault(key, counted)
         if ran and infer_us > 0:
             read, wrote = sum(i for i, _ in ran.values()), sum(o for _, o in ran.values())
-            self.new_token_weight.took(read, wrote, infer_us)
+            steps = max(o for _, o in ran.values())
+            self.new_token_weight.took(read, wrote, infer_us, steps)
 
     def lost(self, batch: wire.Batch, lost: list[wire.Envelope], started_ms: int) -> Answer:
         """A batch whose every live request's input is gone (or with none
@@ -267,9 +276,10 @@ class Answers:
         outcome_of: dict[Hashable, str | BackendError],
         infer_ms: int,
         idle_ms: float | None,
-        new_token_weight: float,
+        weighed_by: tuple[float, float],
     ) -> None:
-        """A batch's metrics and log line (with the weight it was split by)."""
+        """A batch's metrics and log line (with the weights it was split by:
+        a new token's and a decoding step's)."""
         failed = sum(isinstance(outcome_of[slot_key(e)], BackendError) for e in live)
         self.metrics.backend_inputs.inc(len(outcome_of))
         self.metrics.requests_collapsed.inc(len(live) - len(outcome_of))
@@ -283,7 +293,8 @@ class Answers:
             infer_ms=infer_ms,
             idle_ms=idle_ms,
             failed=failed,
-            new_token_weight=new_token_weight,
+            new_token_weight=weighed_by[0],
+            step_weight=weighed_by[1],
         )
 
 
@@ -303,6 +314,20 @@ def charges(
         counts[4] += tokens_in
         counts[5] += tokens_out
     return [Charge(key, tier, *counts) for (key, tier), counts in per_key.items()]
+
+
+def step_shares(new_tokens: list[int]) -> list[float]:
+    """Each request's share of its call's decoding steps: a step is shared
+    by the requests still writing at it (a request alone takes all of its
+    own: as many as its new tokens)."""
+    order = sorted(range(len(new_tokens)), key=new_tokens.__getitem__)
+    shares, taken, done = [0.0] * len(new_tokens), 0.0, 0
+    for place, i in enumerate(order):
+        # (the steps after the last shorter answer, shared by it and the longer)
+        taken += (new_tokens[i] - done) / (len(order) - place)
+        done = new_tokens[i]
+        shares[i] = taken
+    return shares
 
 
 def _call_fields(

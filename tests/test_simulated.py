@@ -51,3 +51,15 @@ def test_a_token_out_costs_its_weight_in_tokens_in() -> None:
     for weight in (0.5, float("nan"), 1001):
         with pytest.raises(ValueError, match="new_token_weight"):
             SimulatedBackend(new_token_weight=weight)
+
+
+def test_a_decoding_step_costs_its_weight_once_for_the_whole_batch() -> None:
+    backend = SimulatedBackend(latency_ms=0, ms_per_ktoken=1000, step_weight=100)
+    prompts = Prompts(["a b", "c d"], ["a b", "c d"], max_tokens=[1, 3])
+    started = time.monotonic()
+    backend.infer(prompts)
+    # (4 words in, 1 + 3 out, and 3 steps for the two rows together)
+    assert time.monotonic() - started >= 0.008 + 100 * 0.003
+    for weight in (-1, float("nan"), 1001):
+        with pytest.raises(ValueError, match="step_weight"):
+            SimulatedBackend(step_weight=weight)

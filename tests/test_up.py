@@ -73,6 +73,8 @@ class Up:
             "the simulated backend runs one batch at a time",
         ),
         (["--concurrency", "0"], "--concurrency must be 1-"),
+        (["--sim-new-token-weight", "0.5"], "new_token_weight must be 1-1000"),
+        (["--sim-step-weight", "-1"], "step_weight must be 0-1000"),
     ],
 )
 def test_what_cannot_work_is_said_before_anything_starts(

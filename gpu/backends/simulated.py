@@ -10,7 +10,10 @@ input's ``max_tokens`` of them; with ``ms_per_ktoken``, a call's time
 grows with the tokens it reads and writes, as a real model's does with
 its own (a model whose time follows anything else cannot be metered by
 its tokens: ``gateway/costs.py``), a new token ``new_token_weight`` times
-an input token's (a real model writes its answer a step at a time). To test failure handling,
+an input token's (a real model writes its answer a step at a time), and
+each decoding step ``step_weight`` input tokens' more for the whole batch
+(its longest answer's words: a batched engine runs a step for all its
+rows at once). To test failure handling,
 any input containing ``fail_marker`` makes the whole call raise, as a
 poisoned input does on a real model, and any input containing
 ``hang_marker`` makes the call hang for ``hang_s`` (a stuck GPU). Both are
@@ -54,6 +57,7 @@ class SimulatedBackend:
         model: str = "",
         ms_per_ktoken: float = 0.0,
         new_token_weight: float = 1.0,
+        step_weight: float = 0.0,
     ) -> None:
         self.model = model
         # Its output depends on the input alone (and the model it names).
@@ -62,11 +66,14 @@ class SimulatedBackend:
             raise ValueError("latency_ms must be >= 0, ms_per_ktoken 0-60000")
         if not 1 <= new_token_weight <= 1000:
             raise ValueError("new_token_weight must be 1-1000")
+        if not 0 <= step_weight <= 1000:
+            raise ValueError("step_weight must be 0-1000")
         self.latency_s = latency_ms / 1000.0
         # A batch's time grows with what it reads and writes (a model's
         # prefill and decode): per token in and out, on top.
         self.s_per_token = ms_per_ktoken / 1e6
         self.new_token_weight = new_token_weight
+        self.step_weight = step_weight
         self.fail_marker = fail_marker or None
         self.hang_marker = hang_marker or None
         self.hang_s = hang_s
@@ -88,8 +95,11 @@ class SimulatedBackend:
         if not self.s_per_token:
             return 0.0
         read = sum(len(s.split()) for s in inputs)
-        wrote = sum(len(s.split()) for s in outputs)
-        return (read + self.new_token_weight * wrote) * self.s_per_token
+        wrote = [len(s.split()) for s in outputs]
+        steps = max(wrote, default=0)
+        return (
+            read + self.new_token_weight * sum(wrote) + self.step_weight * steps
+        ) * self.s_per_token
 
     def infer_sampled(self, inputs: list[str], temperatures: list[float]) -> list[str]:
         check_batch(inputs)
