@@ -135,15 +135,15 @@ def weighed(
     input_tokens: int,
     new_tokens: int,
     new_token_weight: float,
-    steps: float = 0.0,
+    step_share: float = 0.0,
     step_weight: float = 0.0,
 ) -> int:
     """A request's tokens as input tokens' worth, its new tokens weighed,
-    and its share of its call's decoding ``steps`` where they are weighed
+    and its share of its call's decoding steps where they are weighed
     apart (``gpu/token_weight.py``); one more (an empty one has a share of
     its call too). A request alone takes all its steps: its new tokens
     weighed by the two weights' sum."""
-    return 1 + input_tokens + round(new_token_weight * new_tokens + step_weight * steps)
+    return 1 + input_tokens + round(new_token_weight * new_tokens + step_weight * step_share)
 
 
 def held_weight(weight: float) -> float:

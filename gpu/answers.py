@@ -19,7 +19,7 @@ from infergate.base.queue.usage import Charge, weighted_shares
 from infergate.base.queue.worker import KeptAnswer
 from infergate.gpu.backend import Backend, BackendError, Counted, UpstreamError
 from infergate.gpu.backend_thread import slot_key
-from infergate.gpu.token_weight import NewTokenWeight
+from infergate.gpu.token_weight import TokenWeights
 
 log = logs.get(__name__)
 
@@ -27,6 +27,10 @@ log = logs.get(__name__)
 # a day). An envelope asking for more was planted: its answer is sent, not
 # kept (Redis refuses a TTL past its range, and the whole answer with it).
 MAX_CACHE_TTL_MS = 86_400_000
+
+# A count a remote server says past this is none a model made (10**400
+# raised in the split; 10**160 left the fit's sums infinite for good).
+MOST_COUNTED = 2**32
 
 
 @dataclass
@@ -102,7 +106,7 @@ class Answers:
         self.backend = backend  # its fingerprint names the model in what the cache keeps
         self.metrics = metrics
         self.tally = tally
-        self.new_token_weight = NewTokenWeight()
+        self.token_weights = TokenWeights()
 
     def _clipped(
         self, outcome: str | BackendError, max_tokens: int
@@ -114,7 +118,7 @@ class Answers:
         if isinstance(outcome, Counted):  # (the engine stopped at max_tokens itself)
             text = str(outcome)
             if outcome.tokens > 0 or not text:
-                return text, outcome.tokens
+                return text, min(outcome.tokens, MOST_COUNTED)
             return text, self.backend.clip(text, 0)[1]  # (a server that did not count them)
         return self.backend.clip(outcome, max_tokens)
 
@@ -124,7 +128,7 @@ class Answers:
         if isinstance(outcome, BackendError):
             return 0
         if isinstance(outcome, Counted) and outcome.input_tokens > 0:
-            return outcome.input_tokens
+            return min(outcome.input_tokens, MOST_COUNTED)
         return self.backend.clip(env.input or "", 0)[1]  # (none counted them)
 
     def of(
@@ -155,7 +159,7 @@ class Answers:
         # (each request's share of the call: by its tokens, a new one weighed
         # against an input one as the calls measured it, and its share of
         # the decoding steps, one more each)
-        fit = self.new_token_weight
+        fit = self.token_weights
         steps = step_shares([o for _, o in tokens])
         weights = [
             wire.weighed(i, o, fit.per_token, share, fit.per_step)
@@ -195,7 +199,7 @@ class Answers:
         # (the batch leaves processing with its answer: none of them runs again)
         answer.inputs_done = inputs.input_keys(self.keys, batch.envelopes)
         self.tally.batch_served(len(live))
-        weighed_by = (fit.per_token, fit.per_step)
+        weighed_by = (fit.alone, fit.per_step)
         answer.report = partial(
             self._report, batch, live, outcome_of, infer_ms, idle_ms, weighed_by
         )
@@ -222,7 +226,7 @@ class Answers:
         if ran and infer_us > 0:
             read, wrote = sum(i for i, _ in ran.values()), sum(o for _, o in ran.values())
             steps = max(o for _, o in ran.values())
-            self.new_token_weight.took(read, wrote, infer_us, steps)
+            self.token_weights.took(read, wrote, infer_us, steps)
 
     def lost(self, batch: wire.Batch, lost: list[wire.Envelope], started_ms: int) -> Answer:
         """A batch whose every live request's input is gone (or with none
@@ -279,7 +283,7 @@ class Answers:
         weighed_by: tuple[float, float],
     ) -> None:
         """A batch's metrics and log line (with the weights it was split by:
-        a new token's and a decoding step's)."""
+        a new token's written alone, as its results say, and a step's)."""
         failed = sum(isinstance(outcome_of[slot_key(e)], BackendError) for e in live)
         self.metrics.backend_inputs.inc(len(outcome_of))
         self.metrics.requests_collapsed.inc(len(live) - len(outcome_of))

@@ -37,7 +37,7 @@ REFIT_EVERY = 8
 ONE, INPUT, NEW, STEPS, US = range(5)
 
 
-class NewTokenWeight:
+class TokenWeights:
     """A new token's weight against an input token (``per_token``) and a
     decoding step's, shared by the requests writing at it (``per_step``),
     fitted to the calls the worker ran, each rounded to two decimals; a
@@ -53,7 +53,8 @@ class NewTokenWeight:
 
     @property
     def alone(self) -> float:
-        return round(self.per_token + self.per_step, 2)
+        """A new token's weight written alone (its every step its own)."""
+        return min(round(self.per_token + self.per_step, 2), MOST_NEW_TOKEN_WEIGHT)
 
     def took(
         self, input_tokens: int, new_tokens: int, call_us: int, steps: int | None = None
@@ -118,14 +119,22 @@ def _slopes(
 
 def _weights(slopes: list[float], errors: list[float]) -> tuple[float, float]:
     """Each slope past the input token's, drawn ``ERRORS`` standard errors
-    toward the least, over the input token's drawn toward the most."""
+    toward the least, over the input token's drawn toward the most; where
+    a new token alone would weigh over the most (or reading is measured as
+    free), both scaled down alike: their ratio is what splits a call."""
     most_input = max(slopes[0], 0.0) + ERRORS * errors[0]
     least = [max(s - ERRORS * e, 0.0) for s, e in zip(slopes[1:], errors[1:], strict=True)]
-    if most_input <= 0:
-        return MOST_NEW_TOKEN_WEIGHT, 0.0  # (reading measured as free, exactly)
-    per_token, per_step = least[0] / most_input, (least[1] if len(least) > 1 else 0.0) / most_input
+    per_token, per_step = least[0], (least[1] if len(least) > 1 else 0.0)
     if not math.isfinite(per_token + per_step):
         return MOST_NEW_TOKEN_WEIGHT, 0.0
+    if per_token + per_step <= 0:  # (writing measured as free: reading, as free, is the most)
+        return (1.0 if most_input > 0 else MOST_NEW_TOKEN_WEIGHT), 0.0
+    if most_input > 0:
+        per_token, per_step = per_token / most_input, per_step / most_input
+    alone = per_token + per_step
+    if most_input <= 0 or alone > MOST_NEW_TOKEN_WEIGHT:
+        scale = MOST_NEW_TOKEN_WEIGHT / alone
+        per_token, per_step = per_token * scale, per_step * scale
     per_token = held_weight(per_token)
     return per_token, min(per_step, MOST_NEW_TOKEN_WEIGHT - per_token)
 

@@ -10,16 +10,16 @@ import pytest
 import redis
 from infergate.base import wire
 from infergate.base.keys import Keys
-from infergate.gpu.answers import Answers, step_shares
-from infergate.gpu.backend import BackendError
+from infergate.gpu.answers import MOST_COUNTED, Answers, step_shares
+from infergate.gpu.backend import BackendError, Counted
 from infergate.gpu.backend_thread import slot_key
 from infergate.gpu.backends.simulated import SimulatedBackend
-from infergate.gpu.token_weight import LEAST_CALLS, NewTokenWeight
+from infergate.gpu.token_weight import LEAST_CALLS, TokenWeights
 
 from tests.helpers import key_entry, policy_yaml, wait_for
 
 
-def _calls(weight: NewTokenWeight, rng: random.Random, us_of, wrote: int = 0) -> None:
+def _calls(weight: TokenWeights, rng: random.Random, us_of, wrote: int = 0) -> None:
     """400 calls of 1-2,000 tokens in and 1-300 out (or ``wrote`` each)."""
     for _ in range(400):
         read, new = rng.randint(1, 2_000), wrote or rng.randint(1, 300)
@@ -28,7 +28,7 @@ def _calls(weight: NewTokenWeight, rng: random.Random, us_of, wrote: int = 0) ->
 
 @pytest.mark.parametrize("true_weight", [1.0, 5.0, 39.0])
 def test_the_weight_of_calls_whose_time_follows_their_tokens(true_weight: float) -> None:
-    rng, weight = random.Random(1), NewTokenWeight()
+    rng, weight = random.Random(1), TokenWeights()
     per_input_us = 1_500.0  # (SmolLM2-135M on this CPU: docs/performance.md)
 
     def us_of(read: int, wrote: int) -> float:
@@ -43,7 +43,7 @@ def test_the_weight_of_calls_whose_time_follows_their_tokens(true_weight: float)
 
 
 def test_one_until_enough_calls_and_when_the_calls_cannot_tell() -> None:
-    rng, weight = random.Random(2), NewTokenWeight()
+    rng, weight = random.Random(2), TokenWeights()
     for _ in range(LEAST_CALLS - 1):
         read, wrote = rng.randint(1, 2_000), rng.randint(1, 300)
         weight.took(read, wrote, 1_000 * read + 40_000 * wrote)
@@ -51,18 +51,18 @@ def test_one_until_enough_calls_and_when_the_calls_cannot_tell() -> None:
     weight.took(10, 10, 10_000 + 400_000)
     assert weight.alone == 40.0  # (fitted, at the 16th)
     # Answers as long as their inputs, always: either could be what costs.
-    weight = NewTokenWeight()
+    weight = TokenWeights()
     for _ in range(400):
         read = rng.randint(1, 2_000)
         weight.took(read, read // 4, round(1_000 * read + 40_000 * (read // 4)))
     assert weight.alone == 1.0
     # Every answer of one length (a classifier's one token, a fixed max_tokens).
     for wrote in (1, 64):
-        weight = NewTokenWeight()
+        weight = TokenWeights()
         _calls(weight, rng, lambda read, _: 1_000 * read + rng.uniform(0, 5_000), wrote=wrote)
         assert weight.alone == 1.0
     # A model whose time follows nothing of the tokens: noise has no weight.
-    weight = NewTokenWeight()
+    weight = TokenWeights()
     _calls(weight, rng, lambda read, wrote: rng.uniform(90_000, 110_000))
     assert weight.alone == 1.0
 
@@ -70,21 +70,21 @@ def test_one_until_enough_calls_and_when_the_calls_cannot_tell() -> None:
 def test_held_within_its_bounds() -> None:
     rng = random.Random(3)
     # Writing costs nothing at all (a new token is at least an input token's).
-    cheap = NewTokenWeight()
+    cheap = TokenWeights()
     _calls(cheap, rng, lambda read, wrote: 1_000 * read + 1 * wrote + rng.uniform(0, 100))
     assert cheap.alone == 1.0
-    dear = NewTokenWeight()
+    dear = TokenWeights()
     _calls(dear, rng, lambda read, wrote: read + 100_000 * wrote)
     assert dear.alone == wire.MOST_NEW_TOKEN_WEIGHT
     # Reading costs nothing measurable (a prefill on a GPU): the most.
-    free = NewTokenWeight()
+    free = TokenWeights()
     _calls(free, rng, lambda read, wrote: 20_000 + 5_000 * wrote + rng.uniform(0, 2_000))
     assert free.alone == wire.MOST_NEW_TOKEN_WEIGHT
     # What a planted result may say weighs within them too.
     assert [wire.held_weight(w) for w in (float("nan"), -3.0, 1e9, 7.5)] == [1.0, 1.0, 64.0, 7.5]
 
 
-def _batched_calls(weight: NewTokenWeight, rng: random.Random, us_of) -> None:
+def _batched_calls(weight: TokenWeights, rng: random.Random, us_of) -> None:
     """400 calls of 1-8 rows, each of 1-500 tokens in and 1-64 out."""
     for _ in range(400):
         rows = rng.randint(1, 8)
@@ -99,25 +99,42 @@ def test_a_decoding_step_weighed_apart_where_the_calls_tell_it() -> None:
     eight (SmolLM2-135M on CPU: a new token 4.6 ms a row, a step 68 ms):
     fitted apart from a new token's weight, each drawn toward the least."""
     rng = random.Random(4)
-    stepped = NewTokenWeight()
+    stepped = TokenWeights()
     _batched_calls(stepped, rng, lambda read, wrote, steps: 20_000 + 1_500 * read + 60_000 * steps)
     assert stepped.per_token == 1.0
     assert 40 * 0.75 <= stepped.per_step <= 40 * 1.05
     assert stepped.alone == round(stepped.per_token + stepped.per_step, 2)
     # A model whose every new token costs alike, however many rows: no step weight.
-    tokens = NewTokenWeight()
+    tokens = TokenWeights()
     _batched_calls(tokens, rng, lambda read, wrote, steps: 20_000 + 100 * (read + 10 * wrote))
     assert 10 * 0.8 <= tokens.per_token <= 10 * 1.05
     assert tokens.per_step == 0.0
     # Calls of one row cannot tell a step from a new token: folded into it.
-    alone = NewTokenWeight()
+    alone = TokenWeights()
     _calls(alone, rng, lambda read, wrote: 20_000 + 1_500 * read + 60_000 * wrote)
     assert alone.per_step == 0.0
     assert 40 * 0.85 <= alone.per_token <= 40 * 1.05
-    # Held so that a new token alone weighs at most the most.
-    dear = NewTokenWeight()
-    _batched_calls(dear, rng, lambda read, wrote, steps: read + 1_000 * wrote + 100_000 * steps)
-    assert dear.alone == wire.MOST_NEW_TOKEN_WEIGHT
+    # Held so that a new token alone weighs at most the most, the two
+    # scaled alike (a GPU's prefill is nearly free: the steps still split).
+    for per_token_us, per_step_us in ((1_000, 100_000), (40, 20_000)):
+        dear = TokenWeights()
+
+        def us_of(read: int, wrote: int, steps: int, t: int = per_token_us, s: int = per_step_us):
+            return read / 2 + t * wrote + s * steps
+
+        _batched_calls(dear, rng, us_of)
+        assert dear.alone == wire.MOST_NEW_TOKEN_WEIGHT
+        assert dear.per_step > 50 * dear.per_token
+
+
+def test_a_count_no_model_made_is_held() -> None:
+    """A remote server's counts are its own: one of 10**400 tokens raised in
+    the split, one of 10**160 left the fit's sums infinite for good."""
+    answers = Answers("w", Keys(), SimulatedBackend(0), None, None)  # type: ignore[arg-type]
+    env = wire.Envelope("r", "g", "paid", "k", "a b", 0, 1)
+    counted = Counted("an answer", tokens=10**400, input_tokens=10**160)
+    assert answers._clipped(counted, 5) == ("an answer", MOST_COUNTED)
+    assert answers._input_tokens(env, counted) == MOST_COUNTED
 
 
 def test_a_step_is_shared_by_the_requests_still_writing_at_it() -> None:
@@ -137,7 +154,7 @@ def test_a_call_is_measured_as_the_backend_ran_it() -> None:
     read and wrote its tokens once. A call with an input that failed says
     nothing of what writing costs (its failed input wrote none)."""
     answers = Answers("w", Keys(), SimulatedBackend(0), None, None)  # type: ignore[arg-type]
-    fit = answers.new_token_weight
+    fit = answers.token_weights
     same = [wire.Envelope(f"r{i}", "g", "paid", "k", "a b c", 0, 1) for i in range(3)]
     other = wire.Envelope("r3", "g", "paid", "k", "d e", 0, 1)
     outcome_of: dict = {slot_key(same[0]): "sim: a b c", slot_key(other): "sim: d e"}
