@@ -236,16 +236,17 @@ def test_each_row_is_sampled_at_its_own_temperature(tiny_model: Path) -> None:
 def test_a_call_whose_requests_all_ask_for_few_tokens_stops_there(tiny_model: Path) -> None:
     """Requests that all ask for a few tokens: the call makes those (and
     enough more to end a character), the beginning of what it makes when
-    one asks for none and the whole call runs to the model's bound."""
+    one asks for none and runs to the model's bound; a row beside it that
+    asks for a few still stops at its own."""
     from infergate.gpu.backend import Prompts
 
     backend = TransformersBackend(str(tiny_model), max_new_tokens=32, device="cpu")
     texts = ["hello world", "the quick brown fox"]
     short = backend.infer(Prompts(texts, texts, max_tokens=[1, 2]))
     whole = backend.infer(Prompts(texts, texts, max_tokens=[0, 2]))
-    for few, every in zip(short, whole, strict=True):
-        assert len(few) < len(every)
-        assert every.startswith(few.rstrip("\ufffd"))
+    assert len(short[0]) < len(whole[0])
+    assert whole[0].startswith(short[0].rstrip("\ufffd"))
+    assert whole[1] == short[1]
 
 
 def test_a_clip_never_splits_a_character(backend: TransformersBackend) -> None:
@@ -292,3 +293,32 @@ def test_a_chat_the_template_refuses_is_that_input_s_failure(tiny_model: Path) -
     with pytest.raises(BackendError, match="chat template refuses this conversation"):
         backend.infer(inputs)
     assert len(backend.infer(Prompts(["plain"], ["b"], conversations=[None]))) == 1
+
+
+def test_each_row_stops_at_its_own_most_so_a_call_ends_with_its_longest_answer(
+    tiny_model: Path,
+) -> None:
+    """A row that asks for 2 tokens beside one that asks for 40 and ends
+    its answer at once: the call runs a few steps, not 43 (before, the short
+    row made all 43, for nothing: its output is cut to its 2), and the
+    worker's count of the call's steps (its longest answer) is the steps
+    it ran."""
+    from infergate.gpu.backend import Prompts
+
+    backend = TransformersBackend(str(tiny_model), max_new_tokens=64, device="cpu")
+    texts = ["hello world", "the quick brown fox"]
+    # (the first text's first new token made its end of text: its answer ends at once)
+    first = backend.tokenizer(backend.infer(Prompts(texts[:1], [0], max_tokens=[1]))[0])
+    backend.model.generation_config.eos_token_id = first["input_ids"][0]
+    steps = 0
+
+    def counted(*_: object) -> None:
+        nonlocal steps
+        steps += 1
+
+    backend.model.register_forward_pre_hook(counted)
+    alone = backend.infer(Prompts(texts[1:], [0], max_tokens=[2]))
+    steps = 0
+    both = backend.infer(Prompts(texts, [0, 1], max_tokens=[40, 2]))
+    assert steps <= 2 + 3, steps  # (its 2, and enough more to end a character; before: 43)
+    assert both[1] == alone[0]

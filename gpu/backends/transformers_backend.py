@@ -5,7 +5,8 @@ messages go through the tokenizer's own chat template where it has one.
 ``infer`` tokenizes the batch with left padding, generates greedily
 (deterministic) up to ``max_new_tokens`` (or the most any of its requests
 asks for, where each asks: a batch of short answers stops when they are
-made) and returns each input's continuation; ``infer_sampled`` samples each
+made; each row stops at its own, so the call ends with its longest answer,
+not with the most any asked for) and returns each input's continuation; ``infer_sampled`` samples each
 row at its own temperature (0: greedy) in the same one call. Any failure in
 the model call is raised as ``BackendError`` so the worker can isolate the
 input that caused it.
@@ -144,14 +145,16 @@ class TransformersBackend:
                 f"the model's chat template refuses this conversation: {str(exc)[:200]}"
             ) from exc
 
-    def _most_new_tokens(self, inputs: list[str]) -> int:
-        """The most new tokens a call makes: where every request asks for
-        fewer, the most any asks for, and enough more to end a character
-        (each output is then cut to its own, at a character's start)."""
-        asked = max_tokens_of(inputs)
-        if min(asked) <= 0:
-            return self.max_new_tokens
-        return min(max(asked) + CHARACTER_TOKENS - 1, self.max_new_tokens)
+    def _new_tokens(self, inputs: list[str]) -> list[int]:
+        """The most new tokens each row makes: what its request asks for
+        and enough more to end a character (each output is then cut to its
+        own, at a character's start), or the model's bound."""
+        return [
+            min(asked + CHARACTER_TOKENS - 1, self.max_new_tokens)
+            if asked > 0
+            else self.max_new_tokens
+            for asked in max_tokens_of(inputs)
+        ]
 
     def _generate(self, inputs: list[str], temperatures: list[float]) -> list[str]:
         enc = self.tokenizer(
@@ -172,16 +175,36 @@ class TransformersBackend:
                 "top_k": 0,
                 "top_p": 1.0,
             }
+        most = self._new_tokens(inputs)
+        prompt_tokens = enc["input_ids"].shape[1]
         with self._torch.inference_mode():
             out = self.model.generate(
                 **enc,
-                max_new_tokens=self._most_new_tokens(inputs),
+                max_new_tokens=max(most),
                 pad_token_id=self.tokenizer.pad_token_id,
+                # (a row past its own most pads on, as one at its end of text)
+                stopping_criteria=[
+                    _RowDone(self._torch.tensor(most, device=self.device), prompt_tokens)
+                ],
                 **sampling,
             )
-        new_tokens = out[:, enc["input_ids"].shape[1] :]
+        new_tokens = out[:, prompt_tokens:]
         texts: list[str] = self.tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
         return texts
+
+
+class _RowDone:
+    """Each row done once it has made its own most new tokens: a call whose
+    longest-asking answer ended early runs no step for the others' extra.
+    (Before, a row that asked for one token beside one that asked for 256
+    and stopped at its end of text made 256.)"""
+
+    def __init__(self, most: Any, prompt_tokens: int) -> None:
+        self.most = most  # (batch,)
+        self.prompt_tokens = prompt_tokens
+
+    def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+        return (input_ids.shape[1] - self.prompt_tokens) >= self.most
 
 
 class _RowTemperature:
