@@ -308,8 +308,9 @@ def test_each_row_stops_at_its_own_most_so_a_call_ends_with_its_longest_answer(
     backend = TransformersBackend(str(tiny_model), max_new_tokens=64, device="cpu")
     texts = ["hello world", "the quick brown fox"]
     # (the first text's first new token made its end of text: its answer ends at once)
-    first = backend.tokenizer(backend.infer(Prompts(texts[:1], [0], max_tokens=[1]))[0])
-    backend.model.generation_config.eos_token_id = first["input_ids"][0]
+    prompt = backend.tokenizer(texts[:1], return_tensors="pt")
+    first = backend.model.generate(**prompt, max_new_tokens=1, do_sample=False)[0, -1]
+    backend.model.generation_config.eos_token_id = int(first)
     steps = 0
 
     def counted(*_: object) -> None:
@@ -322,3 +323,16 @@ def test_each_row_stops_at_its_own_most_so_a_call_ends_with_its_longest_answer(
     both = backend.infer(Prompts(texts, [0, 1], max_tokens=[40, 2]))
     assert steps <= 2 + 3, steps  # (its 2, and enough more to end a character; before: 43)
     assert both[1] == alone[0]
+
+
+def test_a_model_that_searches_beams_stops_each_row_at_its_own_too(tiny_model: Path) -> None:
+    """A model's own generation config may search beams (a row per beam)."""
+    from infergate.gpu.backend import Prompts
+
+    backend = TransformersBackend(str(tiny_model), max_new_tokens=32, device="cpu")
+    backend.model.generation_config.num_beams = 2
+    texts = ["hello world", "the quick brown fox"]
+    both = backend.infer(Prompts(texts, [0, 1], max_tokens=[2, 0]))
+    alone = backend.infer(Prompts(texts[:1], [0], max_tokens=[2]))
+    assert both[0] == alone[0]
+    assert len(both[1]) > len(both[0])

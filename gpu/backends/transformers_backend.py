@@ -204,7 +204,10 @@ class _RowDone:
         self.prompt_tokens = prompt_tokens
 
     def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
-        return (input_ids.shape[1] - self.prompt_tokens) >= self.most
+        most = self.most
+        if input_ids.shape[0] != most.shape[0]:  # (a model whose own config searches beams)
+            most = most.repeat_interleave(input_ids.shape[0] // most.shape[0])
+        return (input_ids.shape[1] - self.prompt_tokens) >= most
 
 
 class _RowTemperature:
