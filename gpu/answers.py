@@ -28,8 +28,8 @@ log = logs.get(__name__)
 # kept (Redis refuses a TTL past its range, and the whole answer with it).
 MAX_CACHE_TTL_MS = 86_400_000
 
-# A count a remote server says past this is none a model made (10**400
-# raised in the split; 10**160 left the fit's sums infinite for good).
+# A count a remote server says past this is none a model made: held to it,
+# the split and the fit's sums stay finite.
 MOST_COUNTED = 2**32
 
 
@@ -160,10 +160,10 @@ class Answers:
         # against an input one as the calls measured it, and its share of
         # the decoding steps, one more each)
         fit = self.token_weights
-        steps = step_shares([o for _, o in tokens])
+        shares = step_shares([o for _, o in tokens])
         weights = [
             wire.weighed(i, o, fit.per_token, share, fit.per_step)
-            for (i, o), share in zip(tokens, steps, strict=True)
+            for (i, o), share in zip(tokens, shares, strict=True)
         ]
         gpu = weighted_shares(infer_ms * 1000, weights)
         call = _call_fields(tokens, weights, fit.alone)

@@ -3,13 +3,12 @@
 The only module that imports torch or transformers. A chat request's
 messages go through the tokenizer's own chat template where it has one.
 ``infer`` tokenizes the batch with left padding, generates greedily
-(deterministic) up to ``max_new_tokens`` (or the most any of its requests
-asks for, where each asks: a batch of short answers stops when they are
-made; each row stops at its own, so the call ends with its longest answer,
-not with the most any asked for) and returns each input's continuation; ``infer_sampled`` samples each
-row at its own temperature (0: greedy) in the same one call. Any failure in
-the model call is raised as ``BackendError`` so the worker can isolate the
-input that caused it.
+(deterministic), each row up to its request's ``max_tokens`` or else
+``max_new_tokens`` (a call ends with its longest answer, not at the most
+any row may make), and returns each input's continuation;
+``infer_sampled`` samples each row at its own temperature (0: greedy) in
+the same one call. Any failure in the model call is raised as
+``BackendError`` so the worker can isolate the input that caused it.
 """
 
 import copy
@@ -195,9 +194,8 @@ class TransformersBackend:
 
 class _RowDone:
     """Each row done once it has made its own most new tokens: a call whose
-    longest-asking answer ended early runs no step for the others' extra.
-    (Before, a row that asked for one token beside one that asked for 256
-    and stopped at its end of text made 256.)"""
+    longest-asking answer ended early runs no step for the others' extra
+    (their outputs are cut to their own anyway)."""
 
     def __init__(self, most: Any, prompt_tokens: int) -> None:
         self.most = most  # (batch,)
