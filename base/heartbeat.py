@@ -1,11 +1,19 @@
 """Heartbeats: every process keeps a key with a TTL; the reaper treats an
 owner whose key has expired (or is unreadable) as dead. The same loop keeps
 the process on the fleet's clock (``clock.align``): first, before the first
-beat, then every ``ALIGN_EVERY_S``."""
+beat, then every ``ALIGN_EVERY_S``.
+
+A beat that may rest (a gateway's, for one model: its death leaves nothing
+to recover) comes ``REST`` times less often, with a TTL as much longer,
+while it says nothing new but the time; ``stir`` brings the next one back
+to the next tick of the interval. At rest a process costs what it wakes
+for, and a policy of many models has a beat for each of them.
+"""
 
 import time
 from collections.abc import Callable
 
+import msgspec
 from infergate.base import clock, logs, wire
 from infergate.base.loops import Backoff, Supervised
 from infergate.base.queue.store import Store
@@ -19,10 +27,14 @@ FIRST_ALIGN_SAMPLES = 3
 # A clock off Redis's is said again this often, or when the offset moves.
 OFF_LOG_EVERY_S = 60.0
 OFF_LOG_MOVE_MS = 100.0
+# How many times less often a beat that says nothing new comes, and how
+# much longer its key lives (the same ratio: as many beats to a TTL).
+REST = 4
 
 
 class Heartbeater:
-    """Beats every ``interval_ms`` with whatever ``status()`` returns.
+    """Beats every ``interval_ms`` with whatever ``status()`` returns (with
+    ``rests``, ``REST`` times less often while it says nothing new).
 
     A failed beat (Redis away) is logged and retried with backoff, never
     slower than the interval; the process keeps running and its key simply
@@ -35,11 +47,16 @@ class Heartbeater:
         status: Callable[[], wire.Heartbeat],
         interval_ms: int,
         ttl_ms: int,
+        rests: bool = False,
     ) -> None:
         self.store = store
         self.status = status
         self.ttl_ms = ttl_ms
-        interval_s = interval_ms / 1000.0
+        self.rests = rests
+        self.resting = False
+        self._said: wire.Heartbeat | None = None  # the last beat written, but for its time
+        self._ttl_written_ms = ttl_ms
+        interval_s = self.interval_s = interval_ms / 1000.0
         # Generous: a beat that waits on a dead Redis takes up to its socket timeout.
         self.max_silence_s = max(10.0, 20 * interval_s)
         self._align_at = 0.0  # monotonic s: at once, before the first beat
@@ -52,7 +69,7 @@ class Heartbeater:
     def healthy(self) -> bool:
         """The last beat reached Redis, and recently: within the TTL (a
         Redis that hangs fails no step until the socket times out)."""
-        fresh = time.monotonic() - self.loop.last_ok_s < self.ttl_ms / 1000.0
+        fresh = time.monotonic() - self.loop.last_ok_s < self._ttl_written_ms / 1000.0
         return self.loop.healthy and fresh
 
     def alive(self) -> bool:
@@ -64,7 +81,21 @@ class Heartbeater:
     async def beat_once(self) -> None:
         if time.monotonic() >= self._align_at:
             await self._align()
-        await self.store.beat(self.status(), self.ttl_ms)
+        beat = self.status()
+        said = msgspec.structs.replace(beat, beat_ms=0)
+        # (set before the write: a stir while it is under way wins)
+        self.resting = self.rests and said == self._said
+        self.loop.interval_s = self.interval_s * REST if self.resting else self.interval_s
+        ttl_ms = self.ttl_ms * REST if self.resting else self.ttl_ms
+        await self.store.beat(beat, ttl_ms)
+        self._said, self._ttl_written_ms = said, ttl_ms
+
+    def stir(self) -> None:
+        """There is something new to say: a resting beat comes back to the
+        interval, the next one at its next tick."""
+        if self.resting:
+            self.resting = False
+            self.loop.hasten(self.interval_s)
 
     async def _align(self) -> None:
         samples = 1 if clock.aligned() else FIRST_ALIGN_SAMPLES

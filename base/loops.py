@@ -64,7 +64,8 @@ def until_next_tick(interval_s: float) -> float:
 
 class Supervised:
     """Runs ``step`` every ``interval_s`` (0: again at once), on the
-    process's grid (``until_next_tick``), until stopped."""
+    process's grid (``until_next_tick``), until stopped. ``hasten`` sets a
+    shorter interval that the wait under way already follows."""
 
     def __init__(
         self, name: str, step: Step, interval_s: float, backoff: Backoff | None = None
@@ -81,6 +82,9 @@ class Supervised:
         self.last_ok_s = 0.0  # when a step last succeeded (monotonic s)
         self._stopping = False
         self._task: asyncio.Task[None] | None = None
+        # The wait for the next tick, while one is under way.
+        self._pause: asyncio.Future[None] | None = None
+        self._tick: asyncio.TimerHandle | None = None
 
     @property
     def running(self) -> bool:
@@ -138,7 +142,37 @@ class Supervised:
             self.healthy = True
             self.backoff.reset()
             if self.interval_s > 0:
-                await asyncio.sleep(until_next_tick(self.interval_s))
+                await self._until_tick()
+
+    async def _until_tick(self) -> None:
+        """What ``asyncio.sleep`` does until the next tick, with the timer
+        kept, so that ``hasten`` can set it sooner."""
+        loop = asyncio.get_running_loop()
+        self._pause = pause = loop.create_future()
+        self._tick = loop.call_later(until_next_tick(self.interval_s), _end_pause, pause)
+        try:
+            await pause
+        finally:
+            self._tick.cancel()
+            self._pause = self._tick = None
+
+    def hasten(self, interval_s: float) -> None:
+        """Step every ``interval_s`` from now on: a wait under way ends at
+        its next tick, if that is sooner than the one it waits for."""
+        self.interval_s = interval_s
+        pause, tick = self._pause, self._tick
+        if pause is None or tick is None or pause.done():
+            return
+        loop = asyncio.get_running_loop()
+        sooner = until_next_tick(interval_s)
+        if loop.time() + sooner < tick.when():
+            tick.cancel()
+            self._tick = loop.call_later(sooner, _end_pause, pause)
+
+
+def _end_pause(pause: "asyncio.Future[None]") -> None:
+    if not pause.done():
+        pause.set_result(None)
 
 
 async def retry_until_done(

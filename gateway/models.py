@@ -78,11 +78,17 @@ class ModelLane:
             ),
             interval_ms,
             ttl_ms,
+            rests=True,  # (a gateway that dies leaves nothing to recover)
         )
 
     def count_admitted(self, key: KeyEntry) -> None:
         self.admitted += 1
         self.admitted_by_tier[TIERS.index(key.tier)] += 1
+        self.heartbeat.stir()
+
+    def count_refused_for_capacity(self) -> None:
+        self.refused_for_capacity += 1
+        self.heartbeat.stir()
 
     async def start(self) -> None:
         await self.fleet.start()

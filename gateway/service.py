@@ -183,7 +183,7 @@ class Gateway:
         """A request of ``key`` was refused at admission."""
         self.metrics.refusals.labels(key.tier, reason).inc()
         if for_capacity and lane is not None:
-            lane.refused_for_capacity += 1
+            lane.count_refused_for_capacity()
         self.shares.refused(key, lane.name if lane is not None else DEFAULT_MODEL)
 
     async def _flush_shares(self) -> None:

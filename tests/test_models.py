@@ -284,3 +284,30 @@ def test_a_model_the_policy_drops_loses_its_lane(cluster_factory: Any) -> None:
         assert infer(url, {"model": "small", "input": "still here"})[0] == 200
     finally:
         client.close()
+
+
+def test_a_gateways_beat_for_a_model_it_is_not_serving_rests(cluster_factory: Any) -> None:
+    """A policy of many models has a beat for each in every gateway: those
+    that say nothing new rest (a longer TTL, less often); a model's beat is
+    back at its interval while its requests come."""
+    cluster = cluster_factory(models_policy(), models={"small": 1, "large": 1}, latency_ms=20)
+    url = cluster.urls[0]
+    client = redis.Redis.from_url(cluster.redis_url)
+
+    def ttl_ms(model: str) -> int:
+        (key,) = client.keys(Keys("infergate", model).heartbeat("gateway", "*"))
+        return int(client.pttl(key))
+
+    try:
+        wait_for(lambda: ttl_ms("small") > 1_000, 15, "the small model's beat to rest")
+        serving: list[int] = []
+        for i in range(40):  # (a request every 50 ms or so: one or more in every 250 ms)
+            status, body = infer(url, {"model": "small", "input": f"news {i}"})
+            assert status == 200, body
+            if i >= 10:
+                serving.append(ttl_ms("small"))
+            assert ttl_ms("large") > 1_000
+        # (a beat that found no request since the last rests: a slow request may leave one)
+        assert sum(0 < ttl <= 1_000 for ttl in serving) >= len(serving) * 0.8, serving
+    finally:
+        client.close()

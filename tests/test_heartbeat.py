@@ -1,0 +1,107 @@
+"""Heartbeats against a real Redis: a beat that may rest (a gateway's for
+one model) comes less often, with a longer TTL, while it says nothing new,
+and is back at its interval for the next thing it has to say; one that may
+not (a worker's, a dispatcher's) never rests."""
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+from infergate.base import clock, wire
+from infergate.base.heartbeat import REST, Heartbeater
+from infergate.base.queue.store import Store
+
+INTERVAL_MS, TTL_MS = 100, 400
+
+
+class Beats:
+    """What a process says each beat (its count, moved on each beat while
+    ``busy``), and when each beat was taken (monotonic s)."""
+
+    def __init__(self) -> None:
+        self.at: list[float] = []
+        self.count = 0
+        self.busy = True
+        self.taken = asyncio.Event()
+
+    def status(self) -> wire.Heartbeat:
+        if self.busy:
+            self.count += 1
+        self.at.append(time.monotonic())
+        self.taken.set()
+        return wire.Heartbeat("gateway", "g1", 0, clock.now_ms(), admitted=self.count)
+
+    async def next(self) -> float:
+        self.taken.clear()
+        await asyncio.wait_for(self.taken.wait(), 5.0)
+        return self.at[-1]
+
+
+@pytest.fixture
+async def store(redis_url: str) -> AsyncIterator[Store]:
+    store = Store.connect(redis_url, "hb", block_s=1, name="test")
+    yield store
+    await store.close()
+
+
+async def until(predicate: Callable[[], Any], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_beat_that_says_nothing_new_rests_and_the_next_news_is_at_its_interval(
+    store: Store,
+) -> None:
+    beats = Beats()
+    hb = Heartbeater(store, beats.status, INTERVAL_MS, TTL_MS, rests=True)
+    key = store.keys.heartbeat("gateway", "g1")
+    hb.start()
+    try:
+        # Busy: each beat says a new count, every interval, with the TTL.
+        for _ in range(4):
+            await beats.next()
+        await beats.next()  # (the one before it is written)
+        assert not hb.resting
+        assert 0 < await store.redis.pttl(key) <= TTL_MS
+        # Nothing new: the beat rests, its key lives REST times longer.
+        beats.busy = False
+        await until(lambda: hb.resting, 2.0, "the beat to rest")
+        await beats.next()
+        assert await store.redis.pttl(key) > TTL_MS
+        counted = len(beats.at)
+        await asyncio.sleep(REST * INTERVAL_MS * 3 / 1000.0)
+        assert len(beats.at) - counted <= 4  # (at the interval: 12)
+        # Something new just after a resting beat: the next beat at the
+        # interval's next tick, not the resting one's, a REST interval away.
+        last = await beats.next()
+        beats.count += 1
+        hb.stir()
+        assert await beats.next() - last < 3 * INTERVAL_MS / 1000.0
+        for _ in range(100):  # (the beat taken is written a round trip later)
+            if wire.decode_heartbeat(await store.redis.get(key)).admitted == beats.count:
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("the news never reached the heartbeat key")
+    finally:
+        await hb.stop()
+
+
+async def test_a_beat_that_may_not_rest_keeps_its_interval_and_ttl(store: Store) -> None:
+    beats = Beats()
+    beats.busy = False
+    hb = Heartbeater(store, beats.status, INTERVAL_MS, TTL_MS)
+    hb.start()
+    try:
+        await beats.next()
+        counted = len(beats.at)
+        await asyncio.sleep(1.0)
+        assert not hb.resting
+        assert len(beats.at) - counted >= 6  # (every 100 ms: 10)
+        assert 0 < await store.redis.pttl(store.keys.heartbeat("gateway", "g1")) <= TTL_MS
+    finally:
+        await hb.stop()
