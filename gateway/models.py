@@ -51,10 +51,11 @@ class ModelLane:
         self.label = name if shard == 0 else f"{name}@{shard}"
         self.store = store
         self.queue = GatewayQueue(store, gateway_id, on_handed)
-        # (at rest: as often as the lane's resting beat, for readiness and
-        # the gauges alone; a request reads it fresh first: FleetView.fresh)
-        at_rest_ms = max(fleet_refresh_ms, ttl_ms) * REST
-        self.fleet = FleetView(store, fleet_refresh_ms, at_rest_ms=at_rest_ms)
+        # (at rest: as often as a heartbeat it reads can expire, and once a
+        # worker serves, as often as the lane's resting beat: for readiness
+        # and the gauges alone; a request reads it fresh first: FleetView.fresh)
+        at_rest_ms = max(fleet_refresh_ms, ttl_ms)
+        self.fleet = FleetView(store, fleet_refresh_ms, at_rest_ms, at_rest_ms * REST)
         self.quota = Quota(self.queue, lambda: self.fleet.slowest_batch_ms)
         self.cache = Cache(self.queue, on_cache_bypassed)
         self.collapsing = Collapsing()

@@ -340,3 +340,25 @@ async def test_a_view_at_rest_is_read_again_for_the_first_request_after_it(
     finally:
         await view.stop()
         await store.close()
+
+
+async def test_a_view_at_rest_waits_longer_once_a_worker_serves(redis_url: str) -> None:
+    """At rest a view that has no worker yet is read every ``at_rest_ms``
+    (a gateway that starts before its workers is ready as soon as one is
+    there), and one with a worker every ``serving_at_rest_ms`` (what reads
+    it then is readiness and the gauges); a request brings it to
+    ``refresh_ms``."""
+    store = Store.connect(redis_url, "rest-serving", name="test")
+    view = FleetView(store, refresh_ms=50, at_rest_ms=1_000, serving_at_rest_ms=4_000)
+    try:
+        await view.refresh()
+        assert (view.workers_alive, view.loop.interval_s) == (0, 1.0)
+        await store.beat(worker(1, 100.0), ttl_ms=10_000)
+        await view.refresh()
+        assert (view.workers_alive, view.loop.interval_s) == (1, 4.0)
+        view._read_at = 0.0  # (old: a request reads it again)
+        await view.fresh()
+        assert view.loop.interval_s == 0.05
+    finally:
+        await view.stop()
+        await store.close()
