@@ -54,7 +54,7 @@ class Heartbeater:
         self.ttl_ms = ttl_ms
         self.rests = rests
         self.resting = False
-        self._said: wire.Heartbeat | None = None  # the last beat written, but for its time
+        self._said = b""  # the last beat written, but for its time
         self._ttl_written_ms = ttl_ms
         interval_s = self.interval_s = interval_ms / 1000.0
         # Generous: a beat that waits on a dead Redis takes up to its socket timeout.
@@ -82,7 +82,7 @@ class Heartbeater:
         if time.monotonic() >= self._align_at:
             await self._align()
         beat = self.status()
-        said = msgspec.structs.replace(beat, beat_ms=0)
+        said = wire.encode(msgspec.structs.replace(beat, beat_ms=0))
         # (set before the write: a stir while it is under way wins)
         self.resting = self.rests and said == self._said
         self.loop.interval_s = self.interval_s * REST if self.resting else self.interval_s

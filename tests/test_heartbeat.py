@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from infergate.base import clock, wire
 from infergate.base.heartbeat import REST, Heartbeater
+from infergate.base.loops import Supervised
 from infergate.base.queue.store import Store
 
 INTERVAL_MS, TTL_MS = 100, 400
@@ -75,9 +76,11 @@ async def test_a_beat_that_says_nothing_new_rests_and_the_next_news_is_at_its_in
         counted = len(beats.at)
         await asyncio.sleep(REST * INTERVAL_MS * 3 / 1000.0)
         assert len(beats.at) - counted <= 4  # (at the interval: 12)
-        # Something new just after a resting beat: the next beat at the
-        # interval's next tick, not the resting one's, a REST interval away.
+        # Something new just after a resting beat, while the loop waits: the
+        # next beat at the interval's next tick, not the resting one's, a
+        # REST interval away.
         last = await beats.next()
+        await until(lambda: hb.loop._pause is not None, 2.0, "the wait for the next tick")
         beats.count += 1
         hb.stir()
         assert await beats.next() - last < 3 * INTERVAL_MS / 1000.0
@@ -105,3 +108,28 @@ async def test_a_beat_that_may_not_rest_keeps_its_interval_and_ttl(store: Store)
         assert 0 < await store.redis.pttl(store.keys.heartbeat("gateway", "g1")) <= TTL_MS
     finally:
         await hb.stop()
+
+
+async def test_a_loop_hastened_while_it_waits_steps_at_the_shorter_tick() -> None:
+    """``hasten`` moves the wait under way (here a minute long) to the new
+    interval's next tick; a loop stopped while it waits leaves no timer."""
+    steps: list[float] = []
+
+    async def step() -> None:
+        steps.append(time.monotonic())
+
+    loop = Supervised("hastened", step, 60.0)
+    loop.start()
+    try:
+        await until(lambda: steps and loop._pause is not None, 2.0, "the first wait")
+        asked = time.monotonic()
+        loop.hasten(0.05)
+        await until(lambda: len(steps) >= 3, 2.0, "the hastened steps")
+        assert steps[1] - asked < 0.5  # (the minute's tick: 0.8 % of the time this near)
+        await until(lambda: loop._pause is not None, 2.0, "a wait")
+        tick = loop._tick
+    finally:
+        await loop.stop()
+    assert tick is not None
+    assert tick.cancelled()
+    assert (loop._pause, loop._tick) == (None, None)

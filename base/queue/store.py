@@ -191,12 +191,13 @@ class Store:
     async def retire(self, role: str, process_id: str, keep_membership: bool = False) -> None:
         """A clean exit: drop the heartbeat and the membership at once. With
         ``keep_membership``, only the heartbeat: the reaper then finds the
-        process dead at its next sweep and recovers what it left."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.delete(self.keys.heartbeat(role, process_id))
-            if not keep_membership:
-                pipe.srem(self.keys.members(role), process_id)
-            await pipe.execute()
+        process dead at its next sweep and recovers what it left. Sent on
+        the beats' connection, after any beat already sent (a beat whose
+        caller was stopped still goes): none is written after it."""
+        commands: list[tuple[Any, ...]] = [("DEL", self.keys.heartbeat(role, process_id))]
+        if not keep_membership:
+            commands.append(("SREM", self.keys.members(role), process_id))
+        await self.commands(*commands)
 
     async def heartbeats(
         self, roles: Iterable[str], *, with_depths: bool = False, with_counters: bool = False
