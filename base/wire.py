@@ -210,6 +210,10 @@ class Heartbeat(msgspec.Struct, frozen=True, omit_defaults=True):
     lacks: list[str] = []
     upstream_down: bool = False
     slots: int = 1
+    # A worker's fitted weights of a new token and a decoding step against
+    # an input token (none before its first fit): a worker that starts on
+    # the same model begins from them (gpu/token_weight.py).
+    token_weights: list[float] = []
     # A gateway's demand since it started: requests admitted, and refused for
     # capacity (503), which the fleet would have served had it been bigger.
     admitted: int = 0

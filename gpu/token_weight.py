@@ -11,7 +11,9 @@ at it. Each slope is drawn two standard errors toward the least weight
 the calls cannot tell steps from new tokens (one row a call), the steps
 are folded into the new tokens; where they cannot tell new tokens from
 input (inputs and answers of one size, or growing together), a new token
-weighs one, and once fitted the weights stay while later calls cannot."""
+weighs one, and once fitted the weights stay while later calls cannot. A
+worker that starts beside others on the same model begins from the
+weights one of them fitted (``adopt``), not from one, until its own fit."""
 
 import math
 
@@ -50,6 +52,7 @@ class TokenWeights:
         self._calls = 0
         self.per_token = 1.0
         self.per_step = 0.0
+        self.fitted = False  # (by its own calls: what its heartbeat says)
 
     @property
     def alone(self) -> float:
@@ -72,6 +75,22 @@ class TokenWeights:
             weights = fitted(self._sums)
             if weights is not None:
                 self.per_token, self.per_step = (round(w, 2) for w in weights)
+                self.fitted = True
+
+    def said(self) -> list[float]:
+        """The weights for the heartbeat: none before its own first fit."""
+        return [self.per_token, self.per_step] if self.fitted else []
+
+    def adopt(self, weights: list[float]) -> bool:
+        """Begin from the weights another worker of the model fitted (its
+        heartbeat's), held as a fit holds them, until a fit of its own;
+        False for weights that mean nothing (as a planted beat's may)."""
+        if self.fitted or len(weights) != 2 or not all(map(math.isfinite, weights)):
+            return False
+        per_token = held_weight(weights[0])
+        per_step = min(max(weights[1], 0.0), MOST_NEW_TOKEN_WEIGHT - per_token)
+        self.per_token, self.per_step = round(per_token, 2), round(per_step, 2)
+        return True
 
 
 def fitted(sums: list[list[float]]) -> tuple[float, float] | None:

@@ -130,7 +130,9 @@ class Worker:
         self.metrics = WorkerMetrics(self.registry)
         self.recovery = RecoveryQueue(self.store, self.id)
         self.tally = Tally()
-        answers = Answers(self.id, self.store.keys, backend, self.metrics, self.tally)
+        answers = self.answers = Answers(
+            self.id, self.store.keys, backend, self.metrics, self.tally
+        )
         self.runner = BatchRunner(
             backend,
             self.thread,
@@ -207,6 +209,7 @@ class Worker:
             lacks=sorted(self.backend.lacks),
             upstream_down=self.watch.down,
             slots=self.settings.slots,
+            token_weights=self.answers.token_weights.said(),
         )
 
     # -- running batches (the runner's; here for callers that hold a worker) --
@@ -299,8 +302,26 @@ class Worker:
         outcomes = await self.recovery.recover_worker(self.id, self.settings.max_attempts)
         if outcomes:
             log.warning("worker.recovered_own_batches", outcomes=outcomes)
+        await self._adopt_token_weights()
         await self.heartbeat.beat_once()
         await self.queue.offer_credit()
+
+    async def _adopt_token_weights(self) -> None:
+        """Begin from the token weights the most seasoned worker of this
+        model fitted, if one has (its first calls split as the fleet's)."""
+        beats, _ = await self.store.heartbeats(["worker"])
+        others = [
+            w
+            for w in self.store.readable("worker", beats["worker"])
+            if w.id != self.id and w.model == self.backend.fingerprint and w.token_weights
+        ]
+        weights = self.answers.token_weights
+        if others and weights.adopt(max(others, key=lambda w: w.batches_done).token_weights):
+            log.info(
+                "worker.token_weights_adopted",
+                new_token_weight=weights.per_token,
+                step_weight=weights.per_step,
+            )
 
     async def serve(self, stop: asyncio.Event) -> int:
         self.stopping = stop

@@ -3,6 +3,7 @@
 input token, one where they cannot."""
 
 import asyncio
+import json
 import random
 
 import aiohttp
@@ -16,7 +17,7 @@ from infergate.gpu.backend_thread import slot_key
 from infergate.gpu.backends.simulated import SimulatedBackend
 from infergate.gpu.token_weight import LEAST_CALLS, TokenWeights
 
-from tests.helpers import key_entry, policy_yaml
+from tests.helpers import key_entry, policy_yaml, wait_for
 
 
 def _calls(weight: TokenWeights, rng: random.Random, us_of, wrote: int = 0) -> None:
@@ -82,6 +83,31 @@ def test_held_within_its_bounds() -> None:
     assert free.alone == wire.MOST_NEW_TOKEN_WEIGHT
     # What a planted result may say weighs within them too.
     assert [wire.held_weight(w) for w in (float("nan"), -3.0, 1e9, 7.5)] == [1.0, 1.0, 64.0, 7.5]
+
+
+def test_a_worker_begins_from_the_weights_another_fitted() -> None:
+    """A worker's heartbeat says its weights once its own calls fitted
+    them; a worker that starts beside it begins from them, held as a fit
+    holds them, until a fit of its own, and a beat's weights that mean
+    nothing leave it at one."""
+    fresh = TokenWeights()
+    assert fresh.said() == []
+    assert fresh.adopt([5.0, 2.5])
+    assert (fresh.per_token, fresh.per_step, fresh.alone, fresh.said()) == (5.0, 2.5, 7.5, [])
+    for planted, held in (([1e308, 5.0], (64.0, 0.0)), ([-3.0, -1.0], (1.0, 0.0))):
+        weights = TokenWeights()
+        assert weights.adopt(planted)
+        assert (weights.per_token, weights.per_step) == held
+    for meaningless in ([], [2.0], [float("nan"), 1.0], [1.0, float("inf")], [1.0, 2.0, 3.0]):
+        weights = TokenWeights()
+        assert not weights.adopt(meaningless)
+        assert (weights.per_token, weights.per_step) == (1.0, 0.0)
+    _calls(fresh, random.Random(3), lambda read, new: 100 * read + 900 * new)
+    own = (fresh.per_token, fresh.per_step)
+    assert fresh.said() == list(own)
+    assert 7.0 <= own[0] + own[1] <= 9.5
+    assert not fresh.adopt([30.0, 0.0])  # (its own fit stands)
+    assert (fresh.per_token, fresh.per_step) == own
 
 
 def _batched_calls(weight: TokenWeights, rng: random.Random, us_of) -> None:
@@ -259,3 +285,38 @@ async def test_each_key_pays_for_the_decoding_steps_it_ran(cluster_factory) -> N
     assert 1.0 <= paid["reader"] / tokens_us["reader"] <= 1.2
     # (the writers' steps are the rest of the calls' time, and theirs)
     assert paid["writer"] / tokens_us["writer"] >= 3.0
+
+
+async def test_a_worker_started_beside_a_fitted_one_splits_its_first_calls_as_the_fleet(
+    cluster_factory,
+) -> None:
+    """The first worker fits its weights from its calls and says them in
+    its heartbeat; a worker of the same model started after it begins
+    from them (before: one, for its first 16 calls and more)."""
+    keys = tuple(key_entry(key, "paid", f"{key}-secret") for key in KEYS)
+    c = cluster_factory(
+        policy_yaml(extra_keys=keys, max_batch_size=8, tiers={"paid": {"latency_budget_ms": 5000}}),
+        latency_ms=2,
+        worker_args=["--sim-ms-per-ktoken", "100", "--sim-new-token-weight", "10"],
+    )
+    await _send(c.urls[0] + "/v1/inference", 14, random.Random(7))  # (some 28 calls)
+    client = redis.Redis.from_url(c.redis_url)
+    try:
+        (first,) = client.smembers(Keys("infergate").members("worker"))
+        key = Keys("infergate").heartbeat("worker", first.decode())
+
+        def fitted() -> list[float]:
+            return wire.decode_heartbeat(client.get(key)).token_weights
+
+        said = wait_for(fitted, 10, "the first worker's weights in its heartbeat")
+        assert said[0] + said[1] > 3  # (a new token costs ten input tokens' time)
+        second = c.add_worker()
+        wait_for(lambda: "worker.token_weights_adopted" in second.output(), 30, "the adoption")
+        line = next(
+            json.loads(text)
+            for text in second.output().splitlines()
+            if "worker.token_weights_adopted" in text
+        )
+        assert (line["new_token_weight"], line["step_weight"]) == tuple(fitted())
+    finally:
+        client.close()
