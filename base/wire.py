@@ -211,9 +211,11 @@ class Heartbeat(msgspec.Struct, frozen=True, omit_defaults=True):
     upstream_down: bool = False
     slots: int = 1
     # A worker's fitted weights of a new token and a decoding step against
-    # an input token (none before its first fit): a worker that starts on
-    # the same model begins from them (gpu/token_weight.py).
+    # an input token (none before its first fit), and the full batch time
+    # its warm-up measured: a worker that starts on the same model and
+    # warms up as fast (the same device) begins from them (gpu/token_weight.py).
     token_weights: list[float] = []
+    warm_ms: float = 0.0
     # A gateway's demand since it started: requests admitted, and refused for
     # capacity (503), which the fleet would have served had it been bigger.
     admitted: int = 0

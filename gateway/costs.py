@@ -66,7 +66,7 @@ class CallLine:
     key's requests it answered (a batch of a hundred forgot the rest). A
     bound is drawn in the calls' units with the largest weight of a new
     token among the calls it remembers (its workers may weigh them apart:
-    one just started weighs one)."""
+    one just started alone weighs one)."""
 
     def __init__(self, memory: float) -> None:
         self.memory = memory

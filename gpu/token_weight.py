@@ -12,12 +12,13 @@ the calls cannot tell steps from new tokens (one row a call), the steps
 are folded into the new tokens; where they cannot tell new tokens from
 input (inputs and answers of one size, or growing together), a new token
 weighs one, and once fitted the weights stay while later calls cannot. A
-worker that starts beside others on the same model begins from the
-weights one of them fitted (``adopt``), not from one, until its own fit."""
+worker that starts beside others of its model, warmed up as fast as
+they did, begins from the weights they fitted (``fleet_weights``, ``adopt``) for
+its first calls, until its own fit (or none: then one)."""
 
 import math
 
-from infergate.base.wire import MOST_NEW_TOKEN_WEIGHT, held_weight
+from infergate.base.wire import MOST_NEW_TOKEN_WEIGHT, Heartbeat, held_weight
 
 # Each call's weight in the sums decays by this per later call.
 MEMORY = 0.995
@@ -37,6 +38,9 @@ LEAST_CALLS = 16
 REFIT_EVERY = 8
 # The sums' terms: a call's 1, input tokens, new tokens, steps and µs.
 ONE, INPUT, NEW, STEPS, US = range(5)
+# A worker whose warm-up took within this factor of another's runs its
+# model as fast: its tokens cost alike (one on another device does not).
+AS_FAST = 1.5
 
 
 class TokenWeights:
@@ -53,6 +57,7 @@ class TokenWeights:
         self.per_token = 1.0
         self.per_step = 0.0
         self.fitted = False  # (by its own calls: what its heartbeat says)
+        self.adopted = False  # (another worker's, until its own first fit)
 
     @property
     def alone(self) -> float:
@@ -76,21 +81,46 @@ class TokenWeights:
             if weights is not None:
                 self.per_token, self.per_step = (round(w, 2) for w in weights)
                 self.fitted = True
+            elif self.adopted:  # (its own calls cannot tell: as a worker alone)
+                self.per_token, self.per_step = 1.0, 0.0
+            self.adopted = False
 
     def said(self) -> list[float]:
         """The weights for the heartbeat: none before its own first fit."""
         return [self.per_token, self.per_step] if self.fitted else []
 
     def adopt(self, weights: list[float]) -> bool:
-        """Begin from the weights another worker of the model fitted (its
-        heartbeat's), held as a fit holds them, until a fit of its own;
-        False for weights that mean nothing (as a planted beat's may)."""
+        """Begin from the weights other workers of the model fitted (their
+        heartbeats': ``fleet_weights``), held as a fit holds them, for the
+        calls before its own first fit; False for weights that mean nothing
+        (as a planted beat's may)."""
         if self.fitted or len(weights) != 2 or not all(map(math.isfinite, weights)):
             return False
         per_token = held_weight(weights[0])
         per_step = min(max(weights[1], 0.0), MOST_NEW_TOKEN_WEIGHT - per_token)
         self.per_token, self.per_step = round(per_token, 2), round(per_step, 2)
+        self.adopted = True
         return True
+
+
+def fleet_weights(beats: list[Heartbeat], model: str, warm_ms: float) -> list[float]:
+    """The weights to begin from: the median, by a new token's weight
+    alone, of those fitted by the workers of ``model`` (its fingerprint)
+    that take work and warmed up about as fast as this one's ``warm_ms``
+    (within ``AS_FAST``: the same device's costs); none if no worker is such."""
+    alike = [
+        w.token_weights
+        for w in beats
+        if w.model == model
+        and not w.draining
+        and len(w.token_weights) == 2
+        and warm_ms > 0
+        and warm_ms / AS_FAST <= w.warm_ms <= warm_ms * AS_FAST
+    ]
+    if not alike:
+        return []
+    alike.sort(key=lambda weights: weights[0] + weights[1])
+    return alike[(len(alike) - 1) // 2]
 
 
 def fitted(sums: list[list[float]]) -> tuple[float, float] | None:

@@ -53,6 +53,7 @@ from infergate.gpu.backend_thread import BackendThread, Running
 from infergate.gpu.batch_loop import BatchLoop
 from infergate.gpu.gate import GatedBackend
 from infergate.gpu.runner import ANSWERED_WITH_TAKE_MAX, BatchRunner
+from infergate.gpu.token_weight import fleet_weights
 from infergate.gpu.upstream import UpstreamWatch
 from prometheus_client import CollectorRegistry
 
@@ -158,6 +159,7 @@ class Worker:
         self.metrics.busy.set_function(lambda: 1.0 if self.loop.busy else 0.0)
         self.metrics.redis_up.set_function(lambda: 1.0 if self.heartbeat.healthy else 0.0)
         self.started_ms = clock.now_ms()
+        self.warm_ms = 0.0  # (the full batch time its warm-up measured, once warm)
         self._stop_seen_at: float | None = None  # monotonic s; the publish grace counts from it
         self.heartbeat = Heartbeater(
             self.store, self.status, settings.heartbeat_interval_ms, settings.heartbeat_ttl_ms
@@ -210,6 +212,7 @@ class Worker:
             upstream_down=self.watch.down,
             slots=self.settings.slots,
             token_weights=self.answers.token_weights.said(),
+            warm_ms=self.warm_ms,
         )
 
     # -- running batches (the runner's; here for callers that hold a worker) --
@@ -302,21 +305,24 @@ class Worker:
         outcomes = await self.recovery.recover_worker(self.id, self.settings.max_attempts)
         if outcomes:
             log.warning("worker.recovered_own_batches", outcomes=outcomes)
+        # (warmed up, before any call: what the warm-up measured)
+        self.warm_ms = round(self.runner.times.full_batch_ms(self.settings.max_batch), 2)
         await self._adopt_token_weights()
         await self.heartbeat.beat_once()
         await self.queue.offer_credit()
 
     async def _adopt_token_weights(self) -> None:
-        """Begin from the token weights the most seasoned worker of this
-        model fitted, if one has (its first calls split as the fleet's)."""
-        beats, _ = await self.store.heartbeats(["worker"])
-        others = [
-            w
-            for w in self.store.readable("worker", beats["worker"])
-            if w.id != self.id and w.model == self.backend.fingerprint and w.token_weights
-        ]
+        """Begin from the token weights the workers of this model, as fast
+        as this one, fitted (its first calls split as theirs). Best effort:
+        a read that fails leaves it at one, as a worker alone."""
+        try:
+            beats, _ = await self.store.heartbeats(["worker"])
+            readable = self.store.readable("worker", beats["worker"])
+        except Exception as exc:  # (Redis away, a planted key: the start goes on)
+            log.warning("worker.token_weights_unread", error=type(exc).__name__)
+            return
         weights = self.answers.token_weights
-        if others and weights.adopt(max(others, key=lambda w: w.batches_done).token_weights):
+        if weights.adopt(fleet_weights(readable, self.backend.fingerprint, self.warm_ms)):
             log.info(
                 "worker.token_weights_adopted",
                 new_token_weight=weights.per_token,

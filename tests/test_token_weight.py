@@ -15,7 +15,7 @@ from infergate.gpu.answers import MOST_COUNTED, Answers, step_shares
 from infergate.gpu.backend import BackendError, Counted
 from infergate.gpu.backend_thread import slot_key
 from infergate.gpu.backends.simulated import SimulatedBackend
-from infergate.gpu.token_weight import LEAST_CALLS, TokenWeights
+from infergate.gpu.token_weight import LEAST_CALLS, TokenWeights, fleet_weights
 
 from tests.helpers import key_entry, policy_yaml, wait_for
 
@@ -102,12 +102,46 @@ def test_a_worker_begins_from_the_weights_another_fitted() -> None:
         weights = TokenWeights()
         assert not weights.adopt(meaningless)
         assert (weights.per_token, weights.per_step) == (1.0, 0.0)
+    heavy = TokenWeights()
+    assert heavy.adopt([60.0, 10.0])
+    assert (heavy.per_token, heavy.per_step) == (60.0, 4.0)  # (alone: 64 at most)
+    # Adopted for its first calls only: calls of one size, which cannot
+    # tell a new token from an input token, leave it at one, as alone.
+    for _ in range(LEAST_CALLS):
+        heavy.took(100, 10, 5_000)
+    assert (heavy.per_token, heavy.per_step, heavy.said()) == (1.0, 0.0, [])
     _calls(fresh, random.Random(3), lambda read, new: 100 * read + 900 * new)
     own = (fresh.per_token, fresh.per_step)
     assert fresh.said() == list(own)
     assert 7.0 <= own[0] + own[1] <= 9.5
     assert not fresh.adopt([30.0, 0.0])  # (its own fit stands)
     assert (fresh.per_token, fresh.per_step) == own
+
+
+def test_the_weights_to_begin_from_are_those_of_the_models_workers_as_fast() -> None:
+    """Of the workers of its model that take work and warmed up about as
+    fast (the same device's costs), the median by a new token's weight alone:
+    one planted beat among three cannot choose."""
+
+    def beat(
+        weights: list[float], model: str = "m", warm_ms: float = 100.0, **kw
+    ) -> wire.Heartbeat:
+        return wire.Heartbeat(
+            "worker", "w", 0, 0, model=model, warm_ms=warm_ms, token_weights=weights, **kw
+        )
+
+    fleet = [beat([4.0, 1.0]), beat([64.0, 0.0], batches_done=10**20), beat([5.0, 2.0])]
+    assert fleet_weights(fleet, "m", 100.0) == [5.0, 2.0]
+    assert fleet_weights(fleet, "m", 0.0) == []  # (its own warm-up not measured)
+    others = [
+        beat([9.0, 0.0], model="other"),
+        beat([9.0, 0.0], draining=True),
+        beat([9.0, 0.0], warm_ms=40.0),  # (another device: 2.5x as fast)
+        beat([9.0, 0.0], warm_ms=400.0),
+        beat([]),
+    ]
+    assert fleet_weights(others, "m", 100.0) == []
+    assert fleet_weights([*others, beat([3.0, 0.5], warm_ms=140.0)], "m", 100.0) == [3.0, 0.5]
 
 
 def _batched_calls(weight: TokenWeights, rng: random.Random, us_of) -> None:
@@ -312,11 +346,15 @@ async def test_a_worker_started_beside_a_fitted_one_splits_its_first_calls_as_th
         assert said[0] + said[1] > 3  # (a new token costs ten input tokens' time)
         second = c.add_worker()
         wait_for(lambda: "worker.token_weights_adopted" in second.output(), 30, "the adoption")
-        line = next(
-            json.loads(text)
-            for text in second.output().splitlines()
-            if "worker.token_weights_adopted" in text
-        )
-        assert (line["new_token_weight"], line["step_weight"]) == tuple(fitted())
+        lines = [json.loads(t) for t in second.output().splitlines() if t.startswith("{")]
+        adopted = next(ln for ln in lines if ln["event"] == "worker.token_weights_adopted")
+        assert [adopted["new_token_weight"], adopted["step_weight"]] == fitted()
+        # The first worker gone, the second's first calls split as it did.
+        c.workers[0].stop()
+        await _send(c.urls[0] + "/v1/inference", 2, random.Random(8))
+        lines = [json.loads(t) for t in second.output().splitlines() if t.startswith("{")]
+        first_calls = [ln["new_token_weight"] for ln in lines if ln["event"] == "batch.done"]
+        assert first_calls
+        assert set(first_calls) == {min(round(said[0] + said[1], 2), 64.0)}
     finally:
         client.close()
