@@ -174,7 +174,7 @@ def test_a_token_budget_stops_the_key_within_one_reservation(cluster_factory) ->
 async def test_a_gpu_budget_stops_concurrent_clients_and_counts_what_the_workers_measured(
     cluster_factory,
 ) -> None:
-    """Two gateways, 20 clients at once, a 0.6 GPU-second budget on 40 ms
+    """Two gateways, 20 clients at once, a 1.2 GPU-second budget on 40 ms
     batches: every request reserves a batch of one's time and twice the
     measured time of its tokens, and gives back all but its share once
     answered. The key stops within one reservation of the
