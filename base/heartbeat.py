@@ -82,7 +82,7 @@ class Heartbeater:
         if time.monotonic() >= self._align_at:
             await self._align()
         beat = self.status()
-        said = wire.encode(msgspec.structs.replace(beat, beat_ms=0))
+        said = wire.encode(msgspec.structs.replace(beat, beat_ms=0)) if self.rests else b""
         # (set before the write: a stir while it is under way wins)
         self.resting = self.rests and said == self._said
         self.loop.interval_s = self.interval_s * REST if self.resting else self.interval_s

@@ -96,8 +96,7 @@ class TokenWeights:
         (as a planted beat's may)."""
         if self.fitted or len(weights) != 2 or not all(map(math.isfinite, weights)):
             return False
-        per_token = held_weight(weights[0])
-        per_step = min(max(weights[1], 0.0), MOST_NEW_TOKEN_WEIGHT - per_token)
+        per_token, per_step = held(*weights)
         self.per_token, self.per_step = round(per_token, 2), round(per_step, 2)
         self.adopted = True
         return True
@@ -108,13 +107,14 @@ def fleet_weights(beats: list[Heartbeat], model: str, warm_ms: float) -> list[fl
     alone, of those fitted by the workers of ``model`` (its fingerprint)
     that take work and warmed up about as fast as this one's ``warm_ms``
     (within ``AS_FAST``: the same device's costs); none if no worker is such."""
+    if warm_ms <= 0:
+        return []
     alike = [
         w.token_weights
         for w in beats
         if w.model == model
         and not w.draining
         and len(w.token_weights) == 2
-        and warm_ms > 0
         and warm_ms / AS_FAST <= w.warm_ms <= warm_ms * AS_FAST
     ]
     if not alike:
@@ -184,8 +184,14 @@ def _weights(slopes: list[float], errors: list[float]) -> tuple[float, float]:
     if most_input <= 0 or alone > MOST_NEW_TOKEN_WEIGHT:
         scale = MOST_NEW_TOKEN_WEIGHT / alone
         per_token, per_step = per_token * scale, per_step * scale
+    return held(per_token, per_step)
+
+
+def held(per_token: float, per_step: float) -> tuple[float, float]:
+    """A new token's weight held to 1-64, and a step's to what leaves a
+    new token alone at 64 at most (nothing below none)."""
     per_token = held_weight(per_token)
-    return per_token, min(per_step, MOST_NEW_TOKEN_WEIGHT - per_token)
+    return per_token, min(max(per_step, 0.0), MOST_NEW_TOKEN_WEIGHT - per_token)
 
 
 def _inverse(matrix: list[list[float]]) -> list[list[float]] | None:

@@ -4,6 +4,7 @@ and is back at its interval for the next thing it has to say; one that may
 not (a worker's, a dispatcher's) never rests."""
 
 import asyncio
+import inspect
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -48,10 +49,15 @@ async def store(redis_url: str) -> AsyncIterator[Store]:
 
 
 async def until(predicate: Callable[[], Any], timeout_s: float, what: str) -> None:
+    """``wait_for`` on the test's event loop: ``predicate`` may be async."""
     deadline = time.monotonic() + timeout_s
-    while not predicate():
+    while not await _value(predicate()):
         assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
         await asyncio.sleep(0.01)
+
+
+async def _value(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
 
 
 async def test_a_beat_that_says_nothing_new_rests_and_the_next_news_is_at_its_interval(
@@ -73,9 +79,11 @@ async def test_a_beat_that_says_nothing_new_rests_and_the_next_news_is_at_its_in
         await until(lambda: hb.resting, 2.0, "the beat to rest")
         await beats.next()
         assert await store.redis.pttl(key) > TTL_MS
-        counted = len(beats.at)
-        await asyncio.sleep(REST * INTERVAL_MS * 3 / 1000.0)
-        assert len(beats.at) - counted <= 4  # (at the interval: 12)
+        assert hb.loop.interval_s == REST * INTERVAL_MS / 1000.0
+        # (REST intervals apart on the grid; at the interval, one apart)
+        for _ in range(3):
+            before = beats.at[-1]
+            assert await beats.next() - before > 2 * INTERVAL_MS / 1000.0
         # Something new just after a resting beat, while the loop waits: the
         # next beat at the interval's next tick, not the resting one's, a
         # REST interval away.
@@ -84,12 +92,11 @@ async def test_a_beat_that_says_nothing_new_rests_and_the_next_news_is_at_its_in
         beats.count += 1
         hb.stir()
         assert await beats.next() - last < 3 * INTERVAL_MS / 1000.0
-        for _ in range(100):  # (the beat taken is written a round trip later)
-            if wire.decode_heartbeat(await store.redis.get(key)).admitted == beats.count:
-                break
-            await asyncio.sleep(0.01)
-        else:
-            raise AssertionError("the news never reached the heartbeat key")
+
+        async def said_the_news() -> bool:  # (the beat taken is written a round trip later)
+            return wire.decode_heartbeat(await store.redis.get(key)).admitted == beats.count
+
+        await until(said_the_news, 1.0, "the news in the heartbeat key")
     finally:
         await hb.stop()
 
@@ -100,11 +107,10 @@ async def test_a_beat_that_may_not_rest_keeps_its_interval_and_ttl(store: Store)
     hb = Heartbeater(store, beats.status, INTERVAL_MS, TTL_MS)
     hb.start()
     try:
-        await beats.next()
-        counted = len(beats.at)
-        await asyncio.sleep(1.0)
-        assert not hb.resting
-        assert len(beats.at) - counted >= 6  # (every 100 ms: 10)
+        for _ in range(6):  # (one that rests would from the second)
+            await beats.next()
+            assert not hb.resting
+            assert hb.loop.interval_s == INTERVAL_MS / 1000.0
         assert 0 < await store.redis.pttl(store.keys.heartbeat("gateway", "g1")) <= TTL_MS
     finally:
         await hb.stop()
