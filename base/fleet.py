@@ -171,8 +171,12 @@ class FleetView:
         return self.arrivals.rps[TIERS.index(tier)]
 
     def mark_unreachable(self) -> None:
-        """A request just failed to reach Redis: say not ready until a refresh succeeds."""
+        """Redis did not answer (a request's call, or the reply listener's
+        subscription broke): no view, so not ready, until a refresh
+        succeeds, and the next one at the busy interval's next tick (a
+        resting view would keep its last snapshot for seconds)."""
         self.snapshot = None
+        self.loop.hasten(self._busy_s)
 
     async def refresh(self) -> None:
         try:

@@ -42,8 +42,10 @@ class ReplyRouter:
         queues: list[GatewayQueue],
         on_ignored: Callable[[], None] = lambda: None,
         grace_s: Callable[[], float] = lambda: 1.0,
+        on_lost: Callable[[int], None] = lambda shard: None,
     ) -> None:
         self.on_ignored = on_ignored
+        self.on_lost = on_lost  # (a shard's subscription broke: its Redis may be gone)
         self.grace_s = grace_s
         self.pending: dict[str, asyncio.Future[wire.Result]] = {}
         self.shard_of: dict[str, int] = {}  # (a request parked on a shard other than 0)
@@ -197,4 +199,6 @@ class _Listener:
                     if jobs_done:
                         router.jobs_done(jobs_done)
         finally:
-            self.subscribed.clear()
+            if self.subscribed.is_set():
+                self.subscribed.clear()
+                router.on_lost(self.shard)

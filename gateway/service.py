@@ -95,6 +95,7 @@ class Gateway:
             [shard.queue for shard in self.shards],
             on_ignored=self.metrics.replies_ignored.inc,
             grace_s=self._running_batch_s,
+            on_lost=self._redis_lost,
         )
         self.started_ms = clock.now_ms()
         self.lanes = Lanes(self._lane, self.id, len(self.shards), self.shard_index)
@@ -273,6 +274,13 @@ class Gateway:
             for lane in self.lanes.on_shard(shard):
                 lane.fleet.mark_unreachable()
         return redis_unreachable()
+
+    def _redis_lost(self, shard: int) -> None:
+        """The reply listener lost ``shard``'s Redis: its views read as
+        none (not ready; a request there may be served directly) until
+        one reads it again, rather than what they last read."""
+        for lane in self.lanes.on_shard(shard):
+            lane.fleet.mark_unreachable()
 
     def edge_failed(self, cause: str) -> None:
         """The edge could not read a request through what looks like its own

@@ -1,6 +1,8 @@
 """Test helpers: a policy with known keys, and real infergate processes."""
 
+import asyncio
 import hashlib
+import inspect
 import json
 import os
 import re
@@ -10,7 +12,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +110,18 @@ def wait_for(predicate: Any, timeout_s: float, what: str, interval_s: float = 0.
             return value
         time.sleep(interval_s)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+async def until(predicate: Callable[[], Any], timeout_s: float, what: str) -> None:
+    """``wait_for`` on the test's event loop: ``predicate`` may be async."""
+    deadline = time.monotonic() + timeout_s
+    while not await _value(predicate()):
+        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+async def _value(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
 
 
 def http(

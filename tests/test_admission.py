@@ -10,12 +10,15 @@ from typing import cast
 
 import pytest
 from infergate.base.fleet import ArrivalRates, FleetView
+from infergate.base.queue.gateway import GatewayQueue
 from infergate.base.queue.store import FleetSnapshot, Store
 from infergate.base.wire import Heartbeat
 from infergate.gateway.admission import Admission, Decision
+from infergate.gateway.replies import ReplyRouter
 from infergate.policies import Policy, parse_policy
+from infergate.redis_server import RedisServer
 
-from tests.helpers import as_yaml, policy
+from tests.helpers import as_yaml, policy, until
 
 INF = float("inf")
 
@@ -340,3 +343,37 @@ async def test_a_view_at_rest_is_read_again_for_the_first_request_after_it(
     finally:
         await view.stop()
         await store.close()
+
+
+async def test_a_resting_view_reads_as_none_at_once_when_its_redis_is_lost() -> None:
+    """A view at rest (here read every minute) is not left with what it
+    last read when its Redis goes: the reply listener's subscription
+    breaks, the view reads as none at once (not ready; a request may then
+    be served directly), and it is read again at the busy interval's tick,
+    not the resting one's, once Redis is back."""
+    server = RedisServer().start()
+    store = Store.connect(server.url, "lost", name="test")
+    view = FleetView(store, refresh_ms=50, at_rest_ms=60_000)
+    lost: list[int] = []
+
+    def on_lost(shard: int) -> None:
+        lost.append(shard)
+        view.mark_unreachable()
+
+    router = ReplyRouter([GatewayQueue(store, "gw")], on_lost=on_lost)
+    try:
+        await store.beat(worker(1, 100.0), ttl_ms=60_000)
+        await view.start()
+        await router.start()
+        assert (view.redis_ok, view.workers_alive, router.listening()) == (True, 1, True)
+        server.kill()
+        await until(lambda: view.snapshot is None, 5, "the view to read as none")
+        assert (lost, view.redis_ok, view.workers_alive) == ([0], False, 0)
+        server.start()
+        await until(lambda: view.redis_ok, 10, "the view to be read again")
+        assert view.workers_alive == 0  # (read again: the new Redis has no worker)
+    finally:
+        await router.stop()
+        await view.stop()
+        await store.close()
+        server.close()

@@ -4,16 +4,16 @@ and is back at its interval for the next thing it has to say; one that may
 not (a worker's, a dispatcher's) never rests."""
 
 import asyncio
-import inspect
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator
 
 import pytest
 from infergate.base import clock, wire
 from infergate.base.heartbeat import REST, Heartbeater
 from infergate.base.loops import Supervised
 from infergate.base.queue.store import Store
+
+from tests.helpers import until
 
 INTERVAL_MS, TTL_MS = 100, 400
 
@@ -46,18 +46,6 @@ async def store(redis_url: str) -> AsyncIterator[Store]:
     store = Store.connect(redis_url, "hb", block_s=1, name="test")
     yield store
     await store.close()
-
-
-async def until(predicate: Callable[[], Any], timeout_s: float, what: str) -> None:
-    """``wait_for`` on the test's event loop: ``predicate`` may be async."""
-    deadline = time.monotonic() + timeout_s
-    while not await _value(predicate()):
-        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
-        await asyncio.sleep(0.01)
-
-
-async def _value(value: Any) -> Any:
-    return await value if inspect.isawaitable(value) else value
 
 
 async def test_a_beat_that_says_nothing_new_rests_and_the_next_news_is_at_its_interval(
