@@ -12,6 +12,7 @@ batch size of the live policy.
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable
 
 from infergate.base import clock, logs, wire
 from infergate.base.loops import Backoff, Supervised
@@ -61,15 +62,28 @@ class ArrivalRates:
 
 class FleetView:
     """The fleet as one process sees it, refreshed every ``refresh_ms``.
-    With ``at_rest_ms``, every that long instead while nothing asks for it;
-    then ``fresh`` reads it at once for the first request that does (once
-    for every request waiting on it), so no request is decided on a view
-    older than ``refresh_ms``."""
+    With ``at_rest_ms``, every that long instead while nothing asks for it
+    (and every ``serving_at_rest_ms`` while ``serving()``, by default while
+    some worker of its own serves: a process that waits for its first
+    worker reads as often as before); then ``fresh`` reads it at once for
+    the first request that does (once for every request waiting on it), so
+    no request is decided on a view older than ``refresh_ms``."""
 
-    def __init__(self, store: Store, refresh_ms: int = 200, at_rest_ms: int | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        refresh_ms: int = 200,
+        at_rest_ms: int | None = None,
+        serving_at_rest_ms: int | None = None,
+        serving: Callable[[], bool] | None = None,
+    ) -> None:
         self.store = store
         self._busy_s = refresh_ms / 1000.0
         self._at_rest_s = self._busy_s if at_rest_ms is None else at_rest_ms / 1000.0
+        self._serving_at_rest_s = (
+            self._at_rest_s if serving_at_rest_ms is None else serving_at_rest_ms / 1000.0
+        )
+        self._serving_now = serving or (lambda: bool(self._serving))
         self._used = False  # asked for (``fresh``) since the last refresh
         self._read_at = 0.0  # when the last refresh ended, read or not (monotonic s)
         self._reading: asyncio.Future[None] | None = None
@@ -187,7 +201,13 @@ class FleetView:
         finally:
             self.refreshed.set()
             self._read_at = time.monotonic()
-            self.loop.interval_s = self._busy_s if self._used else self._at_rest_s
+            self.loop.interval_s = (
+                self._busy_s
+                if self._used
+                else self._serving_at_rest_s
+                if self._serving_now()
+                else self._at_rest_s
+            )
             self._used = False
 
     async def fresh(self) -> None:

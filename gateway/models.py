@@ -16,7 +16,7 @@ from typing import Any
 
 from infergate.base import clock, logs, wire
 from infergate.base.fleet import FleetView
-from infergate.base.heartbeat import Heartbeater
+from infergate.base.heartbeat import REST, Heartbeater
 from infergate.base.queue.gateway import GatewayQueue
 from infergate.base.queue.store import Store
 from infergate.base.tiers import TIERS
@@ -42,7 +42,10 @@ class ModelLane:
         beats: tuple[int, int, int],
         on_handed: Callable[[], None],
         on_cache_bypassed: Callable[[], None],
+        serving: Callable[[], bool],
     ) -> None:
+        """``serving``: some worker of some model serves on this shard (the
+        gateway is ready there)."""
         fleet_refresh_ms, interval_ms, ttl_ms = beats
         self.name = name
         self.shard = shard
@@ -51,9 +54,12 @@ class ModelLane:
         self.label = name if shard == 0 else f"{name}@{shard}"
         self.store = store
         self.queue = GatewayQueue(store, gateway_id, on_handed)
-        # (at rest: as often as a heartbeat it reads can expire; a request
-        # reads it fresh first: FleetView.fresh)
-        self.fleet = FleetView(store, fleet_refresh_ms, at_rest_ms=max(fleet_refresh_ms, ttl_ms))
+        # (at rest: as often as a heartbeat it reads can expire, and while
+        # the gateway is ready on the shard, as often as the lane's resting
+        # beat: for readiness and the gauges alone; a request reads it
+        # fresh first: FleetView.fresh)
+        at_rest_ms = max(fleet_refresh_ms, ttl_ms)
+        self.fleet = FleetView(store, fleet_refresh_ms, at_rest_ms, at_rest_ms * REST, serving)
         self.quota = Quota(self.queue, lambda: self.fleet.slowest_batch_ms)
         self.cache = Cache(self.queue, on_cache_bypassed)
         self.collapsing = Collapsing()

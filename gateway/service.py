@@ -144,6 +144,7 @@ class Gateway:
             (settings.fleet_refresh_ms, settings.heartbeat_interval_ms, settings.heartbeat_ttl_ms),
             self._handed_one,
             self.metrics.cache_bypassed.inc,
+            lambda: self.workers_alive(shard) > 0,
         )
 
     def _handed_one(self) -> None:

@@ -345,6 +345,37 @@ async def test_a_view_at_rest_is_read_again_for_the_first_request_after_it(
         await store.close()
 
 
+async def test_a_view_at_rest_waits_longer_once_a_worker_serves(redis_url: str) -> None:
+    """At rest a view is read every ``at_rest_ms`` while its process has
+    no worker (a gateway that starts before its workers is ready as soon
+    as one is there), and every ``serving_at_rest_ms`` once it has (what
+    reads it then is readiness and the gauges); a request brings it to
+    ``refresh_ms``."""
+    store = Store.connect(redis_url, "rest-serving", name="test")
+    view = FleetView(store, refresh_ms=50, at_rest_ms=1_000, serving_at_rest_ms=4_000)
+    try:
+        await view.refresh()
+        assert (view.workers_alive, view.loop.interval_s) == (0, 1.0)
+        await store.beat(worker(1, 100.0), ttl_ms=10_000)
+        await view.refresh()
+        assert (view.workers_alive, view.loop.interval_s) == (1, 4.0)
+        view._read_at = 0.0  # (old: a request reads it again)
+        await view.fresh()
+        assert view.loop.interval_s == 0.05
+        # A gateway ready on its shard (a worker of another model serves):
+        # a model's view with no worker of its own rests too.
+        ready = [True]
+        other = FleetView(store, 50, 1_000, 4_000, serving=lambda: ready[0])
+        await other.refresh()  # (the namespace's one worker: it reads as if none)
+        assert other.loop.interval_s == 4.0
+        ready[0] = False
+        await other.refresh()
+        assert other.loop.interval_s == 1.0
+    finally:
+        await view.stop()
+        await store.close()
+
+
 async def test_a_resting_view_reads_as_none_at_once_when_its_redis_is_lost() -> None:
     """A view at rest (here read every minute) is not left with what it
     last read when its Redis goes: the reply listener's subscription
