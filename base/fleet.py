@@ -106,7 +106,8 @@ class FleetView:
 
     @property
     def redis_ok(self) -> bool:
-        """The last refresh succeeded (so the view is fresh)."""
+        """The last refresh succeeded, and nothing since said Redis was
+        lost (at rest that refresh may be seconds old)."""
         return self.loop.healthy and self.snapshot is not None
 
     @property

@@ -131,8 +131,9 @@ class Inference:
     def read_body(
         self, raw: bytes | InferenceRequest, policy: Policy, key: KeyEntry
     ) -> tuple[InferenceRequest, Tier, ModelLane]:
-        """The request body, checked against the key's tier and the model
-        it names (400 if not fit), and that model's lane (404, 403)."""
+        """The request body, checked against the key's tier (400 if not
+        fit), and the lane of the model it names (404, 403). What that
+        model's workers can do for it is checked apart (``fit_fleet``)."""
         try:
             body = decode_inference_request(raw) if isinstance(raw, bytes) else raw
         except BadRequestBody as exc:
@@ -140,8 +141,14 @@ class Inference:
         tier = policy.tiers[key.tier]
         check_input(body.input, key.tier, tier)
         lane = self.gw.lanes.route(policy, key, body.model)
-        check_parameters(body.parameters, lane, policy.models[lane.name])
         return body, tier, lane
+
+    @staticmethod
+    async def fit_fleet(body: InferenceRequest, lane: ModelLane, policy: Policy) -> None:
+        """What the model's workers cannot do for ``body`` is a 400, judged
+        on its fleet view read fresh (at rest the view is seconds old)."""
+        await lane.fleet.fresh()
+        check_parameters(body.parameters, lane, policy.models[lane.name])
 
     async def _serve(
         self, call: Call, started: float, policy: Policy, key: KeyEntry
@@ -151,8 +158,11 @@ class Inference:
         if direct and key.tier in direct and not self.gw.ready_for_replies(lane.shard):
             batcher = self.gw.direct.serves(policy, key.tier, lane.name)
             if batcher is not None:
+                # (on the view as it stands, none since Redis went: no read)
+                check_parameters(body.parameters, lane, policy.models[lane.name])
                 result = await serve_directly(self.gw, lane, key, tier, body, batcher)
                 return respond(call, started, key, lane, result), {}
+        await self.fit_fleet(body, lane, policy)
         params = body.parameters
         model = policy.models[lane.name]
         cut_to = answer_cut(lane, key, tier, params, model)
@@ -162,7 +172,6 @@ class Inference:
             headers = await _charge_cached(self.gw, call, lane, key, tier, body.input, cached)
             self.gw.metrics.cache_hits.labels(key.tier).inc()
             return respond(call, started, key, lane, cached), headers
-        await lane.fleet.fresh()
         allowance = check_capacity(self.gw, lane, policy.for_model(lane.name), key)
         deadline_ms = (
             tier.deadline_ms if body.timeout_ms is None else min(tier.deadline_ms, body.timeout_ms)

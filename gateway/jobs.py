@@ -76,6 +76,7 @@ class Jobs:
             raise redis_full()
         check_memory(gw, shard.index, key, None)
         body, tier, lane = self.inference.read_body(call.body, policy, key)
+        await self.inference.fit_fleet(body, lane, policy)
         params = body.parameters or Parameters()
         max_tokens, input_bound, reserve, reserve_gpu_us = params.max_tokens or 0, 0, 0, 0
         gpu = lane.quota.reserves_gpu(key, tier)

@@ -125,7 +125,8 @@ async def _infer_all(
         # One unit (prompt_lists.py): every prompt checked, then all charged at once.
         checked = [inference.read_body(r, policy, key) for r in requests]
         _, tier, lane = checked[0]
-        await lane.fleet.fresh()
+        for body, _, _ in checked:
+            await inference.fit_fleet(body, lane, policy)
         check_serving(inference.gw, lane, key)  # (before the charge: a refusal costs nothing)
         holds.acquire(key.id, policy.document.limits.key_connection_share)
         try:

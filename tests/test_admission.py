@@ -385,11 +385,11 @@ async def test_a_resting_view_reads_as_none_at_once_when_its_redis_is_lost() -> 
     server = RedisServer().start()
     store = Store.connect(server.url, "lost", name="test")
     view = FleetView(store, refresh_ms=50, at_rest_ms=60_000)
-    lost: list[int] = []
+    lost: list[tuple[int, FleetSnapshot | None]] = []
 
     def on_lost(shard: int) -> None:
-        lost.append(shard)
         view.mark_unreachable()
+        lost.append((shard, view.snapshot))  # (none at once, not at a read after)
 
     router = ReplyRouter([GatewayQueue(store, "gw")], on_lost=on_lost)
     try:
@@ -399,7 +399,7 @@ async def test_a_resting_view_reads_as_none_at_once_when_its_redis_is_lost() -> 
         assert (view.redis_ok, view.workers_alive, router.listening()) == (True, 1, True)
         server.kill()
         await until(lambda: view.snapshot is None, 5, "the view to read as none")
-        assert (lost, view.redis_ok, view.workers_alive) == ([0], False, 0)
+        assert (lost, view.redis_ok, view.workers_alive) == ([(0, None)], False, 0)
         server.start()
         await until(lambda: view.redis_ok, 10, "the view to be read again")
         assert view.workers_alive == 0  # (read again: the new Redis has no worker)
