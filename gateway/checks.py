@@ -51,6 +51,13 @@ def check_parameters(params: Parameters | None, lane: ModelLane, model: Model) -
         )
 
 
+async def fit_fleet(params: Parameters | None, lane: ModelLane, model: Model) -> None:
+    """``check_parameters`` on the lane's fleet view read fresh first (at
+    rest the view is seconds old: what the workers lack may have changed)."""
+    await lane.fleet.fresh()
+    check_parameters(params, lane, model)
+
+
 def check_serving(gw: Gateway, lane: ModelLane, key: KeyEntry) -> None:
     """Redis has room (below the tier's high-water mark) and answers, and
     a worker of the model is there."""

@@ -30,7 +30,7 @@ from infergate.gateway.charging import (
     over_share,
     settle,
 )
-from infergate.gateway.checks import check_capacity, check_input, check_parameters
+from infergate.gateway.checks import check_capacity, check_input, check_parameters, fit_fleet
 from infergate.gateway.direct_serving import serve_directly
 from infergate.gateway.errors import ApiError, error_from_result
 from infergate.gateway.models import ModelLane
@@ -131,9 +131,8 @@ class Inference:
     def read_body(
         self, raw: bytes | InferenceRequest, policy: Policy, key: KeyEntry
     ) -> tuple[InferenceRequest, Tier, ModelLane]:
-        """The request body, checked against the key's tier (400 if not
-        fit), and the lane of the model it names (404, 403). What that
-        model's workers can do for it is checked apart (``fit_fleet``)."""
+        """The request body, checked against the key's tier (400), and the
+        lane of the model it names (404, 403): not yet against its fleet."""
         try:
             body = decode_inference_request(raw) if isinstance(raw, bytes) else raw
         except BadRequestBody as exc:
@@ -142,13 +141,6 @@ class Inference:
         check_input(body.input, key.tier, tier)
         lane = self.gw.lanes.route(policy, key, body.model)
         return body, tier, lane
-
-    @staticmethod
-    async def fit_fleet(body: InferenceRequest, lane: ModelLane, policy: Policy) -> None:
-        """What the model's workers cannot do for ``body`` is a 400, judged
-        on its fleet view read fresh (at rest the view is seconds old)."""
-        await lane.fleet.fresh()
-        check_parameters(body.parameters, lane, policy.models[lane.name])
 
     async def _serve(
         self, call: Call, started: float, policy: Policy, key: KeyEntry
@@ -162,7 +154,7 @@ class Inference:
                 check_parameters(body.parameters, lane, policy.models[lane.name])
                 result = await serve_directly(self.gw, lane, key, tier, body, batcher)
                 return respond(call, started, key, lane, result), {}
-        await self.fit_fleet(body, lane, policy)
+        await fit_fleet(body.parameters, lane, policy.models[lane.name])
         params = body.parameters
         model = policy.models[lane.name]
         cut_to = answer_cut(lane, key, tier, params, model)

@@ -25,7 +25,7 @@ from infergate.gateway import reservations
 from infergate.gateway.api import InferenceResponse, JobAccepted, JobView, Parameters
 from infergate.gateway.calls import Call, OnDisconnect
 from infergate.gateway.charging import charge_quota, check_reservation, gpu_job_reservation
-from infergate.gateway.checks import check_memory
+from infergate.gateway.checks import check_memory, fit_fleet
 from infergate.gateway.costs import MeasuredCall
 from infergate.gateway.errors import (
     ERRORS,
@@ -76,7 +76,7 @@ class Jobs:
             raise redis_full()
         check_memory(gw, shard.index, key, None)
         body, tier, lane = self.inference.read_body(call.body, policy, key)
-        await self.inference.fit_fleet(body, lane, policy)
+        await fit_fleet(body.parameters, lane, policy.models[lane.name])
         params = body.parameters or Parameters()
         max_tokens, input_bound, reserve, reserve_gpu_us = params.max_tokens or 0, 0, 0, 0
         gpu = lane.quota.reserves_gpu(key, tier)

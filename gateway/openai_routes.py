@@ -24,7 +24,7 @@ from infergate.gateway.api import (
     request_body,
 )
 from infergate.gateway.calls import Call, Fanout, OnDisconnect, call_from
-from infergate.gateway.checks import check_serving
+from infergate.gateway.checks import check_serving, fit_fleet
 from infergate.gateway.errors import ApiError, Headers
 from infergate.gateway.inference import Inference
 from infergate.gateway.middleware import ON_DISCONNECT, REQUEST_ID
@@ -126,7 +126,7 @@ async def _infer_all(
         checked = [inference.read_body(r, policy, key) for r in requests]
         _, tier, lane = checked[0]
         for body, _, _ in checked:
-            await inference.fit_fleet(body, lane, policy)
+            await fit_fleet(body.parameters, lane, policy.models[lane.name])
         check_serving(inference.gw, lane, key)  # (before the charge: a refusal costs nothing)
         holds.acquire(key.id, policy.document.limits.key_connection_share)
         try:
