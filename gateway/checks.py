@@ -52,10 +52,22 @@ def check_parameters(params: Parameters | None, lane: ModelLane, model: Model) -
 
 
 async def fit_fleet(params: Parameters | None, lane: ModelLane, model: Model) -> None:
-    """``check_parameters`` on the lane's fleet view read fresh first (at
-    rest the view is seconds old: what the workers lack may have changed)."""
+    """``check_parameters`` on the lane's fleet view read fresh (at rest it
+    is seconds old, and what the workers lack may have changed since); on
+    the view it had if that read fails, so a 400 stays one when Redis does
+    not answer. A request that asks nothing of the workers reads nothing."""
+    if params is None:
+        return
+    try:
+        check_parameters(params, lane, model)
+        refused = None
+    except ApiError as exc:
+        refused = exc
     await lane.fleet.fresh()
-    check_parameters(params, lane, model)
+    if lane.fleet.snapshot is not None:
+        check_parameters(params, lane, model)
+    elif refused is not None:
+        raise refused
 
 
 def check_serving(gw: Gateway, lane: ModelLane, key: KeyEntry) -> None:

@@ -150,11 +150,11 @@ class Inference:
         if direct and key.tier in direct and not self.gw.ready_for_replies(lane.shard):
             batcher = self.gw.direct.serves(policy, key.tier, lane.name)
             if batcher is not None:
-                # (on the view as it stands, none since Redis went: no read)
-                check_parameters(body.parameters, lane, policy.models[lane.name])
+                check_parameters(body.parameters, lane, policy.models[lane.name])  # (no read)
                 result = await serve_directly(self.gw, lane, key, tier, body, batcher)
                 return respond(call, started, key, lane, result), {}
         await fit_fleet(body.parameters, lane, policy.models[lane.name])
+        await lane.fleet.fresh()  # (before the cache: the model its answers are kept for)
         params = body.parameters
         model = policy.models[lane.name]
         cut_to = answer_cut(lane, key, tier, params, model)

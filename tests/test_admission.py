@@ -6,6 +6,7 @@ how many of its requests can wait within its budget less one batch time."""
 
 import asyncio
 from collections.abc import Iterable
+from types import SimpleNamespace
 from typing import cast
 
 import pytest
@@ -14,9 +15,14 @@ from infergate.base.queue.gateway import GatewayQueue
 from infergate.base.queue.store import FleetSnapshot, Store
 from infergate.base.wire import Heartbeat
 from infergate.gateway.admission import Admission, Decision
+from infergate.gateway.api import Parameters
+from infergate.gateway.checks import fit_fleet
+from infergate.gateway.errors import ApiError
+from infergate.gateway.models import ModelLane
 from infergate.gateway.replies import ReplyRouter
 from infergate.policies import Policy, parse_policy
 from infergate.redis_server import RedisServer
+from msgspec.structs import replace
 
 from tests.helpers import as_yaml, policy, until
 
@@ -405,6 +411,42 @@ async def test_a_resting_view_reads_as_none_at_once_when_its_redis_is_lost() -> 
         assert view.workers_alive == 0  # (read again: the new Redis has no worker)
     finally:
         await router.stop()
+        await view.stop()
+        await store.close()
+        server.close()
+
+
+async def test_a_refusal_for_what_the_workers_lack_is_judged_on_a_fresh_view_or_the_last() -> None:
+    """``fit_fleet``: a request that asks for a sample is judged on its
+    view read fresh either way (a worker that samples has joined since:
+    served; it has stopped sampling: refused), and on the view it had when
+    Redis does not answer (400, not a 503 for a store its answer does not
+    need). One that asks nothing of the workers passes, Redis or not."""
+    server = RedisServer().start()
+    store = Store.connect(server.url, "fit", name="test")
+    view = FleetView(store, refresh_ms=50, at_rest_ms=60_000)
+    lane = cast(ModelLane, SimpleNamespace(fleet=view, name="default"))
+    model = parse_policy(as_yaml(policy())).models["default"]
+    sample = Parameters(temperature=0.7)
+    try:
+        await store.beat(replace(worker(1, 100.0), lacks=["sampling"]), ttl_ms=60_000)
+        await view.start()
+        with pytest.raises(ApiError, match="does not sample"):
+            await fit_fleet(sample, lane, model)
+        await store.beat(worker(2, 100.0), ttl_ms=60_000)  # (it samples)
+        view._read_at = 0.0  # (the view read long ago, at rest)
+        await fit_fleet(sample, lane, model)  # (read again: served)
+        await store.beat(replace(worker(2, 100.0), lacks=["sampling"]), ttl_ms=60_000)
+        view._read_at = 0.0
+        with pytest.raises(ApiError, match="does not sample"):  # (read again: refused)
+            await fit_fleet(sample, lane, model)
+        server.kill()
+        view._read_at = 0.0
+        with pytest.raises(ApiError, match="does not sample"):  # (the read fails)
+            await fit_fleet(sample, lane, model)
+        assert view.snapshot is None
+        await fit_fleet(None, lane, model)
+    finally:
         await view.stop()
         await store.close()
         server.close()
