@@ -55,8 +55,9 @@ class Reaper:
             # no death (each process extends its key's TTL instead, but one
             # that could not is judged once Redis has room again).
             return
-        if await self.recovery.hold_lock(self.lock_ttl_ms):
-            recovered = await self.sweep()
+        dead = await self.recovery.look(ROLES, self.lock_ttl_ms)
+        if dead is not None:
+            recovered = await self.sweep(dead)
             if recovered:
                 log.info("reaper.sweep", **recovered)
                 self._count(recovered)
@@ -68,10 +69,10 @@ class Reaper:
         self.metrics.batches_dead_lettered.inc(recovered.get("batches_dead_lettered", 0))
         self.metrics.envelopes_requeued.inc(recovered.get("envelopes_requeued", 0))
 
-    async def sweep(self) -> dict[str, int]:
-        """One pass over every role; returns what it recovered."""
+    async def sweep(self, dead_by_role: dict[str, list[str]]) -> dict[str, int]:
+        """Recover what the dead left, every role; returns what it recovered."""
         done: Counter[str] = Counter()
-        for role, dead in (await self.recovery.expired(ROLES)).items():
+        for role, dead in dead_by_role.items():
             for process_id in dead:
                 if role == "dispatcher":
                     envs, credits = await self.recovery.requeue_dispatcher(process_id)

@@ -34,8 +34,8 @@ from infergate.base.queue.scripts import source
 from infergate.loadtest.sweep import Stack, children, cpu_s, local_stack
 
 SCRIPTS = (
-    "admit", "fleet", "take_dispatch", "take_worker", "take_join", "take_withdrawn",
-    "offer_credit", "ack_batch", "ensure_credit", "requeue", "retry", "reaper_lock", "enqueue_job", "finish_jobs", "charge_usage", "cancel_job", "hand_back",
+    "admit", "fleet", "heartbeats", "take_dispatch", "take_worker", "take_join", "take_withdrawn",
+    "offer_credit", "ack_batch", "ensure_credit", "requeue", "retry", "reap", "release_lock", "enqueue_job", "finish_jobs", "charge_usage", "cancel_job", "hand_back",
     "pull_waiting",
 )  # fmt: skip
 HERE = Path(__file__).resolve().parent

@@ -416,6 +416,28 @@ async def test_the_reaper_lock_is_held_by_one_owner_and_released_only_by_it(q: F
     assert not await other.hold_lock(2_000)
 
 
+async def test_the_reapers_look_reads_the_fleet_only_with_the_lock(q: Faces) -> None:
+    """One step takes the lock and reads who is dead: every role at once,
+    an expired, an unreadable and a live heartbeat told apart, a planted
+    members key of another type dropped; the owner without the lock reads
+    nothing."""
+    now = clock.now_ms()
+    await q.store.beat(wire.Heartbeat("worker", "w-ok", now, now), 5_000)
+    await q.redis.sadd(q.keys.members("worker"), "w-gone", "w-bad")
+    await q.redis.set(q.keys.heartbeat("worker", "w-bad"), b"\x00 not a heartbeat")
+    await q.redis.sadd(q.keys.members("dispatcher"), "d-gone")
+    await q.redis.set(q.keys.members("gateway"), b"planted")
+    other = RecoveryQueue(q.store, "reaper-2")
+    assert await other.look(("worker",), 2_000) == {"worker": ["w-bad", "w-gone"]}
+    assert await q.recovery.look(("dispatcher", "worker", "gateway"), 2_000) is None
+    await other.release_lock()
+    dead = await q.recovery.look(("dispatcher", "worker", "gateway"), 2_000)
+    assert dead == {"dispatcher": ["d-gone"], "worker": ["w-bad", "w-gone"]}
+    assert await q.redis.exists(q.keys.heartbeat("worker", "w-bad")) == 0
+    assert await q.redis.exists(q.keys.members("gateway")) == 0
+    assert await q.redis.get(q.keys.reaper_lock) == q.recovery.owner_id.encode()
+
+
 async def _batch_in_processing(q: Faces, attempt: int = 0) -> bytes:
     await q.worker.offer_credit()
     assert await q.dispatcher.wait_credit(1) == "w1"

@@ -23,26 +23,37 @@ class RecoveryQueue:
         self.keys = store.keys
         self.owner_id = owner_id
 
-    # -- the lock ------------------------------------------------------------
+    # -- the lock, and who is dead ---------------------------------------------
+
+    async def look(self, roles: tuple[str, ...], ttl_ms: int) -> dict[str, list[str]] | None:
+        """With the fleet-wide reaper lock held (taken, or extended: one
+        owner at a time), the registered processes of ``roles`` that are
+        dead (``expired``); None while another owner holds it. One round
+        trip (``reap.lua``)."""
+        members, prefixes = self.store.beats_named(list(roles))
+        reply = await self.store.pipelined.call(
+            self.store.scripts.reap,
+            [self.keys.reaper_lock, *members],
+            [self.owner_id, ttl_ms, *prefixes],
+        )
+        if reply is None:
+            return None
+        return await self._dead(await self.store.beats_of(list(roles), reply))
 
     async def hold_lock(self, ttl_ms: int) -> bool:
         """Take or extend the fleet-wide reaper lock; True while this owner holds it."""
-        held = await self.store.pipelined.call(
-            self.store.scripts.reaper_lock, [self.keys.reaper_lock], [self.owner_id, "hold", ttl_ms]
-        )
-        return bool(held)
+        return await self.look((), ttl_ms) is not None
 
     async def release_lock(self) -> None:
-        await self.store.scripts.reaper_lock(
-            keys=[self.keys.reaper_lock], args=[self.owner_id, "release", 0]
-        )
-
-    # -- who is dead -----------------------------------------------------------
+        await self.store.scripts.release_lock(keys=[self.keys.reaper_lock], args=[self.owner_id])
 
     async def expired(self, roles: tuple[str, ...]) -> dict[str, list[str]]:
         """Registered processes whose heartbeat has expired, or is unreadable
         (a corrupt heartbeat is deleted: its owner, if alive, writes a new one)."""
         beats, _ = await self.store.heartbeats(roles)
+        return await self._dead(beats)
+
+    async def _dead(self, beats: dict[str, dict[str, bytes | None]]) -> dict[str, list[str]]:
         dead: dict[str, list[str]] = {}
         for role, by_id in beats.items():
             for process_id, value in by_id.items():

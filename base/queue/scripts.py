@@ -46,6 +46,10 @@ LIBRARIES = {
     "enqueue_job": ("numbers", "fair_tag"),
     "finish_jobs": ("numbers", "budget", "give_back"),
     "cancel_job": ("numbers", "budget", "give_back"),
+    "fleet": ("beats",),
+    "heartbeats": ("beats",),
+    "reap": ("lock", "beats"),
+    "release_lock": ("lock",),
 }
 
 
@@ -74,6 +78,7 @@ class Scripts:
         self.admit = load("admit")
         self.settle = load("settle")
         self.fleet = load("fleet")
+        self.heartbeats = load("heartbeats")
         self.take_dispatch = load("take_dispatch")
         self.take_worker = load("take_worker")
         self.take_join = load("take_join")
@@ -83,7 +88,8 @@ class Scripts:
         self.ensure_credit = load("ensure_credit")
         self.requeue = load("requeue")
         self.retry = load("retry")
-        self.reaper_lock = load("reaper_lock")
+        self.reap = load("reap")
+        self.release_lock = load("release_lock")
         self.enqueue_job = load("enqueue_job")
         self.finish_jobs = load("finish_jobs")
         self.charge_usage = load("charge_usage")

@@ -203,40 +203,57 @@ class Store:
         self, roles: Iterable[str], *, with_depths: bool = False, with_counters: bool = False
     ) -> tuple[dict[str, dict[str, bytes | None]], list[Any]]:
         """Every registered process of ``roles`` and its heartbeat value (None
-        once it expired), plus the queue depths and counters if asked: two
-        round trips whatever the fleet size. Returns (beats, extras)."""
+        once it expired), plus the queue depths and counters if asked: one
+        round trip whatever the fleet size (``heartbeats.lua``; the depths
+        and counters, an admin's status, another). Returns (beats, extras)."""
         roles = list(roles)
-        reads: list[tuple[Any, ...]] = [("SMEMBERS", self.keys.members(role)) for role in roles]
+        extras = await self._extras(with_depths, with_counters)
+        keys, args = self.beats_named(roles)
+        # (with the hot path's calls: the scaling signal reads this every second, at rest too)
+        reply = await self.pipelined.call(self.scripts.heartbeats, keys, args)
+        return await self.beats_of(roles, reply), extras
+
+    def beats_named(self, roles: list[str]) -> tuple[list[str], list[str]]:
+        """The keys and arguments of a read of ``roles``' heartbeats
+        (``beats.lua``): each role's members set, and its heartbeats' key prefix."""
+        return [self.keys.members(r) for r in roles], [self.keys.heartbeat(r, "") for r in roles]
+
+    async def beats_of(
+        self, roles: list[str], reply: list[Any]
+    ) -> dict[str, dict[str, bytes | None]]:
+        """Each role's processes and their heartbeats from a ``beats.lua``
+        reply ({ids, beats} a role). A member that is no process id (planted)
+        goes, so no one reads it again."""
+        beats = {}
+        for role, members, values in zip(roles, reply[0::2], reply[1::2], strict=True):
+            ids, planted = process_ids(members)
+            by_member = dict(zip(members, values, strict=True))
+            beats[role] = {i: by_member[i.encode()] for i in ids}
+            if planted:
+                await self.redis.srem(self.keys.members(role), *planted)
+                log.warning("fleet.member_unreadable", role=role, count=len(planted))
+        return beats
+
+    async def _extras(self, with_depths: bool, with_counters: bool) -> list[Any]:
+        """Each tier's queue and fair-queue depth, then the counters, as asked."""
+        reads: list[tuple[Any, ...]] = []
         if with_depths:
             reads += [("LLEN", q) for q in self.keys.queues]
             reads += [("ZCARD", q) for q in self.keys.fair_queues]
         if with_counters:
             reads.append(("HGETALL", self.keys.stats))
-        # (with the hot path's calls: the reaper and the scaling signal read
-        # this every second or two, at rest too)
+        if not reads:
+            return []
         results = await self.pipelined.commands(reads)
-        depths = range(len(roles), len(roles) + (2 * len(TIERS) if with_depths else 0))
+        ndepths = 2 * len(TIERS) if with_depths else 0
         for i, result in enumerate(results):
             if isinstance(result, Exception):
-                if i not in depths or not isinstance(result, ResponseError):
+                if i >= ndepths or not isinstance(result, ResponseError):
                     raise result
                 results[i] = 0  # (a queue of another type, planted: take_*.lua drops it)
         if with_counters:
             results[-1] = _hash(results[-1])
-        member_sets, extras = results[: len(roles)], results[len(roles) :]
-        ids = {}
-        for role, members in zip(roles, member_sets, strict=True):
-            ids[role], planted = process_ids(members)
-            if planted:  # no process has such a name: it goes, so no one reads it again
-                await self.redis.srem(self.keys.members(role), *planted)
-                log.warning("fleet.member_unreadable", role=role, count=len(planted))
-        wanted = [self.keys.heartbeat(role, i) for role in roles for i in ids[role]]
-        values: list[bytes | None] = []
-        if wanted:
-            (values,) = await self.commands(("MGET", *wanted))
-        it = iter(values)
-        beats = {role: {i: next(it) for i in ids[role]} for role in roles}
-        return beats, extras
+        return results
 
     def readable(self, role: str, beats: dict[str, bytes | None]) -> list[wire.Heartbeat]:
         """The live heartbeats that decode; an unreadable one is skipped (and

@@ -7,26 +7,6 @@
 -- ARGV[1] the workers' heartbeat key prefix (the key is the prefix and the
 -- id)  ARGV[2] the gateways'
 -- Returns {worker ids (sorted), their heartbeats, depths, gateway ids, theirs}
-local function beats_of(members, prefix)
-  local ids = redis.pcall('SMEMBERS', members)
-  if ids.err then
-    -- (a key of another type, planted, is no members set: it goes; any
-    -- other error is the call's)
-    if not string.find(ids.err, 'WRONGTYPE', 1, true) then error(ids) end
-    redis.call('DEL', members)
-    ids = {}
-  end
-  table.sort(ids)
-  local beats = {}
-  for i, id in ipairs(ids) do
-    -- pcall: a key of another type (Redis contents are not trusted) reads as
-    -- expired, as MGET would have it, instead of failing the whole view.
-    local beat = redis.pcall('GET', prefix .. id)
-    if type(beat) ~= 'string' then beat = false end
-    beats[i] = beat
-  end
-  return ids, beats
-end
 local ids, beats = beats_of(KEYS[1], ARGV[1])
 local gateway_ids, gateway_beats = beats_of(KEYS[2], ARGV[2])
 local ntiers = (#KEYS - 2) / 2
