@@ -7,7 +7,10 @@ A beat that may rest (a gateway's, for one model: its death leaves nothing
 to recover) comes ``REST`` times less often, with a TTL as much longer,
 while it says nothing new but the time; ``stir`` brings the next one back
 to the next tick of the interval. At rest a process costs what it wakes
-for, and a policy of many models has a beat for each of them.
+for, and a policy of many models has a beat for each of them. A process
+whose death would leave work to recover (a dispatcher holding a credit)
+rests only while it holds none, and beats with the short TTL again before
+it takes any (``before_holding``): what it leaves is found as soon as ever.
 """
 
 import time
@@ -34,7 +37,8 @@ REST = 4
 
 class Heartbeater:
     """Beats every ``interval_ms`` with whatever ``status()`` returns (with
-    ``rests``, ``REST`` times less often while it says nothing new).
+    ``rests``, ``REST`` times less often while it says nothing new and
+    ``holds()`` says it holds nothing a death would leave).
 
     A failed beat (Redis away) is logged and retried with backoff, never
     slower than the interval; the process keeps running and its key simply
@@ -48,14 +52,17 @@ class Heartbeater:
         interval_ms: int,
         ttl_ms: int,
         rests: bool = False,
+        holds: Callable[[], bool] = lambda: False,
     ) -> None:
         self.store = store
         self.status = status
         self.ttl_ms = ttl_ms
         self.rests = rests
+        self.holds = holds
         self.resting = False
         self._said = b""  # the last beat written, but for its time
         self._ttl_written_ms = ttl_ms
+        self._ttl_sent_ms = ttl_ms
         interval_s = self.interval_s = interval_ms / 1000.0
         # Generous: a beat that waits on a dead Redis takes up to its socket timeout.
         self.max_silence_s = max(10.0, 20 * interval_s)
@@ -82,13 +89,33 @@ class Heartbeater:
         if time.monotonic() >= self._align_at:
             await self._align()
         beat = self.status()
-        said = wire.encode(msgspec.structs.replace(beat, beat_ms=0)) if self.rests else b""
+        said = self._said_of(beat)
         # (set before the write: a stir while it is under way wins)
-        self.resting = self.rests and said == self._said
+        self.resting = self.rests and said == self._said and not self.holds()
         self.loop.interval_s = self.interval_s * REST if self.resting else self.interval_s
-        ttl_ms = self.ttl_ms * REST if self.resting else self.ttl_ms
+        await self._beat(beat, said, self.ttl_ms * REST if self.resting else self.ttl_ms)
+
+    async def _beat(self, beat: wire.Heartbeat, said: bytes, ttl_ms: int) -> None:
+        # The longest TTL that may stand in Redis: one under way may land
+        # (or may have, if its reply was lost) until a later beat is written.
+        self._ttl_sent_ms = max(self._ttl_sent_ms, ttl_ms)
         await self.store.beat(beat, ttl_ms)
         self._said, self._ttl_written_ms = said, ttl_ms
+        self._ttl_sent_ms = ttl_ms  # (every earlier write landed before it)
+
+    async def before_holding(self) -> None:
+        """The process is about to hold what its death would leave (``holds()``
+        says so from now on): a resting beat, written or under way, is
+        followed now by one with the short TTL, on the same connection, so
+        it lands after it; the next ones come at the interval again."""
+        self.stir()
+        if self._ttl_sent_ms > self.ttl_ms:
+            beat = self.status()
+            await self._beat(beat, self._said_of(beat), self.ttl_ms)
+
+    def _said_of(self, beat: wire.Heartbeat) -> bytes:
+        """What a beat says but for its time (what a resting beat compares)."""
+        return wire.encode(msgspec.structs.replace(beat, beat_ms=0)) if self.rests else b""
 
     def stir(self) -> None:
         """There is something new to say: a resting beat comes back to the

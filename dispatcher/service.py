@@ -8,7 +8,8 @@ nothing waiting at all, the take puts the credit back onto ``ready`` and the
 dispatcher waits on the doorbell holding nothing: a request that then finds
 nothing queued goes straight from its gateway to that idle worker
 (``hand_straight.lua``), and at rest the dispatcher makes no calls but its
-waits.
+waits. Waiting so, it holds nothing its death would leave: its heartbeat
+rests, and comes back to the short TTL before the next credit is held.
 
 Pacing (on by default): while less than a full batch waits, hand-offs are
 spaced at least ``batch time / workers`` apart across the fleet. Without
@@ -135,8 +136,15 @@ class Dispatcher:
         self._reading: FleetReading | None = None
         self.registry.register(FleetCollector(self._readings))
         self.metrics_reading = Supervised("metrics-reading", self._refresh_reading, 1.0)
+        # Waiting at rest it holds nothing (no credit): its beat rests then.
+        self.at_rest = False
         self.heartbeat = Heartbeater(
-            self.store, self.status, settings.heartbeat_interval_ms, settings.heartbeat_ttl_ms
+            self.store,
+            self.status,
+            settings.heartbeat_interval_ms,
+            settings.heartbeat_ttl_ms,
+            rests=True,
+            holds=lambda: not self.at_rest,
         )
         self.dispatching = Supervised("dispatch", self.dispatch_once, 0)
         # Workers form their next batch themselves by the rule published here.
@@ -206,6 +214,7 @@ class Dispatcher:
         if self._unsure:
             await self.queue.requeue_own()
             self._unsure = False
+        await self.heartbeat.before_holding()
         self._unsure = True
         credit = await self.queue.wait_credit(self.settings.block_timeout_s)
         if credit is not None:
@@ -263,7 +272,11 @@ class Dispatcher:
             await self.queue.wait_doorbell(self.settings.block_timeout_s)
 
     async def _wait_at_rest(self) -> None:
-        await self.queue.wait_doorbell(self.settings.block_timeout_s * AT_REST_WAITS)
+        self.at_rest = True
+        try:
+            await self.queue.wait_doorbell(self.settings.block_timeout_s * AT_REST_WAITS)
+        finally:
+            self.at_rest = False
 
     def _formed(self, credit: str, batch_id: str, taken: TakeResult, started_ns: int) -> None:
         self.batches_formed += 1

@@ -1,7 +1,8 @@
 """Heartbeats against a real Redis: a beat that may rest (a gateway's for
 one model) comes less often, with a longer TTL, while it says nothing new,
 and is back at its interval for the next thing it has to say; one that may
-not (a worker's, a dispatcher's) never rests."""
+not (a worker's) never rests; a dispatcher's rests only while it holds
+nothing, and its key has the short TTL again before it holds anything."""
 
 import asyncio
 import time
@@ -100,6 +101,42 @@ async def test_a_beat_that_may_not_rest_keeps_its_interval_and_ttl(store: Store)
             assert not hb.resting
             assert hb.loop.interval_s == INTERVAL_MS / 1000.0
         assert 0 < await store.redis.pttl(store.keys.heartbeat("gateway", "g1")) <= TTL_MS
+    finally:
+        await hb.stop()
+
+
+async def test_a_beat_rests_only_while_it_holds_nothing_and_is_short_before_it_holds(
+    store: Store,
+) -> None:
+    beats = Beats()
+    beats.busy = False
+    holding = [True]
+    hb = Heartbeater(store, beats.status, INTERVAL_MS, TTL_MS, rests=True, holds=lambda: holding[0])
+    key = store.keys.heartbeat("gateway", "g1")
+    hb.start()
+    try:
+        for _ in range(4):  # (saying nothing new, but holding: never at rest)
+            await beats.next()
+            assert not hb.resting
+        assert 0 < await store.redis.pttl(key) <= TTL_MS
+        holding[0] = False
+        await until(lambda: hb.resting, 2.0, "the beat to rest")
+        await until(lambda: hb._ttl_written_ms > TTL_MS, 2.0, "the resting beat to be written")
+        assert await store.redis.pttl(key) > TTL_MS
+        # About to hold: the key's TTL is the short one when this returns,
+        # and the beats come at the interval again.
+        holding[0] = True
+        await hb.before_holding()
+        assert 0 < await store.redis.pttl(key) <= TTL_MS
+        assert hb.loop.interval_s == INTERVAL_MS / 1000.0
+        for _ in range(3):
+            await beats.next()
+            assert not hb.resting
+        assert 0 < await store.redis.pttl(key) <= TTL_MS
+        # Nothing rested since: nothing to write (one round trip spared).
+        written = len(beats.at)
+        await hb.before_holding()
+        assert len(beats.at) == written
     finally:
         await hb.stop()
 
