@@ -1,0 +1,81 @@
+"""A dispatcher at rest, with real processes: waiting on the doorbell it
+holds nothing its death would leave, so its beat rests; every time it
+takes a credit again its key had the short TTL first; and while work
+waits (it waits for a credit, not on the doorbell) its beat never rests.
+Read from Redis's MONITOR, in the order Redis ran the commands."""
+
+import random
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import redis
+from infergate.base.keys import Keys
+from infergate.redis_server import RedisServer
+
+from tests.helpers import Cluster, as_yaml, policy, wait_for
+
+TTL_MS = 1000  # (the default)
+KEYS = Keys("infergate")
+
+
+def _commands(client: redis.Redis, seconds: float) -> Iterator[list[str]]:
+    """What Redis runs for ``seconds`` (or until the caller stops), as words."""
+    deadline = time.monotonic() + seconds
+    with client.monitor() as monitor:
+        for seen in monitor.listen():
+            yield seen["command"].split()
+            if time.monotonic() > deadline:
+                return
+
+
+def test_a_dispatcher_rests_at_rest_and_beats_short_before_it_holds_a_credit(
+    tmp_path: Path, own_redis: RedisServer
+) -> None:
+    client = redis.Redis.from_url(own_redis.url, decode_responses=True)
+    try:
+        with Cluster(tmp_path, own_redis.url, as_yaml(policy()), workers=1) as c:
+            (dispatcher_id,) = client.smembers(KEYS.members("dispatcher"))
+            beat_key = KEYS.heartbeat("dispatcher", dispatcher_id)
+            wait_for(lambda: client.pttl(beat_key) > TTL_MS, 10, "the dispatcher's beat to rest")
+            # At rest it takes a credit every 2 s to look at the queues
+            # (AT_REST_WAITS): three of those, each after a short beat.
+            last_ttl, takes, resting = None, 0, 0
+            for words in _commands(client, 20):
+                if words[:2] == ["SET", beat_key]:
+                    last_ttl = int(words[-1])
+                    resting += last_ttl > TTL_MS
+                elif words[:2] == ["BLMOVE", KEYS.ready] and dispatcher_id in words[2]:
+                    assert last_ttl == TTL_MS
+                    takes += 1
+                if takes == 3:
+                    break
+            assert (takes, resting > 0) == (3, True)
+            # Work waits the whole time (requests spread over each batch's
+            # run, so the worker takes its own next batch): the dispatcher
+            # waits for a credit, not on the doorbell, and beats short.
+            stop = threading.Event()
+
+            def ask(i: int) -> None:
+                while not stop.is_set():
+                    time.sleep(random.random() / 10)
+                    c.infer("enterprise", f"keep the worker busy {i} {time.monotonic()}")
+
+            askers = [threading.Thread(target=ask, args=(i,)) for i in range(16)]
+            for t in askers:
+                t.start()
+            try:
+                ttls: list[Any] = []
+                for words in _commands(client, 6):
+                    if words[:2] == ["SET", beat_key] and len(ttls) < 100:
+                        ttls.append(int(words[-1]))
+                assert len(ttls) >= 8, ttls
+                assert set(ttls[4:]) == {TTL_MS}, ttls  # (the first: it may still rest)
+            finally:
+                stop.set()
+                for t in askers:
+                    t.join(10)
+    finally:
+        client.close()
