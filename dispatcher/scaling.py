@@ -1,10 +1,12 @@
 """The dispatcher's share of autoscaling: once a second, compute the signal
-from the fleet's heartbeats (base/autoscale.py), export it as metrics and
-keep it in Redis for ``infergate up``."""
+from the fleet's heartbeats (base/autoscale.py), as the dispatcher's fleet
+view last read them (at most a second old: no read of its own), export it
+as metrics and keep it in Redis for ``infergate up``."""
 
 import msgspec
 from infergate.base import clock, logs
 from infergate.base.autoscale import Autoscaler
+from infergate.base.fleet import FleetView
 from infergate.base.loops import Backoff, Supervised
 from infergate.base.metrics import DispatcherMetrics
 from infergate.base.queue import scale_signal
@@ -18,9 +20,15 @@ INTERVAL_S = 1.0
 
 class ScaleSignalLoop:
     def __init__(
-        self, store: Store, dispatcher_id: str, policy: LivePolicy, metrics: DispatcherMetrics
+        self,
+        store: Store,
+        fleet: FleetView,
+        dispatcher_id: str,
+        policy: LivePolicy,
+        metrics: DispatcherMetrics,
     ) -> None:
         self.store = store
+        self.fleet = fleet
         self.dispatcher_id = dispatcher_id
         self.policy = policy
         self.metrics = metrics
@@ -28,12 +36,14 @@ class ScaleSignalLoop:
         self.loop = Supervised("scale-signal", self.step, INTERVAL_S, Backoff(0.2, INTERVAL_S))
 
     async def step(self) -> None:
+        snapshot = self.fleet.snapshot
+        if snapshot is None:  # (Redis away: the view's loop says so)
+            return
         now_ms = clock.now_ms()
-        beats, _ = await self.store.heartbeats(["gateway", "worker"])
         doc = self.policy.current.document
         signal = self.autoscaler.signal(
-            self.store.readable("gateway", beats["gateway"]),
-            self.store.readable("worker", beats["worker"]),
+            snapshot.gateways,
+            snapshot.workers,
             doc.batching.max_batch_size,
             doc.autoscale.target_utilization,
             now_ms,

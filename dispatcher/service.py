@@ -149,7 +149,7 @@ class Dispatcher:
         self.dispatching = Supervised("dispatch", self.dispatch_once, 0)
         # Workers form their next batch themselves by the rule published here.
         self.rule_publishing = Supervised("batch-rule", self._publish_rule, RULE_REFRESH_S)
-        self.scale_signal = ScaleSignalLoop(self.store, self.id, policy, self.metrics)
+        self.scale_signal = ScaleSignalLoop(self.store, self.fleet, self.id, policy, self.metrics)
         self._unsure = False
 
     def status(self) -> wire.Heartbeat:

@@ -209,7 +209,6 @@ class Store:
         roles = list(roles)
         extras = await self._extras(with_depths, with_counters)
         keys, args = self.beats_named(roles)
-        # (with the hot path's calls: the scaling signal reads this every second, at rest too)
         reply = await self.pipelined.call(self.scripts.heartbeats, keys, args)
         return await self.beats_of(roles, reply), extras
 
