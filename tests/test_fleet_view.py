@@ -4,6 +4,7 @@ is judged on is the view read fresh, and a Redis that goes takes the view
 with it at once. Heartbeats last 10 s here, so a resting view is read only
 every 40 s: what changes sooner is the change's own doing."""
 
+import hashlib
 import time
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import redis
 from infergate.base import wire
 from infergate.base.keys import Keys
+from infergate.base.queue.scripts import source
 from infergate.redis_server import RedisServer
 
 from tests.helpers import Cluster, as_yaml, http, policy, wait_for
@@ -64,3 +66,40 @@ def test_a_gateway_forgets_its_fleet_the_moment_its_redis_goes(
         assert readiness(c)["workers_alive"] == 1
         own_redis.kill()
         wait_for(lambda: readiness(c)["workers_alive"] == 0, 2, "the view to read as none")
+
+
+def test_a_gateway_with_no_worker_serving_reads_its_view_every_second(
+    tmp_path: Path, own_redis: RedisServer
+) -> None:
+    """A view rests (a read every 4 s) only while some worker serves: the
+    planted worker the gateway was ready with expires, and from then on
+    the gateway reads its view every second (default heartbeats), so it
+    is ready within a second of a worker's coming."""
+    keys = Keys("infergate")
+    client = redis.Redis.from_url(own_redis.url, decode_responses=True)
+    fleet_sha = hashlib.sha1(source("fleet").encode()).hexdigest()
+    now_ms = int(time.time() * 1000)
+    planted = wire.Heartbeat("worker", "planted", now_ms, now_ms, batch_ms=100.0)
+    client.set(keys.heartbeat("worker", planted.id), wire.encode(planted).decode(), px=120_000)
+    client.sadd(keys.members("worker"), planted.id)
+    try:
+        with Cluster(tmp_path, own_redis.url, as_yaml(policy()), workers=0) as c:
+            assert readiness(c)["workers_alive"] == 1
+            client.delete(keys.heartbeat("worker", planted.id))
+            wait_for(lambda: readiness(c)["workers_alive"] == 0, 10, "the planted worker gone")
+            gateway = {
+                f"{entry['addr']}"
+                for entry in client.client_list()
+                if entry["name"].startswith("gateway:")
+            }
+            reads, deadline = 0, time.monotonic() + 4.5
+            with client.monitor() as monitor:
+                for seen in monitor.listen():
+                    address = f"{seen['client_address']}:{seen['client_port']}"
+                    words = seen["command"].split()
+                    reads += address in gateway and words[:2] == ["EVALSHA", fleet_sha]
+                    if time.monotonic() > deadline:
+                        break
+            assert reads >= 3  # (resting, one or two)
+    finally:
+        client.close()
