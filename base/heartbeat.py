@@ -63,6 +63,7 @@ class Heartbeater:
         self._said = b""  # the last beat written, but for its time
         self._ttl_written_ms = ttl_ms
         self._ttl_sent_ms = ttl_ms
+        self._written_at_s = 0.0  # (monotonic: a beat outside the loop counts too)
         interval_s = self.interval_s = interval_ms / 1000.0
         # Generous: a beat that waits on a dead Redis takes up to its socket timeout.
         self.max_silence_s = max(10.0, 20 * interval_s)
@@ -76,7 +77,8 @@ class Heartbeater:
     def healthy(self) -> bool:
         """The last beat reached Redis, and recently: within the TTL (a
         Redis that hangs fails no step until the socket times out)."""
-        fresh = time.monotonic() - self.loop.last_ok_s < self._ttl_written_ms / 1000.0
+        last_ok_s = max(self.loop.last_ok_s, self._written_at_s)
+        fresh = time.monotonic() - last_ok_s < self._ttl_written_ms / 1000.0
         return self.loop.healthy and fresh
 
     def alive(self) -> bool:
@@ -101,7 +103,8 @@ class Heartbeater:
         self._ttl_sent_ms = max(self._ttl_sent_ms, ttl_ms)
         await self.store.beat(beat, ttl_ms)
         self._said, self._ttl_written_ms = said, ttl_ms
-        self._ttl_sent_ms = ttl_ms  # (every earlier write landed before it)
+        self._ttl_sent_ms = ttl_ms  # (earlier writes on the connection landed before it)
+        self._written_at_s = time.monotonic()
 
     async def before_holding(self) -> None:
         """The process is about to hold what its death would leave (``holds()``

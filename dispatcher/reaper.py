@@ -1,8 +1,9 @@
 """The reaper: recovers the work of processes whose heartbeat has expired.
 
 At most one runs at a time, fleet-wide, under a Redis lock with a TTL
-(taken, extended and released by one token-checked script); any dispatcher
-may hold it. For each registered process whose heartbeat key is gone (or
+(taken, extended and released under its owner's token, ``lock.lua``; the
+look at who is dead is taken with it, in one step: ``reap.lua``); any
+dispatcher may hold it. For each registered process whose heartbeat key is gone (or
 unreadable):
 
 - a dispatcher: the credits it held go back to ``ready`` (it holds no

@@ -1,7 +1,8 @@
 """The dispatcher's share of autoscaling: once a second, compute the signal
 from the fleet's heartbeats (base/autoscale.py), as the dispatcher's fleet
-view last read them (at most a second old: no read of its own), export it
-as metrics and keep it in Redis for ``infergate up``."""
+view last read them (a read of its own only if that view is older than
+``FRESH_MS``: a heartbeat TTL above the default rests the view longer),
+export it as metrics and keep it in Redis for ``infergate up``."""
 
 import msgspec
 from infergate.base import clock, logs
@@ -16,6 +17,8 @@ from infergate.policies.live import LivePolicy
 log = logs.get(__name__)
 
 INTERVAL_S = 1.0
+# The view reads on the same one-second grid: its last read is a second old.
+FRESH_MS = 1_500
 
 
 class ScaleSignalLoop:
@@ -36,10 +39,10 @@ class ScaleSignalLoop:
         self.loop = Supervised("scale-signal", self.step, INTERVAL_S, Backoff(0.2, INTERVAL_S))
 
     async def step(self) -> None:
-        snapshot = self.fleet.snapshot
-        if snapshot is None:  # (Redis away: the view's loop says so)
-            return
         now_ms = clock.now_ms()
+        snapshot = self.fleet.snapshot
+        if snapshot is None or now_ms - snapshot.taken_ms > FRESH_MS:
+            snapshot = await self.store.fleet_snapshot(now_ms)
         doc = self.policy.current.document
         signal = self.autoscaler.signal(
             snapshot.gateways,

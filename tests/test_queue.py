@@ -429,11 +429,12 @@ async def test_the_reapers_look_reads_the_fleet_only_with_the_lock(q: Faces) -> 
     await q.redis.set(q.keys.members("gateway"), b"planted")
     other = RecoveryQueue(q.store, "reaper-2")
     assert await other.look(("worker",), 2_000) == {"worker": ["w-bad", "w-gone"]}
+    assert await q.redis.exists(q.keys.heartbeat("worker", "w-bad")) == 0
     assert await q.recovery.look(("dispatcher", "worker", "gateway"), 2_000) is None
+    assert await q.redis.type(q.keys.members("gateway")) == b"string"  # (not read)
     await other.release_lock()
     dead = await q.recovery.look(("dispatcher", "worker", "gateway"), 2_000)
     assert dead == {"dispatcher": ["d-gone"], "worker": ["w-bad", "w-gone"]}
-    assert await q.redis.exists(q.keys.heartbeat("worker", "w-bad")) == 0
     assert await q.redis.exists(q.keys.members("gateway")) == 0
     assert await q.redis.get(q.keys.reaper_lock) == q.recovery.owner_id.encode()
 
