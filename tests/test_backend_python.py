@@ -2,7 +2,7 @@
 function, an async one, a class built with the policy's options. What it
 cannot be made from is one line and exit 2 before the worker joins; what
 it does wrong at run time fails only the inputs it must, never the worker.
-The code is ``tests/user_backends/mymodel.py``, imported as a user's."""
+The code is ``tests/user_backends/fixture_model.py``, imported as a user's."""
 
 import concurrent.futures
 import signal
@@ -34,29 +34,33 @@ def _user_code_importable(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_batch_function_an_async_one_a_class_and_a_factory() -> None:
-    fn = PythonBackend("mymodel:batchstring", {})
+    fn = PythonBackend("fixture_model:batchstring", {})
     assert fn.infer(["a", "b"]) == ["fn:a", "fn:b"]
     assert fn.lacks == {SAMPLING, MAX_TOKENS}
-    assert fn.fingerprint == "python/mymodel:batchstring"
-    assert PythonBackend("mymodel:abatch", {}).infer(["é"]) == ["async:é"]
-    cls = PythonBackend("mymodel:Reverser", {"prefix": "p", "delay_ms": 0})
+    assert fn.fingerprint == "python/fixture_model:batchstring"
+    assert PythonBackend("fixture_model:abatch", {}).infer(["é"]) == ["async:é"]
+    cls = PythonBackend("fixture_model:Reverser", {"prefix": "p", "delay_ms": 0})
     assert cls.infer(["abc"]) == ["p:cba"]
     assert cls.infer_sampled(["ab", "ab"], [0.0, 0.5]) == ["p:ba", "p:ba~0.5"]
     assert cls.clip("p:cba", 2) == ("p:", 2)
     assert cls.lacks == frozenset()
     assert cls.fingerprint == "reverser/p"  # (its own, as it names its version)
-    assert PythonBackend("mymodel:make_reverser", {}).infer(["ab"]) == ["made:ba"]
+    assert PythonBackend("fixture_model:make_reverser", {}).infer(["ab"]) == ["made:ba"]
 
 
 @pytest.mark.parametrize(
     ("target", "options", "says"),
     [
         ("nomodule:fn", {}, "cannot import nomodule: ModuleNotFoundError"),
-        ("mymodel:missing", {}, "mymodel has no attribute 'missing'"),
-        ("mymodel:needs_two", {}, "takes 2 arguments: a batch function takes one"),
-        ("mymodel:batchstring", {"prefix": "x"}, "is a batch function: it takes no options"),
-        ("mymodel:Reverser", {"colour": "red"}, "building mymodel:Reverser failed: TypeError"),
-        ("mymodel:USER_CODE_MISSING", {}, "has no attribute"),
+        ("fixture_model:missing", {}, "fixture_model has no attribute 'missing'"),
+        ("fixture_model:needs_two", {}, "takes 2 arguments: a batch function takes one"),
+        ("fixture_model:batchstring", {"prefix": "x"}, "is a batch function: it takes no options"),
+        (
+            "fixture_model:Reverser",
+            {"colour": "red"},
+            "building fixture_model:Reverser failed: TypeError",
+        ),
+        ("fixture_model:USER_CODE_MISSING", {}, "has no attribute"),
     ],
 )
 def test_what_cannot_be_made_says_what_to_fix(target: str, options: dict, says: str) -> None:
@@ -74,14 +78,21 @@ def test_what_cannot_be_made_says_what_to_fix(target: str, options: dict, says: 
 )
 def test_a_call_that_breaks_the_contract_is_a_backend_error(marker: str, says: str) -> None:
     with pytest.raises(BackendError, match=says):
-        PythonBackend("mymodel:batchstring", {}).infer(["fine", marker])
+        PythonBackend("fixture_model:batchstring", {}).infer(["fine", marker])
 
 
 def test_a_worker_that_cannot_make_its_backend_exits_2_before_joining(
     redis_url: str, tmp_path: Path
 ) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "infergate", "worker", "--backend", "python:mymodel:needs_two"],
+        [
+            sys.executable,
+            "-m",
+            "infergate",
+            "worker",
+            "--backend",
+            "python:fixture_model:needs_two",
+        ],
         env={"PYTHONPATH": str(USER_CODE), "REDIS_URL": redis_url, "PATH": "/usr/bin:/bin"},
         capture_output=True,
         text=True,
@@ -91,7 +102,7 @@ def test_a_worker_that_cannot_make_its_backend_exits_2_before_joining(
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert lines == [
-        "infergate worker: python backend: mymodel:needs_two takes 2 arguments: a batch "
+        "infergate worker: python backend: fixture_model:needs_two takes 2 arguments: a batch "
         "function takes one, the list of inputs"
     ]
     # (it never joined: all it left is its word that it was warming up, for seconds)
@@ -107,8 +118,8 @@ def cluster(
 ) -> Iterator[Cluster]:
     doc = policy()
     doc["models"] = {
-        "fn": {"backend": "python:mymodel:batchstring"},
-        "rev": {"backend": "python:mymodel:Reverser", "options": {"prefix": "pol"}},
+        "fn": {"backend": "python:fixture_model:batchstring"},
+        "rev": {"backend": "python:fixture_model:Reverser", "options": {"prefix": "pol"}},
     }
     with Cluster(
         tmp_path_factory.mktemp("python-backend"),
@@ -137,7 +148,7 @@ def test_a_batch_function_serves_and_a_breach_fails_only_its_input(cluster: Clus
         else:
             assert status == 200, body
             assert body["output"] == f"fn:{text}"
-            assert body["metadata"]["model_version"] == "python/mymodel:batchstring"
+            assert body["metadata"]["model_version"] == "python/fixture_model:batchstring"
     assert "cannot read this input" in answers[12][1]["error"]["message"]
 
 
@@ -180,7 +191,7 @@ def _check(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 def test_backend_check_passes_a_function_that_keeps_the_contract(tmp_path: Path) -> None:
     times = tmp_path / "times.json"
-    out = _check(tmp_path, "python:mymodel:batchstring", "--times-out", str(times))
+    out = _check(tmp_path, "python:fixture_model:batchstring", "--times-out", str(times))
     assert out.returncode == 0, out.stdout + out.stderr
     assert "verdict: keeps the contract" in out.stdout
     assert "sampling: no, max_tokens: no" in out.stdout
@@ -195,7 +206,7 @@ def test_backend_check_passes_a_function_that_keeps_the_contract(tmp_path: Path)
 
 
 def test_backend_check_says_a_times_file_it_cannot_write_in_one_line(tmp_path: Path) -> None:
-    out = _check(tmp_path, "python:mymodel:batchstring", "--times-out", "no/such/dir/t.json")
+    out = _check(tmp_path, "python:fixture_model:batchstring", "--times-out", "no/such/dir/t.json")
     assert out.returncode == 2, out.stdout + out.stderr
     assert out.stderr.startswith("infergate backend check: --times-out: "), out.stderr
     assert out.stderr.count("\n") == 1, out.stderr  # (one line, no traceback)
@@ -210,7 +221,7 @@ def test_backend_check_says_a_backend_it_cannot_make_as_itself(tmp_path: Path) -
 
 
 def test_backend_check_catches_a_function_that_drops_an_output(tmp_path: Path) -> None:
-    out = _check(tmp_path, "python:mymodel:drops_one_of_many")
+    out = _check(tmp_path, "python:fixture_model:drops_one_of_many")
     assert out.returncode == 1, out.stdout + out.stderr
     assert (
         "BREACH   a batch of 64: failed: the backend returned 63 outputs for 64 inputs"
@@ -220,7 +231,7 @@ def test_backend_check_catches_a_function_that_drops_an_output(tmp_path: Path) -
 
 
 def test_backend_check_of_code_that_cannot_be_made_exits_2(tmp_path: Path) -> None:
-    out = _check(tmp_path, "python:mymodel:needs_two")
+    out = _check(tmp_path, "python:fixture_model:needs_two")
     assert out.returncode == 2
     assert "takes 2 arguments" in out.stderr
 
@@ -280,7 +291,7 @@ def test_the_teams_code_that_never_returns_is_the_hang_timeouts(tmp_path: Path) 
             as_yaml(doc),
             workers=3,
             env={"PYTHONPATH": str(USER_CODE)},
-            worker_args=["--backend", "python:mymodel:batchstring"],
+            worker_args=["--backend", "python:fixture_model:batchstring"],
         ) as c:
             status, _, body = c.infer("paid", "stuck __hang__")
             assert (status, body["error"]["code"]) == (500, "INFERENCE_FAILED"), body

@@ -81,7 +81,7 @@ async def test_two_keys_get_equal_gpu_time_not_equal_requests(cluster_factory) -
         # moving its fair tag: 0.83-0.85, docs/performance.md)
         policy_yaml(extra_keys=keys, max_batch_size=8, tiers={"paid": {"latency_budget_ms": 1000}}),
         env={"PYTHONPATH": str(USER_CODE)},
-        worker_args=["--backend", "python:mymodel:talker"],
+        worker_args=["--backend", "python:fixture_model:talker"],
     )
     answered = await load(c.urls[0] + "/v1/inference")
     gpu = gpu_us_by_key(c.redis_url)

@@ -117,7 +117,7 @@ def test_the_wait_outlasts_a_worker_that_warms_up_slowly(tmp_path: Path) -> None
     up = Up(
         tmp_path,
         "--port", str(port), "--workers", "1", "--ready-timeout-s", "2",
-        "--backend", "python:mymodel:SlowToLoad", "--backend-options", "{load_s: 6}",
+        "--backend", "python:fixture_model:SlowToLoad", "--backend-options", "{load_s: 6}",
         env={"PYTHONPATH": str(USER_CODE)},
     )  # fmt: skip
     try:
@@ -133,7 +133,7 @@ def test_the_workers_run_the_policy_s_backend_without_a_flag(tmp_path: Path) -> 
     example = EXAMPLE.read_text("utf-8")  # less its keys: up adds demo ones
     unkeyed = example[: example.index("\nkeys:\n")] + example[example.index("\nbatching:") :]
     (tmp_path / "policy.yaml").write_text(
-        unkeyed + "\nmodels:\n  default: {backend: 'python:mymodel:batchstring'}\n", "utf-8"
+        unkeyed + "\nmodels:\n  default: {backend: 'python:fixture_model:batchstring'}\n", "utf-8"
     )
     port = free_port()
     up = Up(
