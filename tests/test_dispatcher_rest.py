@@ -28,16 +28,21 @@ def _commands(client: redis.Redis, seconds: float) -> Iterator[list[str]]:
                 return
 
 
+def _the_dispatcher(client: redis.Redis) -> tuple[str, str]:
+    """The one dispatcher's id, once it registered, and its beat's key."""
+    (dispatcher_id,) = wait_for(
+        lambda: client.smembers(KEYS.members("dispatcher")), 30, "the dispatcher"
+    )
+    return dispatcher_id, KEYS.heartbeat("dispatcher", dispatcher_id)
+
+
 def test_a_dispatcher_rests_at_rest_and_beats_short_before_it_holds_a_credit(
     tmp_path: Path, own_redis: RedisServer
 ) -> None:
     client = redis.Redis.from_url(own_redis.url, decode_responses=True)
     try:
         with Cluster(tmp_path, own_redis.url, as_yaml(policy()), gateways=0, workers=1):
-            (dispatcher_id,) = wait_for(
-                lambda: client.smembers(KEYS.members("dispatcher")), 30, "the dispatcher"
-            )
-            beat_key = KEYS.heartbeat("dispatcher", dispatcher_id)
+            dispatcher_id, beat_key = _the_dispatcher(client)
             wait_for(lambda: client.pttl(beat_key) > TTL_MS, 10, "the dispatcher's beat to rest")
             # At rest it takes a credit every 2 s to look at the queues
             # (AT_REST_WAITS): three of those, each after a short beat.
@@ -65,10 +70,7 @@ def test_a_dispatcher_waiting_for_a_credit_never_rests(
     client = redis.Redis.from_url(own_redis.url, decode_responses=True)
     try:
         with Cluster(tmp_path, own_redis.url, as_yaml(policy()), gateways=0, workers=0):
-            (dispatcher_id,) = wait_for(
-                lambda: client.smembers(KEYS.members("dispatcher")), 30, "the dispatcher"
-            )
-            beat_key = KEYS.heartbeat("dispatcher", dispatcher_id)
+            _, beat_key = _the_dispatcher(client)
             ttls = [
                 int(words[-1]) for words in _commands(client, 3) if words[:2] == ["SET", beat_key]
             ]

@@ -25,7 +25,7 @@ from infergate.base.queue.worker import WorkerQueue
 from infergate.base.tiers import TIERS
 from infergate.redis_server import RedisServer
 
-from tests.helpers import queued
+from tests.helpers import queued, until
 
 
 def env(i: int, tier: str, deadline_in_ms: int = 10_000) -> bytes:
@@ -402,18 +402,26 @@ async def test_malformed_envelopes_are_dropped_by_take_and_survive_requeue(q: Fa
 
 async def test_the_reaper_lock_is_held_by_one_owner_and_released_only_by_it(q: Faces) -> None:
     other = RecoveryQueue(q.store, "reaper-2")
-    assert await q.recovery.hold_lock(2_000)
-    assert not await other.hold_lock(2_000)
-    assert await q.recovery.hold_lock(2_000)  # extends its own
+
+    async def holds(recovery: RecoveryQueue) -> bool:  # (a look at no role: the lock alone)
+        return await recovery.look((), 2_000) is not None
+
+    assert await holds(q.recovery)
+    assert not await holds(other)
+    assert await holds(q.recovery)  # extends its own
     await other.release_lock()  # not the holder: changes nothing
-    assert not await other.hold_lock(2_000)
+    assert not await holds(other)
     await q.recovery.release_lock()
-    assert await other.hold_lock(2_000)
+    assert await holds(other)
     # A lock that expired and was taken by another is not extended by the old owner.
     await q.redis.pexpire(q.keys.reaper_lock, 1)
-    await asyncio.sleep(0.01)
-    assert await q.recovery.hold_lock(2_000)
-    assert not await other.hold_lock(2_000)
+
+    async def expired() -> bool:
+        return not await q.redis.exists(q.keys.reaper_lock)
+
+    await until(expired, 5, "the lock to expire")
+    assert await holds(q.recovery)
+    assert not await holds(other)
 
 
 async def test_the_reapers_look_reads_the_fleet_only_with_the_lock(q: Faces) -> None:

@@ -40,10 +40,6 @@ class RecoveryQueue:
             return None
         return await self._dead(await self.store.beats_of(list(roles), reply))
 
-    async def hold_lock(self, ttl_ms: int) -> bool:
-        """Take or extend the fleet-wide reaper lock; True while this owner holds it."""
-        return await self.look((), ttl_ms) is not None
-
     async def release_lock(self) -> None:
         await self.store.scripts.release_lock(keys=[self.keys.reaper_lock], args=[self.owner_id])
 
