@@ -1,15 +1,14 @@
--- take_pop: forming a batch out of the queues, as every take entry shares
--- it. Each tier first gets its minimum share of the batch (if it has work),
--- then the rest is filled in strict priority order; within a tier, a
--- requeue's list (queue:{tier}, also an earlier version's) first, then the
--- fair queue (fq:{tier}) in start-tag order, whose virtual time becomes the
--- tag of the last one taken; a key's fair state goes once it has nothing
--- waiting (its finish tag only once the virtual time has reached it), and
--- the tier's once nothing of it waits. Jobs come after every
--- synchronous request, by tier: they fill what synchronous work leaves, and
--- make a batch of their own only while `headroom` other workers are idle,
--- or once no synchronous batch was handed off for quiet_ms. A queue read
--- short is not read again in the take (t.drained).
+-- take_pop: forming a batch out of the queues, as every take entry shares it.
+-- Each tier first gets its minimum share of the batch (if it has work), then the
+-- rest is filled in strict priority order; within a tier, a requeue's list
+-- (queue:{tier}, also an earlier version's) first, then the fair queue (fq:{tier})
+-- in start-tag order, whose virtual time becomes the tag of the last one read;
+-- a key's fair state goes once it has nothing waiting (its finish tag only once
+-- the virtual time has reached it), and the tier's once nothing of it waits. Jobs
+-- come after every synchronous request, by tier: they fill what synchronous work
+-- leaves, and make a batch of their own only while `headroom` other workers are
+-- idle, or once no synchronous batch was handed off for quiet_ms. A queue read
+-- short is not read again (t.drained).
 -- Needs take_envelope.lua. Put before the take entries (scripts.py).
 local TAKE_KEYS = 6  -- KEYS[1..6], every take's: then the entry's own, then the tiers'
 
@@ -111,7 +110,7 @@ local function pop_fair(t, queue, state, limit)
   local got, tag, left = 0, nil, {}
   while got < limit and #t.taken < t.n and not t.drained[queue] do
     local want = math.min(limit - got, t.n - #t.taken)
-    local chunk = redis.pcall('ZRANGE', queue, 0, want - 1, 'WITHSCORES')
+    local chunk = redis.pcall('ZRANGE', queue, 0, want - 1)
     if chunk.err then
       -- a key of another type (planted) is no tier's queue: it goes, counted
       redis.call('DEL', queue)
@@ -119,15 +118,16 @@ local function pop_fair(t, queue, state, limit)
       t.drained[queue] = true
       break
     end
-    if #chunk / 2 < want then t.drained[queue] = true end
+    if #chunk < want then t.drained[queue] = true end
     if #chunk == 0 then break end
-    for j = 1, #chunk, 2 do
+    for j = 1, #chunk do
       local took, env = consider(t, chunk[j])
-      got, tag = got + took, chunk[j + 1]
+      got = got + took
       local key = env and env.key_id
       if type(key) == 'string' then left[key] = (left[key] or 0) + 1 end
     end
-    redis.call('ZREMRANGEBYRANK', queue, 0, #chunk / 2 - 1)
+    tag = redis.call('ZSCORE', queue, chunk[#chunk])  -- (the last one's: scores cost)
+    redis.call('ZREMRANGEBYRANK', queue, 0, #chunk - 1)
   end
   if tag == nil then return end
   local kind = redis.call('TYPE', state)['ok']  -- (another type than a hash: replaced)
