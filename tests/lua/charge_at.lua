@@ -10,10 +10,10 @@ local windows = windows_at(tonumber(ARGV[1]))
 -- amount, most, window and least at ARGV[5i-2..5i+2])
 local r = {n = #KEYS, keys = KEYS, args = {#KEYS, '', unpack(ARGV, 2)}}
 local reply = {0, 0, 0}
-local charged, costs, room_all, refused_by = checked_limits(windows, r, reply)
+local charged, costs, asked, room_all, refused_by = checked_limits(windows, r, reply)
 if room_all then
   reply[1] = 1
-  charge_limits(windows, r, charged, costs, reply)
+  charge_limits(windows, r, charged, costs, asked, reply)
 end
 reply[2 * r.n + 4] = refused_by
 windows.write_all()

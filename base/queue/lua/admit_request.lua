@@ -58,13 +58,14 @@ local function reset_ms(w, now)
 end
 
 local function checked_limits(windows, r, reply)
-  -- each limit's window (the call's copy: windows_at), what it would be charged,
-  -- whether all have room, the first without; the reply's counts and ms if refused
-  local now, charged, costs, room_all, refused_by = windows.now, {}, {}, true, 0
+  -- each limit's window (the call's copy: windows_at), what it would be
+  -- charged and what it asked (an estimate may be cut: budget.lua), whether
+  -- all have room, the first without; the reply's counts and ms if refused
+  local now, charged, costs, asked, room_all, refused_by = windows.now, {}, {}, {}, true, 0
   for i = 1, r.n do
     local key, cost, amount, allowed, span, least = limit_of(r, i)
     local w = windows.get(key, span, allowed)
-    charged[i], costs[i] = w, cost
+    charged[i], costs[i], asked[i] = w, cost, cost
     reply[2 * i + 2] = w.eleven - w.oldest
     reply[2 * i + 3] = (w.eleven ~= 0 or w.budget) and reset_ms(w, now) or -2
     if cost > 0 then
@@ -83,18 +84,17 @@ local function checked_limits(windows, r, reply)
       end
     end
   end
-  return charged, costs, room_all, refused_by
+  return charged, costs, asked, room_all, refused_by
 end
 
-local function charge_limits(windows, r, charged, costs, reply)
+local function charge_limits(windows, r, charged, costs, asked, reply)
   -- every limit charged (an estimate, what is left of its budget), the
   -- reply's counts and ms after it; returns what estimates were cut by
   local cut = 0
   for i = 1, r.n do
-    local _, cost = limit_of(r, i)
     window_charge(charged[i], costs[i])
     reply[2 * i + 2] = reply[2 * i + 2] + costs[i]
-    cut = cut + cost - costs[i]
+    cut = cut + asked[i] - costs[i]
     if reply[2 * i + 3] < 0 then reply[2 * i + 3] = reset_ms(charged[i], windows.now) end
   end
   return cut
@@ -116,7 +116,7 @@ local function admit_request(call, KEYS, ARGV)
     error('ERR its input was not stored (its SET was refused, or it was evicted)', 0)
   end
   local reply, cut = {0, 0, 0}, 0
-  local charged, costs, room_all, refused_by = checked_limits(call.windows, r, reply)
+  local charged, costs, asked, room_all, refused_by = checked_limits(call.windows, r, reply)
   local admitted = room_all and 1 or 0
   local s
   if r.queued and admitted == 1 then
@@ -126,7 +126,7 @@ local function admit_request(call, KEYS, ARGV)
   if r.held_back and admitted == 1 then admitted = 3 end
   reply[1] = admitted
   if admitted == 1 then
-    cut = charge_limits(call.windows, r, charged, costs, reply)
+    cut = charge_limits(call.windows, r, charged, costs, asked, reply)
     -- (a key of another type on the way: queued, as without a worker idle)
     local handable, handed = false, false
     if r.queued and r.prefix and not call.no_hand[r.prefix] then
