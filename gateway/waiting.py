@@ -3,10 +3,12 @@ client leaving (the request is withdrawn: take drops it), or its queue lost
 with a Redis that restarted empty (503, to be retried): one timer, and the
 edge's disconnect callback, no task per request. A request given up on
 leaves what it reserved beside it: the take that drops it unrun gives it
-back."""
+back (past its deadline, in the background: a Redis that stalls holds no
+504 back)."""
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
+from typing import Any
 
 from infergate.base import logs, wire
 from infergate.base.errors import STORE_ERRORS
@@ -46,8 +48,8 @@ async def wait_for_reply(
     try:
         return await future
     except TimeoutError:
-        if reserved:
-            await leave_reserved(queue, envelope, reserved)
+        if reserved:  # (in the background: a Redis that stalls holds no 504 past its deadline)
+            _in_background(leave_reserved(queue, envelope, reserved))
         timeout_ms = envelope.deadline_ms - envelope.enqueued_ms
         raise ApiError("TIMEOUT", f"no result within the {timeout_ms} ms deadline") from None
     except ClientGone:
@@ -83,6 +85,22 @@ async def cancel(
         log.info("request.cancelled", request_id=request_id)
     except STORE_ERRORS as exc:
         logs.limited(log, "request.cancel_failed", level="warning", error=type(exc).__name__)
+
+
+# Give-backs under way (a task is kept until it ends).
+_giving_back: set["asyncio.Task[None]"] = set()
+
+
+def _in_background(step: Coroutine[Any, Any, None]) -> None:
+    task = asyncio.get_running_loop().create_task(step)
+    _giving_back.add(task)
+    task.add_done_callback(_ended)
+
+
+def _ended(task: "asyncio.Task[None]") -> None:
+    _giving_back.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        log.error("request.leave_reserved_failed", error=type(task.exception()).__name__)
 
 
 async def leave_reserved(

@@ -4,6 +4,8 @@ use once answered, so the tokens charged in any window never exceed the
 limit, across gateways. Real processes on a real Redis."""
 
 import asyncio
+import os
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -13,8 +15,19 @@ import aiohttp
 import pytest
 import redis as sync_redis
 import redis.asyncio
+from infergate.redis_server import RedisServer
 
-from tests.helpers import KEYS, as_yaml, auth, http, key_entry, policy, policy_yaml, wait_for
+from tests.helpers import (
+    KEYS,
+    Cluster,
+    as_yaml,
+    auth,
+    http,
+    key_entry,
+    policy,
+    policy_yaml,
+    wait_for,
+)
 
 TEMPLATE_TOKENS = 16  # (gateway/reservations.py: what an input's bound adds)
 WINDOW_S = 2
@@ -363,3 +376,30 @@ def test_a_follower_whose_time_runs_out_gives_back_what_it_reserved(cluster_fact
         )
     finally:
         client.close()
+
+
+def test_a_504_is_not_held_up_by_a_redis_that_stalls(
+    tmp_path: Path, own_redis: RedisServer
+) -> None:
+    """A request past its deadline leaves what it reserved for the take in
+    the background: its 504 comes at its deadline while Redis does not
+    answer, not after the client's socket timeout (it waited on it before)."""
+    # (its batch runs 2.5 s: it waits out its deadline)
+    with Cluster(tmp_path, own_redis.url, tokens_policy("5000/hour"), latency_ms=2500) as c:
+        client = sync_redis.Redis.from_url(own_redis.url)
+        assert own_redis.proc is not None
+        body = {"input": "one two", "parameters": {"max_tokens": 5}, "timeout_ms": 1000}
+        with ThreadPoolExecutor(1) as pool:
+            sent = time.monotonic()
+            answer = pool.submit(http, "POST", c.urls[0] + "/v1/inference", body, METERED)
+            # Admitted: its reservation is in its key's token window.
+            wait_for(lambda: client.keys("*LIMITER/metered/tokens*"), 5, "the reservation")
+            os.kill(own_redis.proc.pid, signal.SIGSTOP)
+            try:
+                status, _, reply = answer.result(timeout=10)
+                took = time.monotonic() - sent
+            finally:
+                os.kill(own_redis.proc.pid, signal.SIGCONT)
+        assert status == 504, reply
+        assert reply["error"]["code"] == "TIMEOUT"
+        assert took < 1.0 + 1.0, took  # (the socket timeout would add 2 s and more)
