@@ -97,6 +97,11 @@ def check_reservation(
         f"this request reserves {reserves}, over the key's {over.named} as a whole: "
         "it can never be admitted; ask for fewer max_tokens, or send a shorter input"
     )
+    if over.kind == "cost":  # (its characters: its tokens play no part)
+        message = (
+            f"this request's input of {input_chars} characters is over the key's "
+            f"{over.named} as a whole: it can never be admitted; send a shorter input"
+        )
     if over.kind in BUDGETS:
         gw.count_refused(key, "budget", lane, for_capacity=False)
         raise ApiError("BUDGET_EXCEEDED", message, retryable=False)

@@ -88,11 +88,21 @@ def test_a_request_is_charged_what_it_used_and_told_what_is_left(cluster_factory
 def test_a_request_that_does_not_fit_gets_429_and_one_that_never_can_no_retry(
     cluster_factory,
 ) -> None:
-    c = cluster_factory(tokens_policy("100/hour"), latency_ms=300)
+    metered_key = key_entry("metered", "paid", "metered-secret", token_limits=["100/hour"])
+    doc = policy_yaml(extra_keys=(metered_key,), tiers={"paid": {"cost_limit": "60/minute"}})
+    c = cluster_factory(doc, latency_ms=300)
     status, headers, body = metered(c.urls[0], "x", 500)
     assert status == 429, body
     assert "retry-after" not in headers  # (no wait makes room for it)
     assert "can never be admitted" in body["error"]["message"]
+    # Over the characters a minute as a whole: told so (its tokens fit).
+    status, headers, body = metered(c.urls[0], "y" * 61, 1)
+    assert status == 429, body
+    assert "retry-after" not in headers
+    message = body["error"]["message"]
+    assert "input of 61 characters" in message, message
+    assert "can never be admitted" in message, message
+    assert "tokens" not in message, message
     # Five at once, each reserving 2 + 16 + 20 = 38 of 100: two fit, three
     # are refused; once answered, the two give back all but the 3 each used.
     with ThreadPoolExecutor(5) as pool:
