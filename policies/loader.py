@@ -486,6 +486,9 @@ def _check_rates(
             out.append(at.problem(path, f"{rate!r} must be one rate, e.g. '200000/minute'"))
         if any(item.get_expiry() > MAX_WINDOW_S for item in parsed):
             out.append(at.problem(path, f"{rate!r} has a window over a year; use one within it"))
+        if any(item.amount < 1 for item in parsed):  # (its refusals would say: retry)
+            why = "a limit is at least 1 a window (to stop a key, set its disabled: true)"
+            out.append(at.problem(path, f"{rate!r} admits nothing: {why}"))
     return out
 
 

@@ -75,6 +75,22 @@ def test_semantic_problems_are_all_reported() -> None:
     )
 
 
+def test_a_limit_that_admits_nothing_is_refused() -> None:
+    """A limit of 0 would refuse every request, each told to retry: the
+    policy says to disable the key instead, for every kind of limit."""
+    doc = policy(tiers={"paid": {"rate_limits": ["0/second"], "cost_limit": "0/minute"}})
+    doc["keys"][0]["token_limits"] = ["10/second", "0/hour"]
+    problems = _problems(as_yaml(doc))
+    for where, rate in (
+        ("tiers.paid.rate_limits[0]", "0/second"),
+        ("tiers.paid.cost_limit", "0/minute"),
+        ("keys[0].token_limits[1]", "0/hour"),
+    ):
+        assert any(
+            f"{where}: '{rate}' admits nothing: a limit is at least 1" in p for p in problems
+        )
+
+
 def test_missing_tier_and_bad_yaml() -> None:
     assert any(
         "missing tier(s) free" in p for p in _problems("tiers:\n  enterprise: {}\n  paid: {}\n")
