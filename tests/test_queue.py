@@ -756,6 +756,15 @@ async def test_a_transaction_on_the_held_connection_beside_script_calls(q: Faces
     assert await queued(q.store, "free") == 2
 
 
+async def test_a_job_record_of_another_type_reads_as_no_job(q: Faces) -> None:
+    """A key planted under a job's name is no job: reading or cancelling it
+    finds none (404), not an error that says Redis is unreachable."""
+    await q.redis.set(q.keys.job("j-string"), b"planted")
+    assert await q.gateway.job("j-string") == {}
+    assert await q.gateway.cancel_job("j-string", "k") is None
+    assert await q.redis.get(q.keys.job("j-string")) == b"planted"
+
+
 async def test_a_job_record_of_another_type_does_not_block_the_answer(q: Faces) -> None:
     """finish_jobs runs in the transaction that answers a batch: a record
     that is not a job's hash (or whose result ttl is not a number) must

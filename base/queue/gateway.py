@@ -16,6 +16,7 @@ from infergate.base.queue.store import Store
 from infergate.base.tiers import TIERS
 from redis.asyncio.client import Pipeline, PubSub
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 
 
 class Counter(NamedTuple):
@@ -296,10 +297,16 @@ class GatewayQueue:
         return int(depth) >= 0
 
     async def job(self, job_id: str) -> dict[str, str]:
-        """A job's record (empty if there is none, or no more); bytes that are
-        not UTF-8 (planted: the gateway and workers write JSON and ASCII) are
+        """A job's record (empty if there is none, or no more, or a key of
+        another type is planted under its name); bytes that are not UTF-8
+        (planted: the gateway and workers write JSON and ASCII) are
         replaced, not raised."""
-        raw: dict[bytes, bytes] = await self.store.redis.hgetall(self.keys.job(job_id))  # type: ignore[assignment]
+        try:
+            raw: dict[bytes, bytes] = await self.store.redis.hgetall(self.keys.job(job_id))  # type: ignore[assignment]
+        except ResponseError as exc:
+            if not str(exc).startswith("WRONGTYPE"):
+                raise
+            return {}
         return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in raw.items()}
 
     async def cancel_job(self, job_id: str, key_id: str) -> str | None:

@@ -8,7 +8,8 @@
 -- Returns the job's status after the call ('cancelled' if it was queued;
 -- 'expired' if it was queued past its deadline), or false if this key has
 -- no such job. Cancelling a cancelled job again changes nothing.
-local owner = redis.call('HGET', KEYS[1], 'key_id')
+-- (a record of another type, planted, is no job: an error table owns none)
+local owner = redis.pcall('HGET', KEYS[1], 'key_id')
 if owner ~= ARGV[1] then return false end
 local status = redis.call('HGET', KEYS[1], 'status')
 if status ~= 'queued' then return status end
