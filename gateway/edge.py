@@ -67,6 +67,7 @@ UPGRADE_REFUSED = (
     "this gateway does not switch protocols (Connection: Upgrade, or CONNECT): "
     "send the request as plain HTTP/1.1"
 )
+HTTP_1_1_ONLY = "this gateway speaks HTTP/1.1 (and 1.0): send the request as HTTP/1.1"
 
 # Where a connection is in its request: the limits that apply.
 _IDLE, _HEAD, _BODY, _APP = 0, 1, 2, 3
@@ -175,16 +176,27 @@ class EdgeProtocol(HttpToolsProtocol):
         # The whole head may have come in one chunk, past data_received's check.
         head = len(self.url)
         largest = 0
+        codings = b""
         for name, value in self.headers:
             size = len(name) + len(value)
             head += size + 4
             if size > largest:
                 largest = size
+            if name == b"transfer-encoding":
+                codings += b"," + value
         if head > self.limits.max_head_bytes:
             self._refuse(431, f"the request head is over {self.limits.max_head_bytes} bytes")
             return
         if largest > self.limits.max_header_bytes:
             self._refuse(431, f"a header is over {self.limits.max_header_bytes} bytes")
+            return
+        if self.parser.get_http_version() not in ("1.0", "1.1"):
+            self._refuse(400, f"HTTP/{self.parser.get_http_version()}: {HTTP_1_1_ONLY}")
+            return
+        other = _not_chunked(codings) if codings else ""
+        if other:  # (its body would be read as chunked, whatever that coding made of it)
+            why = "send the body as it is, chunked or with a Content-Length"
+            self._refuse(400, f"the transfer coding {other!r} is not supported: {why}")
             return
         if self.parser.should_upgrade():
             # HTTP/1.1 is all this gateway speaks: the parser would hand the
@@ -426,6 +438,15 @@ def _longest_idle(connections: set[Any], newcomer: EdgeProtocol) -> EdgeProtocol
         ):
             oldest = conn
     return oldest
+
+
+def _not_chunked(codings: bytes) -> str:
+    """The first transfer coding of a request's that is not chunked ('' if
+    none is): chunked is the only one the edge reads."""
+    for coding in codings.split(b","):
+        if coding.strip().lower() != b"chunked" and coding:
+            return coding.strip().decode("latin-1")
+    return ""
 
 
 def _names_a_path(url: bytes) -> bool:

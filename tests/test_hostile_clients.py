@@ -266,6 +266,29 @@ def _chunked(cluster: Cluster, size: int) -> tuple[int, dict[str, str], dict]:
         sock.close()
 
 
+def test_another_transfer_coding_or_http_version_gets_400(cluster: Cluster) -> None:
+    """A body in a transfer coding besides chunked would be read as plain
+    chunked, and a request line of HTTP/2.0 answered as HTTP/1.1: both are
+    refused, saying why."""
+    secret = auth("paid")["Authorization"]
+    gzip_chunked = (
+        f"POST /v1/inference HTTP/1.1\r\nHost: x\r\nAuthorization: {secret}\r\n"
+        "Transfer-Encoding: gzip, chunked\r\n\r\n"
+        '10\r\n{"input": "abc"}\r\n0\r\n\r\n'
+    ).encode()
+    for raw, said in (
+        (gzip_chunked, "the transfer coding 'gzip' is not supported"),
+        (post("/v1/inference", b'{"input": "abc"}', version="2.0"), "HTTP/2.0: this gateway"),
+    ):
+        with connect(cluster) as sock:
+            sock.sendall(raw)
+            status, headers, body = response(sock)
+        assert status == 400, body
+        assert_error_shape(status, headers, body, "INVALID_INPUT")
+        assert body["error"]["message"].startswith(said), body
+    assert served(cluster)
+
+
 def test_a_chunked_body_obeys_a_live_edited_limit(cluster: Cluster) -> None:
     assert _chunked(cluster, 1900)[0] == 200  # the limit is MAX_BODY_BYTES
     # A body limit of 3 KiB holds inputs of 512 four-byte characters (and
