@@ -203,7 +203,7 @@ def _neutral_only(name: str, value: object, neutral: object) -> None:
     if value is None or value == neutral:
         return
     raise invalid(
-        f"{name} {str(value)[:40]} is not supported by this model server "
+        f"{name} {value!r:.40} is not supported by this model server "
         f"(leave it out{'' if neutral is None else f' or send {neutral}'})",
         name,
     )

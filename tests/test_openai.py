@@ -361,6 +361,11 @@ def test_what_a_body_becomes() -> None:
         )
         with pytest.raises(ApiError, match="nests too deeply"):
             read_chat(body, None)
+    # The value refused is named, a string in quotes (an empty one too).
+    with pytest.raises(ApiError, match=r"^suffix '' is not supported"):
+        read_completion(b'{"prompt": "a", "suffix": ""}')
+    with pytest.raises(ApiError, match=r"^n 2 is not supported"):
+        read_completion(b'{"prompt": "a", "n": 2}')
     with pytest.raises(ApiError, match="list of 1-100"):
         read_completion(json.dumps({"prompt": ["a"] * 101}).encode())
     with pytest.raises(ApiError, match="no user message"):
