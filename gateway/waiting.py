@@ -36,10 +36,13 @@ async def wait_for_reply(
     remaining_s: float,
     on_disconnect: OnDisconnect | None,
     reserved: Sequence[tuple[Counter, int, int]] = (),
+    deadline_ms: int | None = None,
 ) -> wire.Result:
     """The request's reply, or 504 at its deadline, or a cancel if the
     client leaves: one timer, and the edge's disconnect callback.
-    ``reserved``: what it reserved (``GatewayQueue.leave_reserved``)."""
+    ``reserved``: what it reserved (``GatewayQueue.leave_reserved``);
+    ``deadline_ms``: the deadline it was given, as its 504 says it (else
+    what was left of it when it was queued)."""
     timer = asyncio.get_running_loop().call_later(
         max(0.0, remaining_s), _fail, future, TimeoutError
     )
@@ -50,7 +53,7 @@ async def wait_for_reply(
     except TimeoutError:
         if reserved:  # (in the background: a Redis that stalls holds no 504 past its deadline)
             _in_background(leave_reserved(queue, envelope, reserved))
-        timeout_ms = envelope.deadline_ms - envelope.enqueued_ms
+        timeout_ms = deadline_ms or envelope.deadline_ms - envelope.enqueued_ms
         raise ApiError("TIMEOUT", f"no result within the {timeout_ms} ms deadline") from None
     except ClientGone:
         await cancel(queue, envelope, reserved)
