@@ -166,42 +166,11 @@ class EdgeProtocol(HttpToolsProtocol):
         super().on_message_begin()
 
     def on_headers_complete(self) -> None:
-        # Counted here, once, not per header: the head's byte limit already
-        # bounds what the parser can hold before it gets here.
         if self._refused:
             return
-        if len(self.headers) > self.limits.max_headers:
-            self._refuse(431, f"more than {self.limits.max_headers} headers")
-            return
-        # The whole head may have come in one chunk, past data_received's check.
-        head = len(self.url)
-        largest = 0
-        codings = b""
-        for name, value in self.headers:
-            size = len(name) + len(value)
-            head += size + 4
-            if size > largest:
-                largest = size
-            if name == b"transfer-encoding":
-                codings += b"," + value
-        if head > self.limits.max_head_bytes:
-            self._refuse(431, f"the request head is over {self.limits.max_head_bytes} bytes")
-            return
-        if largest > self.limits.max_header_bytes:
-            self._refuse(431, f"a header is over {self.limits.max_header_bytes} bytes")
-            return
-        if self.parser.get_http_version() not in ("1.0", "1.1"):
-            self._refuse(400, f"HTTP/{self.parser.get_http_version()}: {HTTP_1_1_ONLY}")
-            return
-        other = _not_chunked(codings) if codings else ""
-        if other:  # (its body would be read as chunked, whatever that coding made of it)
-            why = "send the body as it is, chunked or with a Content-Length"
-            self._refuse(400, f"the transfer coding {other!r} is not supported: {why}")
-            return
-        if self.parser.should_upgrade():
-            # HTTP/1.1 is all this gateway speaks: the parser would hand the
-            # body to a protocol switch that never comes, outside every limit.
-            self._refuse(400, UPGRADE_REFUSED)
+        refusal = _head_refused(self.url, self.headers, self.parser, self.limits)
+        if refusal is not None:
+            self._refuse(*refusal)
             return
         self._phase = _BODY
         self._since = self.loop.time()
@@ -438,6 +407,42 @@ def _longest_idle(connections: set[Any], newcomer: EdgeProtocol) -> EdgeProtocol
         ):
             oldest = conn
     return oldest
+
+
+def _head_refused(
+    url: bytes, headers: list[tuple[bytes, bytes]], parser: Any, limits: EdgeLimits
+) -> tuple[int, str] | None:
+    """Why a request's head is refused, if it is (its status and message):
+    too many headers, or too big (counted here, once, not per header: the
+    head's byte limit already bounds what the parser holds before this; the
+    whole head may have come in one chunk, past ``data_received``'s check),
+    another HTTP version, a transfer coding the edge does not read, or a
+    switch of protocol."""
+    if len(headers) > limits.max_headers:
+        return 431, f"more than {limits.max_headers} headers"
+    head, largest, codings = len(url), 0, b""
+    for name, value in headers:
+        size = len(name) + len(value)
+        head += size + 4
+        if size > largest:
+            largest = size
+        if name == b"transfer-encoding":
+            codings += b"," + value
+    if head > limits.max_head_bytes:
+        return 431, f"the request head is over {limits.max_head_bytes} bytes"
+    if largest > limits.max_header_bytes:
+        return 431, f"a header is over {limits.max_header_bytes} bytes"
+    if parser.get_http_version() not in ("1.0", "1.1"):
+        return 400, f"HTTP/{parser.get_http_version()}: {HTTP_1_1_ONLY}"
+    other = _not_chunked(codings) if codings else ""
+    if other:  # (its body would be read as chunked, whatever that coding made of it)
+        why = "send the body as it is, chunked or with a Content-Length"
+        return 400, f"the transfer coding {other!r} is not supported: {why}"
+    if parser.should_upgrade():
+        # HTTP/1.1 is all this gateway speaks: the parser would hand the
+        # body to a protocol switch that never comes, outside every limit.
+        return 400, UPGRADE_REFUSED
+    return None
 
 
 def _not_chunked(codings: bytes) -> str:

@@ -207,10 +207,10 @@ class Inference:
         if share is None or not share.collapse:
             return await self._run(request, on_disconnect)
         identity, collapsing = share.identity, request.lane.collapsing
-        while collapsing.leading(identity) and self._remaining_s(request) > 0:
+        while collapsing.leading(identity) and _remaining_s(request) > 0:
             await self._admit(request)  # a follower pays its own way, once
             try:
-                followed = await collapsing.follow(identity, self._remaining_s(request))
+                followed = await collapsing.follow(identity, _remaining_s(request))
             except asyncio.CancelledError:  # (it ran nothing: all it reserved goes back)
                 await settle_failed(request)
                 raise
@@ -230,10 +230,6 @@ class Inference:
             raise
         finally:
             collapsing.end(identity, leader, result)
-
-    @staticmethod
-    def _remaining_s(request: "Request") -> float:
-        return request.deadline_ms / 1000.0 - clock.elapsed_s(request.started)
 
     async def _admit(self, request: "Request", envelope: wire.Envelope | None = None) -> None:
         """Charge the request's quota, once, and queue its envelope (when it
@@ -278,7 +274,7 @@ class Inference:
         request_id, key = request.id, request.key
         share = request.share
         # What is left of the deadline (a follower that ran on its own has used some).
-        deadline_ms = round(self._remaining_s(request) * 1000)
+        deadline_ms = round(_remaining_s(request) * 1000)
         if deadline_ms <= 0:  # (a follower's time ran out: it never queued)
             await settle_failed(request)
             raise ApiError("TIMEOUT", f"no result within the {request.deadline_ms} ms deadline")
@@ -310,7 +306,7 @@ class Inference:
                 request.lane.queue,
                 future,
                 envelope,
-                self._remaining_s(request),
+                _remaining_s(request),
                 on_disconnect,
                 reserved,
                 request.deadline_ms,
@@ -356,6 +352,11 @@ class Inference:
                 await settle_failed(request)
             self.gw.count_refused(key, "key_share", lane, for_capacity=False)
             raise over_share(key, lane)
+
+
+def _remaining_s(request: "Request") -> float:
+    """What is left of the request's deadline, in seconds."""
+    return request.deadline_ms / 1000.0 - clock.elapsed_s(request.started)
 
 
 async def _cached(lane: ModelLane, share: "Share | None") -> wire.Result | None:
