@@ -1,4 +1,5 @@
-"""Supervised background loops, and the one backoff every retry uses.
+"""Supervised background loops, one-off background steps, and the one
+backoff every retry uses.
 
 Each periodic task of a process (heartbeat, fleet view, reply listener,
 policy watcher, reaper) is a ``Supervised`` loop around one ``step``. A step
@@ -12,7 +13,7 @@ report a loop that keeps failing instead of serving on a frozen view.
 import asyncio
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from infergate.base import logs
@@ -60,6 +61,31 @@ def until_next_tick(interval_s: float) -> float:
     now = asyncio.get_running_loop().time()
     wait = interval_s - (now + _PHASE_S) % interval_s
     return wait + interval_s if wait < _SAME_TICK_S else wait
+
+
+class Background:
+    """One-off steps run beside their caller: each task is kept until it
+    ends (the event loop holds only a weak reference to a task), and one
+    that fails is logged as ``event``; ``settled`` waits for those under way."""
+
+    def __init__(self, event: str, level: str = "error") -> None:
+        self.event = event
+        self.level = level
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    def run(self, step: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(step)
+        self.tasks.add(task)
+        task.add_done_callback(self._ended)
+
+    def _ended(self, task: "asyncio.Task[None]") -> None:
+        self.tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            getattr(log, self.level)(self.event, error=type(task.exception()).__name__)
+
+    async def settled(self) -> None:
+        if self.tasks:
+            await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
 class Supervised:

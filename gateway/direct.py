@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from infergate.base import clock, logs, wire
+from infergate.base.loops import Background
 from infergate.base.tiers import TIERS
 from infergate.gateway.errors import ApiError
 from infergate.gateway.quota import Charge
@@ -66,7 +67,7 @@ class Batcher:
         self._waiting: list[deque[_Waiting]] = [deque() for _ in TIERS]
         self._in_flight = 0
         self._held = 0  # requests waiting for their answer here
-        self._calls: set[asyncio.Task[None]] = set()
+        self._calls = Background("direct.run_failed")
 
     def held(self) -> int:
         return self._held
@@ -97,9 +98,7 @@ class Batcher:
             if not batch:
                 return
             self._in_flight += 1
-            task = asyncio.create_task(self._run(batch, slots, max_batch))
-            self._calls.add(task)
-            task.add_done_callback(self._calls.discard)
+            self._calls.run(self._run(batch, slots, max_batch))
 
     def _take(self, max_batch: int) -> list[_Waiting]:
         """Up to ``max_batch`` live requests, the highest tier first."""

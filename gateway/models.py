@@ -10,13 +10,12 @@ On a deployment of several Redis shards a model has a lane on each, and a
 request takes the one on its key's shard (``base/queue/shards.py``).
 """
 
-import asyncio
-from collections.abc import Callable, Coroutine, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
 
 from infergate.base import clock, logs, wire
 from infergate.base.fleet import FleetView
 from infergate.base.heartbeat import REST, Heartbeater
+from infergate.base.loops import Background
 from infergate.base.queue.gateway import GatewayQueue
 from infergate.base.queue.store import Store
 from infergate.base.tiers import TIERS
@@ -122,7 +121,7 @@ class Lanes:
         self._shards = shards
         self._shard_of = shard_of
         self.by_name: dict[str, list[ModelLane]] = {}
-        self._starting: set[asyncio.Task[None]] = set()
+        self._starting = Background("gateway.model_lane_failed", "warning")
 
     def __iter__(self) -> Iterator[ModelLane]:
         # (a copy: a policy change may edit it)
@@ -143,8 +142,7 @@ class Lanes:
 
     async def started(self) -> None:
         """Every lane a policy change began is started (before they stop)."""
-        if self._starting:
-            await asyncio.gather(*self._starting, return_exceptions=True)
+        await self._starting.settled()
 
     def follow(self, policy: Policy) -> None:
         """A new policy: a lane for each model it lists first (started in
@@ -153,20 +151,10 @@ class Lanes:
         for name in policy.models:
             if name not in self.by_name:
                 for lane in self._made(name):
-                    self._background(lane.start())
+                    self._starting.run(lane.start())
         for name in [n for n in self.by_name if n not in policy.models]:
             for lane in self.by_name.pop(name):
-                self._background(lane.stop(self._gateway_id))
-
-    def _background(self, step: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(step)
-        self._starting.add(task)
-        task.add_done_callback(self._done)
-
-    def _done(self, task: "asyncio.Task[None]") -> None:
-        self._starting.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("gateway.model_lane_failed", error=type(task.exception()).__name__)
+                self._starting.run(lane.stop(self._gateway_id))
 
     def route(self, policy: Policy, key: KeyEntry, model: str | None) -> ModelLane:
         """The lane of the model a request names (the policy's default when it

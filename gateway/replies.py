@@ -23,7 +23,7 @@ from typing import Any
 
 import msgspec
 from infergate.base import clock, logs, wire
-from infergate.base.loops import Backoff, Supervised
+from infergate.base.loops import Background, Backoff, Supervised
 from infergate.base.queue.gateway import GatewayQueue
 
 log = logs.get(__name__)
@@ -54,7 +54,7 @@ class ReplyRouter:
         # Requests given up on that may still be answered: until when
         # (monotonic s), and what to do with the reply (``on_late``).
         self.late: dict[str, tuple[float, Callable[[wire.Result], Coroutine[Any, Any, None]]]] = {}
-        self._late_tasks: set[asyncio.Task[None]] = set()
+        self._late_answers = Background("replies.late_reply_failed")
         self.duplicates = 0
         self.unreadable = 0
         self.listeners = [_Listener(self, queue, i) for i, queue in enumerate(queues)]
@@ -112,9 +112,7 @@ class ReplyRouter:
         late = self.late.pop(result.id, None)
         if late is None or late[0] < clock.monotonic_s():
             return False
-        task = asyncio.get_running_loop().create_task(late[1](result))
-        self._late_tasks.add(task)
-        task.add_done_callback(self._late_tasks.discard)
+        self._late_answers.run(late[1](result))
         return True
 
     async def wait_job(self, job_id: str, timeout_s: float) -> None:

@@ -7,17 +7,19 @@ back (past its deadline, in the background: a Redis that stalls holds no
 504 back)."""
 
 import asyncio
-from collections.abc import Coroutine, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from infergate.base import logs, wire
 from infergate.base.errors import STORE_ERRORS
+from infergate.base.loops import Background
 from infergate.base.queue.gateway import Counter, GatewayQueue
 from infergate.gateway.calls import OnDisconnect
 from infergate.gateway.errors import RETRY_REDIS_MS, ApiError
 from infergate.gateway.replies import QueueLost
 
 log = logs.get(__name__)
+# Give-backs of requests past their deadline, under way.
+_giving_back = Background("request.leave_reserved_failed")
 
 
 class ClientGone(Exception):
@@ -52,7 +54,7 @@ async def wait_for_reply(
         return await future
     except TimeoutError:
         if reserved:  # (in the background: a Redis that stalls holds no 504 past its deadline)
-            _in_background(leave_reserved(queue, envelope, reserved))
+            _giving_back.run(leave_reserved(queue, envelope, reserved))
         timeout_ms = deadline_ms or envelope.deadline_ms - envelope.enqueued_ms
         raise ApiError("TIMEOUT", f"no result within the {timeout_ms} ms deadline") from None
     except ClientGone:
@@ -88,22 +90,6 @@ async def cancel(
         log.info("request.cancelled", request_id=request_id)
     except STORE_ERRORS as exc:
         logs.limited(log, "request.cancel_failed", level="warning", error=type(exc).__name__)
-
-
-# Give-backs under way (a task is kept until it ends).
-_giving_back: set["asyncio.Task[None]"] = set()
-
-
-def _in_background(step: Coroutine[Any, Any, None]) -> None:
-    task = asyncio.get_running_loop().create_task(step)
-    _giving_back.add(task)
-    task.add_done_callback(_ended)
-
-
-def _ended(task: "asyncio.Task[None]") -> None:
-    _giving_back.discard(task)
-    if not task.cancelled() and task.exception() is not None:
-        log.error("request.leave_reserved_failed", error=type(task.exception()).__name__)
 
 
 async def leave_reserved(
