@@ -30,6 +30,12 @@ def input_not_stored(exc: BaseException) -> bool:
     return isinstance(exc, redis.exceptions.ResponseError) and INPUT_NOT_STORED in str(exc)
 
 
+def wrong_type(exc: BaseException) -> bool:
+    """A command met a key of another type than its own (planted: Redis's
+    contents are not trusted)."""
+    return isinstance(exc, redis.exceptions.ResponseError) and str(exc).startswith("WRONGTYPE")
+
+
 def out_of_memory(exc: BaseException) -> bool:
     """Redis refused a write for want of memory (``maxmemory`` reached):
     its OOM error, as redis-py raises it for a command or a transaction, or

@@ -4,6 +4,7 @@ workers that form their next batch themselves, and return what it holds
 when it stops."""
 
 from infergate.base import logs
+from infergate.base.errors import wrong_type
 from infergate.base.queue.forming import (
     RULE_TTL_MS,
     Rule,
@@ -71,7 +72,7 @@ class DispatcherQueue:
         lists (planted: Redis's contents are not trusted) go (idle workers
         offer their credits again; the next admit rings again); any other
         error is raised."""
-        if not str(exc).startswith("WRONGTYPE"):
+        if not wrong_type(exc):
             raise exc
         for name in names:
             kind = await self.store.redis.type(name)

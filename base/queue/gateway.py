@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from infergate.base import clock, periods, wire
-from infergate.base.errors import STORE_ERRORS
+from infergate.base.errors import STORE_ERRORS, wrong_type
 from infergate.base.queue import dead_letters, inputs
 from infergate.base.queue.forming import new_batch_id
 from infergate.base.queue.inputs import Beside
@@ -304,7 +304,7 @@ class GatewayQueue:
         try:
             raw: dict[bytes, bytes] = await self.store.redis.hgetall(self.keys.job(job_id))  # type: ignore[assignment]
         except ResponseError as exc:
-            if not str(exc).startswith("WRONGTYPE"):
+            if not wrong_type(exc):
                 raise
             return {}
         return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in raw.items()}
