@@ -90,17 +90,18 @@ def check_reservation(
     over = lane.quota.over_as_a_whole(key, tier, [input_chars], tokens, gpu_us)
     if over is None:
         return
-    reserves = f"{tokens} tokens (its input's bound and its max_tokens)"
-    if gpu_us:
-        reserves += f" and {gpu_us / 1e6:g} GPU seconds (for those tokens)"
-    message = (
-        f"this request reserves {reserves}, over the key's {over.named} as a whole: "
-        "it can never be admitted; ask for fewer max_tokens, or send a shorter input"
-    )
     if over.kind == "cost":  # (its characters: its tokens play no part)
         message = (
             f"this request's input of {input_chars} characters is over the key's "
             f"{over.named} as a whole: it can never be admitted; send a shorter input"
+        )
+    else:
+        reserves = f"{tokens} tokens (its input's bound and its max_tokens)"
+        if gpu_us:
+            reserves += f" and {gpu_us / 1e6:g} GPU seconds (for those tokens)"
+        message = (
+            f"this request reserves {reserves}, over the key's {over.named} as a whole: "
+            "it can never be admitted; ask for fewer max_tokens, or send a shorter input"
         )
     if over.kind in BUDGETS:
         gw.count_refused(key, "budget", lane, for_capacity=False)

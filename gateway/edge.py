@@ -449,8 +449,9 @@ def _not_chunked(codings: bytes) -> str:
     """The first transfer coding of a request's that is not chunked ('' if
     none is): chunked is the only one the edge reads."""
     for coding in codings.split(b","):
-        if coding.strip().lower() != b"chunked" and coding:
-            return coding.strip().decode("latin-1")
+        coding = coding.strip().lower()
+        if coding and coding != b"chunked":
+            return coding.decode("latin-1")
     return ""
 
 

@@ -309,7 +309,7 @@ class Inference:
                 _remaining_s(request),
                 on_disconnect,
                 reserved,
-                request.deadline_ms,
+                deadline_ms=request.deadline_ms,
             )
         except (ApiError, asyncio.CancelledError) as exc:
             if not isinstance(exc, ApiError) or exc.code in ("TIMEOUT", "CLIENT_CLOSED"):

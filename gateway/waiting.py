@@ -38,13 +38,14 @@ async def wait_for_reply(
     remaining_s: float,
     on_disconnect: OnDisconnect | None,
     reserved: Sequence[tuple[Counter, int, int]] = (),
-    deadline_ms: int | None = None,
+    *,
+    deadline_ms: int,
 ) -> wire.Result:
     """The request's reply, or 504 at its deadline, or a cancel if the
     client leaves: one timer, and the edge's disconnect callback.
     ``reserved``: what it reserved (``GatewayQueue.leave_reserved``);
-    ``deadline_ms``: the deadline it was given, as its 504 says it (else
-    what was left of it when it was queued)."""
+    ``deadline_ms``: the deadline it was given, as its 504 says it (not
+    what was left of it when it queued)."""
     timer = asyncio.get_running_loop().call_later(
         max(0.0, remaining_s), _fail, future, TimeoutError
     )
@@ -55,8 +56,7 @@ async def wait_for_reply(
     except TimeoutError:
         if reserved:  # (in the background: a Redis that stalls holds no 504 past its deadline)
             _giving_back.run(leave_reserved(queue, envelope, reserved))
-        timeout_ms = deadline_ms or envelope.deadline_ms - envelope.enqueued_ms
-        raise ApiError("TIMEOUT", f"no result within the {timeout_ms} ms deadline") from None
+        raise ApiError("TIMEOUT", f"no result within the {deadline_ms} ms deadline") from None
     except ClientGone:
         await cancel(queue, envelope, reserved)
         raise ApiError("CLIENT_CLOSED", "the client disconnected") from None
