@@ -410,6 +410,7 @@ def test_a_504_is_not_held_up_by_a_redis_that_stalls(
                 took = time.monotonic() - sent
             finally:
                 os.kill(own_redis.proc.pid, signal.SIGCONT)
+        client.close()
         assert status == 504, reply
         assert reply["error"]["code"] == "TIMEOUT"
         # (the deadline it was given: not what was left of it when it queued)
